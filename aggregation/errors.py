@@ -1,0 +1,81 @@
+"""The one QuorumFL error tree.
+
+It lives in ``quorumfl.aggregation`` because that package has no dependencies of its own, so
+every other layer (client, server, CLI) can import it::
+
+    QuorumError
+    ├── ConfigError          bad run/federation config or CLI argument (names the key and the fix)
+    ├── DataError            missing/corrupt dataset or partition directory
+    ├── ModelError           unknown model name, architecture mismatch
+    ├── AggregationError     an update that cannot be combined (names the node and the problem)
+    │   └── EmptyAggregationError   nothing left to aggregate
+    ├── StateError           the state database (unreachable, not migrated, missing row)
+    │   └── NotFoundError    a run / node / model version that does not exist
+    ├── ModelStoreError      a model file missing, tampered or unreadable
+    └── FederationError      the Flower SuperLink/SuperNodes (unreachable, failed to start, run failed)
+
+The CLI maps each branch to a documented exit code (see ``quorumfl.server.cli.errors``).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AggregationError",
+    "ConfigError",
+    "DataError",
+    "EmptyAggregationError",
+    "FederationError",
+    "ModelError",
+    "ModelStoreError",
+    "NotFoundError",
+    "QuorumError",
+    "StateError",
+]
+
+
+class QuorumError(Exception):
+    """Base of every error QuorumFL raises on purpose."""
+
+
+class ConfigError(QuorumError):
+    """A configuration value is missing or invalid; the message names the key and the fix."""
+
+    def __init__(self, problems: str | list[str]) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("; ".join(self.problems))
+
+
+class DataError(QuorumError):
+    """A dataset or a department's partition directory is missing or unreadable."""
+
+
+class ModelError(QuorumError):
+    """Unknown model name or parameters that do not fit the model."""
+
+
+class AggregationError(QuorumError):
+    """An update cannot be combined; ``node`` names the department node it came from."""
+
+    def __init__(self, message: str, *, node: str | None = None) -> None:
+        self.node = node
+        super().__init__(f"node {node}: {message}" if node is not None else message)
+
+
+class EmptyAggregationError(AggregationError):
+    """No valid update is left to aggregate."""
+
+
+class StateError(QuorumError):
+    """The state database cannot be used (unreachable, not migrated, inconsistent)."""
+
+
+class NotFoundError(StateError):
+    """A run, node or model version that does not exist."""
+
+
+class ModelStoreError(QuorumError):
+    """A stored model file is missing, does not match its recorded SHA-256, or cannot be read."""
+
+
+class FederationError(QuorumError):
+    """The Flower federation (SuperLink, SuperNodes, Control API) failed or is unreachable."""

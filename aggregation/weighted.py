@@ -1,0 +1,167 @@
+"""Weighted averaging of model updates with running sums (FedAvg / FedProx server step).
+
+Flower's ``aggregate_arrayrecords`` divides by the sum of weights without checking it and keeps no
+validation, so this module does the arithmetic itself: every update is checked (names, shapes,
+finiteness, weight) *before* it touches the running sums, so a bad node can never change the
+aggregate. Memory is one float64 accumulator per parameter tensor, independent of the node count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .errors import AggregationError, EmptyAggregationError
+
+__all__ = ["NodeUpdate", "WeightedMean", "aggregate_weighted_mean", "aggregate_weighted_metrics"]
+
+Arrays = Mapping[str, NDArray[np.generic]]
+
+
+@dataclass(frozen=True)
+class NodeUpdate:
+    """One node's contribution: named parameter arrays and its weight (its example count)."""
+
+    node: str
+    arrays: Arrays
+    weight: float
+
+
+def _check_weight(node: str, weight: float) -> float:
+    if isinstance(weight, bool) or not isinstance(weight, (int, float, np.integer, np.floating)):
+        raise AggregationError(f"weight must be a number, got {type(weight).__name__}", node=node)
+    value = float(weight)
+    if not math.isfinite(value) or value <= 0.0:
+        raise AggregationError(
+            f"weight must be a positive finite example count, got {weight!r}", node=node
+        )
+    return value
+
+
+class WeightedMean:
+    """Running weighted mean over updates that share the names and shapes of a template.
+
+    ``add`` validates an update completely before accumulating it, so a rejected update leaves the
+    sums untouched. ``result`` returns arrays in the template's dtypes.
+    """
+
+    def __init__(self, template: Arrays) -> None:
+        if not template:
+            raise AggregationError("template has no parameter arrays; pass the global model's arrays")
+        self._shapes = {name: tuple(np.shape(a)) for name, a in template.items()}
+        self._dtypes = {name: np.asarray(a).dtype for name, a in template.items()}
+        self._sums = {name: np.zeros(shape, dtype=np.float64) for name, shape in self._shapes.items()}
+        self._total = 0.0
+        self._nodes: list[str] = []
+
+    @property
+    def nodes(self) -> list[str]:
+        """Nodes whose updates were accepted, in arrival order."""
+        return list(self._nodes)
+
+    @property
+    def total_weight(self) -> float:
+        return self._total
+
+    def check(self, update: NodeUpdate) -> float:
+        """Validate ``update`` against the template; return its weight as float."""
+        node = update.node
+        weight = _check_weight(node, update.weight)
+        names = set(update.arrays)
+        expected = set(self._shapes)
+        if not names:
+            raise AggregationError("update is empty (no parameter arrays)", node=node)
+        if names != expected:
+            missing = sorted(expected - names)
+            extra = sorted(names - expected)
+            raise AggregationError(
+                f"parameter names differ from the global model (missing {missing}, unexpected {extra})",
+                node=node,
+            )
+        for name, array in update.arrays.items():
+            arr = np.asarray(array)
+            if arr.shape != self._shapes[name]:
+                raise AggregationError(
+                    f"shape mismatch for '{name}': expected {self._shapes[name]}, got {arr.shape}",
+                    node=node,
+                )
+            if not np.issubdtype(arr.dtype, np.number) or np.issubdtype(arr.dtype, np.complexfloating):
+                raise AggregationError(
+                    f"'{name}' has non-real dtype {arr.dtype}", node=node
+                )
+            if not np.isfinite(arr).all():
+                bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
+                raise AggregationError(
+                    f"'{name}' contains {bad} non-finite value(s) (NaN or Inf)", node=node
+                )
+        return weight
+
+    def add(self, update: NodeUpdate) -> None:
+        """Validate and accumulate one update; raises ``AggregationError`` naming the node."""
+        if update.node in self._nodes:
+            raise AggregationError("a second update from the same node in one aggregation", node=update.node)
+        weight = self.check(update)
+        for name, array in update.arrays.items():
+            acc = self._sums[name]
+            acc += weight * np.asarray(array, dtype=np.float64)
+        self._total += weight
+        self._nodes.append(update.node)
+
+    def result(self) -> dict[str, NDArray[np.generic]]:
+        """The weighted mean of everything added so far."""
+        if not self._nodes:
+            raise EmptyAggregationError("no valid update to aggregate")
+        if not math.isfinite(self._total) or self._total <= 0.0:
+            raise AggregationError(f"sum of weights is {self._total}; it must be positive and finite")
+        return {
+            name: (acc / self._total).astype(self._dtypes[name], copy=False)
+            for name, acc in self._sums.items()
+        }
+
+
+def aggregate_weighted_mean(
+    updates: Iterable[NodeUpdate], *, template: Arrays | None = None
+) -> dict[str, NDArray[np.generic]]:
+    """Weighted mean of ``updates`` (weights = example counts); strict: any bad update raises.
+
+    Without ``template`` the first update's names and shapes are the reference.
+    """
+    iterator = iter(updates)
+    first: NodeUpdate | None = None
+    if template is None:
+        first = next(iterator, None)
+        if first is None:
+            raise EmptyAggregationError("no updates to aggregate")
+        if not first.arrays:
+            raise AggregationError("update is empty (no parameter arrays)", node=first.node)
+        template = first.arrays
+    mean = WeightedMean(template)
+    if first is not None:
+        mean.add(first)
+    for update in iterator:
+        mean.add(update)
+    return mean.result()
+
+
+def aggregate_weighted_metrics(
+    metrics: Iterable[tuple[str, Mapping[str, float], float]],
+) -> dict[str, float]:
+    """Weighted mean of per-node scalar metrics ``(node, {name: value}, weight)``.
+
+    A metric missing at some nodes is averaged over the nodes that report it.
+    """
+    sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for node, values, weight in metrics:
+        w = _check_weight(node, weight)
+        for key, value in values.items():
+            v = float(value)
+            if not math.isfinite(v):
+                raise AggregationError(f"metric '{key}' is {value!r}", node=node)
+            sums[key] = sums.get(key, 0.0) + w * v
+            weights[key] = weights.get(key, 0.0) + w
+    return {key: sums[key] / weights[key] for key in sums}

@@ -1,0 +1,1 @@
+"""Department node side: the ClientApp, local training, data partitions and the model registry."""

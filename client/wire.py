@@ -1,0 +1,84 @@
+"""The message contract between the QuorumFL ServerApp and ClientApp (Flower records).
+
+Train request: ``arrays`` (ArrayRecord, global model), ``config`` (ConfigRecord, see ``TrainConfig``).
+Train reply:   ``arrays`` (updated model), ``metrics`` (MetricRecord: ``num-examples``, ``train-loss``,
+               ``global-accuracy``/``global-loss`` of the received model on the department's own test
+               split, ``local-accuracy`` after training, ``train-seconds``), ``node`` (ConfigRecord:
+               ``department``).
+Evaluate request/reply: same ``arrays``/``config``; reply ``metrics`` with ``accuracy``, ``loss``,
+               ``num-examples``, and ``node``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord
+from numpy.typing import NDArray
+
+from quorumfl.aggregation.errors import ConfigError
+
+__all__ = ["ARRAYS", "CONFIG", "METRICS", "NODE", "TrainConfig", "from_array_record", "to_array_record"]
+
+ARRAYS = "arrays"
+CONFIG = "config"
+METRICS = "metrics"
+NODE = "node"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What the server tells a node for one round."""
+
+    server_round: int
+    model: str
+    local_epochs: int
+    batch_size: int
+    learning_rate: float
+    proximal_mu: float
+    seed: int
+
+    def to_record(self) -> ConfigRecord:
+        return ConfigRecord(
+            {
+                "server-round": self.server_round,
+                "model": self.model,
+                "local-epochs": self.local_epochs,
+                "batch-size": self.batch_size,
+                "learning-rate": self.learning_rate,
+                "proximal-mu": self.proximal_mu,
+                "seed": self.seed,
+            }
+        )
+
+    @classmethod
+    def from_record(cls, record: ConfigRecord) -> TrainConfig:
+        def get(key: str, kind: type) -> Any:
+            if key not in record:
+                raise ConfigError(f"train config is missing '{key}'")
+            value = record[key]
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ConfigError(f"train config '{key}' must be {kind.__name__}, got {value!r}")
+            return value
+
+        return cls(
+            server_round=get("server-round", int),
+            model=get("model", str),
+            local_epochs=get("local-epochs", int),
+            batch_size=get("batch-size", int),
+            learning_rate=get("learning-rate", float),
+            proximal_mu=get("proximal-mu", float),
+            seed=get("seed", int),
+        )
+
+
+def to_array_record(arrays: dict[str, NDArray[np.generic]]) -> ArrayRecord:
+    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+
+
+def from_array_record(record: ArrayRecord) -> dict[str, NDArray[np.generic]]:
+    return {k: v.numpy() for k, v in record.items()}

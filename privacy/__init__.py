@@ -1,0 +1,1 @@
+"""Differential privacy, privacy accounting and key-material handling (filled by later work)."""

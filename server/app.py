@@ -1,0 +1,34 @@
+"""The QuorumFL ServerApp (Flower Message API): wiring from Flower's context to the federation loop.
+
+The state DB comes from run config ``state-url``, else ``$QUORUMFL_DB_URL`` (set by
+``quorumfl server start``), else the default SQLite file; it is migrated on start.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from .config import RunConfig
+from .model_store import ModelStore
+from .rounds import Federation
+from .state.database import connect
+from .state.repository import Repository
+
+__all__ = ["app"]
+
+log = logging.getLogger(__name__)
+app = ServerApp()
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config = RunConfig.from_mapping(dict(context.run_config))
+    repo = Repository(connect(config.resolved_state_url(), migrate=True))
+    store = ModelStore(config.resolved_model_dir())
+    federation = Federation(grid, config, repo, store, flower_run_id=int(context.run_id))
+    run_id = federation.run()
+    log.info("run %s (Flower run %s) completed", run_id, context.run_id)

@@ -1,0 +1,1 @@
+"""The ``quorumfl`` admin CLI (Typer + Rich): thin commands over ``quorumfl.server.services``."""

@@ -1,0 +1,126 @@
+"""``quorumfl demo``, ``server start``, ``node start``, ``data split``, ``db upgrade``."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from quorumfl.aggregation.errors import FederationError
+from quorumfl.client.data import prepare_partitions, read_partition
+from quorumfl.client.data.datasets import FASHION_MNIST_DIR
+
+from ..demo import DemoSettings, run_demo
+from ..processes import ProcessGroup, flower_env, free_port, superlink_command, supernode_command, wait_for_port
+from ..services import run_view
+from ..state.database import connect
+from .cmd_runs import round_progress, round_reporter
+from .context import DEFAULT_SUPERLINK, settings
+from .output import console, table
+
+server_app = typer.Typer(help="The coordinating server (Flower SuperLink + QuorumFL state).", no_args_is_help=True)
+node_app = typer.Typer(help="A department node (Flower SuperNode running the QuorumFL ClientApp).", no_args_is_help=True)
+data_app = typer.Typer(help="Prepare department partition directories.", no_args_is_help=True)
+db_app = typer.Typer(help="The state database.", no_args_is_help=True)
+
+
+def demo(
+    ctx: typer.Context,
+    departments: Annotated[int, typer.Option(help="Number of department nodes (SuperNodes).")] = 4,
+    rounds: Annotated[int, typer.Option(help="Training rounds.")] = 5,
+    alpha: Annotated[float, typer.Option(help="Dirichlet α of the label skew (smaller = more skewed).")] = 0.5,
+    strategy: Annotated[str, typer.Option(help="fedprox or fedavg.")] = "fedprox",
+    mu: Annotated[float, typer.Option(help="FedProx proximal coefficient μ.")] = 0.1,
+    seed: Annotated[int, typer.Option(help="Seed for the split, the model and the sampling.")] = 0,
+) -> None:
+    """Run a real local federation: SuperLink + one SuperNode per department on 127.0.0.1."""
+    state = settings(ctx)
+    progress, task = round_progress(rounds)
+    started = time.monotonic()
+    with progress:
+        repo, run = run_demo(
+            DemoSettings(home=state.home, departments=departments, rounds=rounds, alpha=alpha, seed=seed,
+                         strategy=strategy, proximal_mu=mu, db_url=state.db_url),
+            on_status=lambda msg: progress.console.print(f"[dim]{msg}[/dim]"),
+            on_round=round_reporter(state.repository(migrate=True), progress, task),
+        )
+    view = run_view(repo, run.id)
+    rows = [{"round": r["round"], "status": r["status"], "accuracy": r["metrics"].get("accuracy"),
+             "nodes": len(r["participants"]), "failures": len(r["failures"])} for r in view["rounds"]]
+    console.print(table(f"Run {view['id']}: global accuracy per round (held-out digits)", rows, ["round", "status", "accuracy", "nodes", "failures"]))
+    console.print(table("Final model per department (own test split)", view["departments"], ["department", "accuracy", "num-examples"]))
+    elapsed = time.monotonic() - started
+    if run.status != "completed":
+        raise FederationError(f"run {run.id} ended {run.status}: {run.error}")
+    console.print(f"[green]run {run.id} completed in {elapsed:.0f}s[/green]; see it again with "
+                  f"'quorumfl runs show {run.id}'")
+
+
+@server_app.command("start")
+def server_start(
+    ctx: typer.Context,
+    port: Annotated[int, typer.Option(help="Port of the SuperLink's HTTP APIs (Fleet, Control, Runtime).")] = int(DEFAULT_SUPERLINK.rsplit(":", 1)[1]),
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+) -> None:
+    """Run the Flower SuperLink with the QuorumFL state DB until Ctrl-C."""
+    state = settings(ctx)
+    connect(state.db_url, migrate=True)
+    with ProcessGroup(state.home / "logs", flower_env(state.home, db_url=state.db_url)) as group:
+        link = group.start("superlink", superlink_command(port=port, host=host, database=state.home / "superlink.db"))
+        wait_for_port(host, port, timeout=60, process=link.process)
+        console.print(f"[green]SuperLink listening on {host}:{port}[/green]; state DB {state.db_url}; log {link.log}")
+        code = link.process.wait()
+    if code != 0:
+        raise FederationError(f"the SuperLink exited with code {code}; see {link.log}")
+
+
+@node_app.command("start")
+def node_start(
+    ctx: typer.Context,
+    department: Annotated[str, typer.Option(help="Department name this node trains for.")],
+    data: Annotated[Path, typer.Option(help="This department's partition directory.")],
+    superlink: Annotated[str, typer.Option(help="SuperLink address HOST:PORT.")] = DEFAULT_SUPERLINK,
+    port: Annotated[int, typer.Option(help="Local port of the SuperNode's own API (0 = a free one).")] = 0,
+) -> None:
+    """Run a Flower SuperNode that serves the QuorumFL ClientApp on DATA, until Ctrl-C."""
+    state = settings(ctx)
+    part = read_partition(data)  # fail here, clearly, rather than in every round
+    console.print(f"{department}: {len(part.train)} training and {len(part.test)} test examples of {part.dataset}")
+    with ProcessGroup(state.home / "logs", flower_env(state.home)) as group:
+        node = group.start(
+            f"node-{department}",
+            supernode_command(superlink=superlink, port=port or free_port(), data_path=data.resolve(), department=department),
+        )
+        console.print(f"[green]node {department} started[/green]; log {node.log}")
+        code = node.process.wait()
+    if code != 0:
+        raise FederationError(f"the SuperNode exited with code {code}; see {node.log}")
+
+
+@data_app.command("split")
+def data_split(
+    out: Annotated[Path, typer.Option(help="Folder to create one partition directory per department in.")],
+    departments: Annotated[str, typer.Option(help="Comma-separated department names.")],
+    dataset: Annotated[str, typer.Option(help="digits or fashion-mnist.")] = "digits",
+    method: Annotated[str, typer.Option(help="iid, dirichlet or shards.")] = "dirichlet",
+    alpha: Annotated[float, typer.Option(help="Dirichlet α.")] = 0.5,
+    labels_per_node: Annotated[int, typer.Option(help="Classes per node for 'shards'.")] = 2,
+    seed: Annotated[int, typer.Option(help="Seed of the split.")] = 0,
+    data_dir: Annotated[Path | None, typer.Option(help=f"Fashion-MNIST IDX folder (default {FASHION_MNIST_DIR}).")] = None,
+) -> None:
+    """Split a dataset into department partition directories (each node gets only its own)."""
+    names = [d.strip() for d in departments.split(",") if d.strip()]
+    paths = prepare_partitions(out, names, dataset=dataset, method=method, alpha=alpha,
+                               labels_per_node=labels_per_node, seed=seed, data_dir=data_dir)
+    for name, path in paths.items():
+        console.print(f"{name}: {path}")
+
+
+@db_app.command("upgrade")
+def db_upgrade(ctx: typer.Context) -> None:
+    """Create or migrate the state database to the newest schema."""
+    state = settings(ctx)
+    connect(state.db_url, migrate=True)
+    console.print(f"state database at {state.db_url} is up to date")

@@ -1,0 +1,101 @@
+"""``quorumfl nodes …`` and ``quorumfl models …``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..services import export_model, model_view, models_view, nodes_view
+from .context import settings
+from .output import Format, console, print_json, table
+
+nodes_app = typer.Typer(help="Department nodes known to the server.", no_args_is_help=True)
+models_app = typer.Typer(help="Model versions produced by rounds.", no_args_is_help=True)
+
+FormatOpt = Annotated[Format, typer.Option("--format", help="Output format.")]
+NodeRef = Annotated[str, typer.Argument(help="Flower node id or department name.")]
+
+
+@nodes_app.command("list")
+def list_nodes(ctx: typer.Context, fmt: FormatOpt = Format.TABLE) -> None:
+    """Known nodes, their department and whether they may be selected."""
+    rows = nodes_view(settings(ctx).repository())
+    if fmt is Format.JSON:
+        print_json(rows)
+        return
+    console.print(table("Nodes", rows, ["node_id", "department", "enabled", "first_seen", "last_seen"]))
+
+
+def _set_enabled(ctx: typer.Context, ref: str, enabled: bool) -> None:
+    nodes = settings(ctx).repository().set_enabled(ref, enabled)
+    word = "enabled" if enabled else "disabled (never selected)"
+    for node in nodes:
+        console.print(f"node {node.node_id} ({node.department}) {word}")
+
+
+@nodes_app.command("disable")
+def disable(ctx: typer.Context, node: NodeRef) -> None:
+    """Never select this node (by id, or every node of a department) until enabled again."""
+    _set_enabled(ctx, node, False)
+
+
+@nodes_app.command("enable")
+def enable(ctx: typer.Context, node: NodeRef) -> None:
+    """Allow a disabled node to be selected again."""
+    _set_enabled(ctx, node, True)
+
+
+@models_app.command("list")
+def list_models(
+    ctx: typer.Context,
+    run: Annotated[int | None, typer.Option(help="Only versions of this run.")] = None,
+    fmt: FormatOpt = Format.TABLE,
+) -> None:
+    """Model versions; 'head' marks the one the next round of its architecture starts from."""
+    repo = settings(ctx).repository()
+    run_id = repo.get_run(run).id if run is not None else None
+    rows = models_view(repo, run_id=run_id)
+    if fmt is Format.JSON:
+        print_json(rows)
+        return
+    for row in rows:
+        row["accuracy"] = row["metrics"].get("accuracy")
+        row["sha"] = row["sha256"][:12]
+    console.print(table("Model versions", rows, ["version", "run", "round", "parent", "architecture", "accuracy", "head", "sha"]))
+
+
+@models_app.command("show")
+def show_model(ctx: typer.Context, version: Annotated[int, typer.Argument(help="Model version id.")], fmt: FormatOpt = Format.TABLE) -> None:
+    """One model version with its hash, file and metrics."""
+    repo = settings(ctx).repository()
+    view = model_view(repo.get_model_version(version), repo.heads())
+    if fmt is Format.JSON:
+        print_json(view)
+        return
+    for key, value in view.items():
+        console.print(f"[bold]{key}[/bold]: {value}")
+
+
+@models_app.command("export")
+def export(
+    ctx: typer.Context,
+    version: Annotated[int, typer.Argument(help="Model version id.")],
+    out: Annotated[Path, typer.Option(help="Target file, or an existing folder.")],
+) -> None:
+    """Copy a model version's .npz (verified against its SHA-256) to OUT."""
+    target = export_model(settings(ctx).repository(), version, out)
+    console.print(f"model version {version} written to {target}")
+
+
+@models_app.command("rollback")
+def rollback(ctx: typer.Context, version: Annotated[int, typer.Argument(help="Model version id.")]) -> None:
+    """Make VERSION the head of its architecture: the next round starts from it."""
+    repo = settings(ctx).repository()
+    chosen = repo.get_model_version(version)
+    from ..model_store import ModelStore
+
+    ModelStore.load(chosen.path, chosen.sha256)  # never point the head at a damaged file
+    repo.rollback(version)
+    console.print(f"head of {chosen.architecture} is now version {version} (run {chosen.run_id}, round {chosen.round})")

@@ -1,0 +1,182 @@
+"""Run configuration: Flower run config / TOML → one frozen, validated ``RunConfig``.
+
+Every problem is collected and reported at once, each naming the key and what to write instead.
+Keys are Flower's kebab-case run-config keys; defaults live in ``DEFAULTS`` (mirrored in the
+``[tool.flwr.app.config]`` table of ``pyproject.toml`` so plain ``flwr run`` gets the same run).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from quorumfl.aggregation.errors import ConfigError
+
+__all__ = ["DEFAULTS", "RunConfig", "StartFrom", "StrategyName", "load_run_config_file"]
+
+
+class StrategyName(StrEnum):
+    FEDAVG = "fedavg"
+    FEDPROX = "fedprox"
+
+
+class StartFrom(StrEnum):
+    HEAD = "head"  # the architecture's head model version (see 'quorumfl models rollback')
+    FRESH = "fresh"  # new weights from the seed
+
+
+DEFAULTS: dict[str, Any] = {
+    "strategy": "fedprox",
+    "proximal-mu": 0.1,
+    "num-rounds": 5,
+    "dataset": "digits",
+    "data-dir": "",
+    "model": "mlp",
+    "local-epochs": 5,
+    "batch-size": 32,
+    "learning-rate": 0.05,
+    "fraction-train": 1.0,
+    "min-nodes": 2,
+    "round-timeout": 300.0,
+    "node-wait-timeout": 120.0,
+    "seed": 0,
+    "state-url": "",
+    "model-dir": "",
+    "start-from": "head",
+}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    strategy: StrategyName
+    proximal_mu: float
+    num_rounds: int
+    dataset: str
+    data_dir: str
+    model: str
+    local_epochs: int
+    batch_size: int
+    learning_rate: float
+    fraction_train: float
+    min_nodes: int
+    round_timeout: float
+    node_wait_timeout: float
+    seed: int
+    state_url: str
+    model_dir: str
+    start_from: StartFrom
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
+        problems: list[str] = []
+        unknown = sorted(set(values) - set(DEFAULTS))
+        if unknown:
+            problems.append(f"unknown key(s) {unknown}; known keys: {sorted(DEFAULTS)}")
+        merged = {**DEFAULTS, **{k: v for k, v in values.items() if k in DEFAULTS}}
+
+        def number(key: str, kind: type, *, low: float, high: float | None = None, open_low: bool = False) -> Any:
+            value = merged[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                problems.append(f"{key} must be a number, got {value!r}")
+                return DEFAULTS[key]
+            if kind is int and not float(value).is_integer():
+                problems.append(f"{key} must be a whole number, got {value!r}")
+                return DEFAULTS[key]
+            ok = value > low if open_low else value >= low
+            if not ok or (high is not None and value > high):
+                bound = f"> {low}" if open_low else f">= {low}"
+                rng = f"{bound}" + (f" and <= {high}" if high is not None else "")
+                problems.append(f"{key} must be {rng}, got {value!r}")
+                return DEFAULTS[key]
+            return kind(value)
+
+        def choice(key: str, enum: type[StrEnum]) -> Any:
+            value = merged[key]
+            try:
+                return enum(value)
+            except ValueError:
+                problems.append(f"{key} must be one of {[e.value for e in enum]}, got {value!r}")
+                return enum(DEFAULTS[key])
+
+        def text(key: str) -> str:
+            value = merged[key]
+            if not isinstance(value, str):
+                problems.append(f"{key} must be a string, got {value!r}")
+                return str(DEFAULTS[key])
+            return value
+
+        from quorumfl.client.data.datasets import DATASETS
+        from quorumfl.client.models import MODELS
+
+        dataset = text("dataset")
+        if dataset not in DATASETS:
+            problems.append(f"dataset must be one of {sorted(DATASETS)}, got {dataset!r}")
+        model = text("model")
+        if model not in MODELS:
+            problems.append(f"model must be one of {sorted(MODELS)}, got {model!r}")
+        config = cls(
+            strategy=choice("strategy", StrategyName),
+            proximal_mu=number("proximal-mu", float, low=0.0),
+            num_rounds=number("num-rounds", int, low=1, high=10_000),
+            dataset=dataset,
+            data_dir=text("data-dir"),
+            model=model,
+            local_epochs=number("local-epochs", int, low=1, high=1000),
+            batch_size=number("batch-size", int, low=1),
+            learning_rate=number("learning-rate", float, low=0.0, open_low=True),
+            fraction_train=number("fraction-train", float, low=0.0, high=1.0, open_low=True),
+            min_nodes=number("min-nodes", int, low=1),
+            round_timeout=number("round-timeout", float, low=0.0, open_low=True),
+            node_wait_timeout=number("node-wait-timeout", float, low=0.0, open_low=True),
+            seed=number("seed", int, low=0),
+            state_url=text("state-url"),
+            model_dir=text("model-dir"),
+            start_from=choice("start-from", StartFrom),
+        )
+        if problems:
+            raise ConfigError(problems)
+        return config
+
+    @property
+    def mu(self) -> float:
+        """The proximal coefficient nodes use (0 under FedAvg)."""
+        return self.proximal_mu if self.strategy is StrategyName.FEDPROX else 0.0
+
+    def resolved(self) -> dict[str, Any]:
+        """Kebab-case mapping of every setting, as stored with the run."""
+        return {k.replace("_", "-"): (v.value if isinstance(v, StrEnum) else v) for k, v in asdict(self).items()}
+
+    def data_path(self) -> Path | None:
+        return Path(self.data_dir).expanduser() if self.data_dir else None
+
+    def resolved_state_url(self) -> str:
+        from .state.database import default_url
+
+        return self.state_url or default_url()
+
+    def resolved_model_dir(self) -> Path:
+        from .state.database import default_home
+
+        if self.model_dir:
+            return Path(self.model_dir).expanduser()
+        return Path(os.environ.get("QUORUMFL_MODEL_DIR") or default_home() / "models")
+
+
+def load_run_config_file(path: Path) -> dict[str, Any]:
+    """Read a run-config TOML file: run keys at top level or under a ``[run]`` table."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"run config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
+    values = data.get("run", data)
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: [run] must be a table of run-config keys")
+    RunConfig.from_mapping(values)  # report every problem before anything is submitted
+    return values

@@ -1,0 +1,184 @@
+"""Starting and stopping Flower's SuperLink and SuperNodes as child processes on this machine.
+
+Every child runs in its own process group, so stopping it also ends the ClientApp/ServerApp
+processes it spawned. ``ProcessGroup`` stops all of them on exit, on error and on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from quorumfl.aggregation.errors import FederationError
+
+__all__ = [
+    "ProcessGroup",
+    "flower_env",
+    "free_port",
+    "superlink_command",
+    "supernode_command",
+    "terminate_on_signals",
+    "wait_for_port",
+]
+
+
+def _bin(name: str) -> str:
+    candidate = Path(sys.executable).parent / name
+    return str(candidate) if candidate.exists() else name
+
+
+def flower_env(home: Path, *, db_url: str | None = None) -> dict[str, str]:
+    """Environment for Flower processes: no telemetry, no update check, no runtime installs."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "FLWR_HOME": str(home / "flwr"),
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "QUORUMFL_HOME": str(home),
+            "PYTHONUNBUFFERED": "1",
+            # Flower starts its helpers (flower-superexec, flwr-serverapp, flwr-clientapp) by name.
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        }
+    )
+    if db_url:
+        env["QUORUMFL_DB_URL"] = db_url
+    return env
+
+
+def superlink_command(*, port: int, database: Path, host: str = "127.0.0.1", insecure: bool = True) -> list[str]:
+    cmd = [
+        _bin("flower-superlink"),
+        "--database", str(database),
+        "--disable-runtime-dependency-installation",
+        "--host", host,
+        "--port", str(port),
+    ]
+    if insecure:
+        cmd.append("--insecure")
+    return cmd
+
+
+def supernode_command(
+    *, superlink: str, port: int, data_path: Path, department: str, insecure: bool = True
+) -> list[str]:
+    config = f"data-path='{data_path}' department='{department}'"
+    cmd = [
+        _bin("flower-supernode"),
+        "--superlink", superlink,
+        "--port", str(port),
+        "--node-config", config,
+    ]
+    if insecure:
+        cmd.append("--insecure")
+    return cmd
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, *, timeout: float, process: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise FederationError(f"process exited with code {process.returncode} before listening on {host}:{port}")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5):
+            return
+        time.sleep(0.2)
+    raise FederationError(f"nothing listens on {host}:{port} after {timeout:.0f}s")
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+class ProcessGroup:
+    """Children started with ``start``; all are stopped by ``stop_all`` or on leaving the ``with``."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
+        self.log_dir = log_dir
+        self.env = env
+        self.children: list[Child] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, cmd: Sequence[str], *, cwd: Path | None = None) -> Child:
+        log_path = self.log_dir / f"{name}.log"
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                list(cmd),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                cwd=cwd,
+                start_new_session=True,
+            )
+        child = Child(name, process, log_path)
+        self.children.append(child)
+        return child
+
+    @staticmethod
+    def kill(child: Child, sig: signal.Signals = signal.SIGKILL, *, group: bool = False) -> None:
+        """Send ``sig`` to the child (or its whole process group)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if group:
+                os.killpg(child.process.pid, sig)
+            else:
+                child.process.send_signal(sig)
+
+    def stop_all(self, *, grace: float = 10.0) -> None:
+        for child in reversed(self.children):
+            self.kill(child, signal.SIGTERM, group=True)
+        deadline = time.monotonic() + grace
+        for child in self.children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        for child in self.children:  # whatever is left, including grandchildren in the group
+            self.kill(child, signal.SIGKILL, group=True)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.process.wait(timeout=5)
+        self.children.clear()
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop_all()
+
+    def tail(self, child: Child, lines: int = 20) -> str:
+        try:
+            return "\n".join(child.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+@contextlib.contextmanager
+def terminate_on_signals() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt so ``with ProcessGroup`` cleanup runs for it too."""
+
+    def handler(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

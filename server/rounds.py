@@ -1,0 +1,329 @@
+"""The federation loop on Flower's Grid: select → train → validate & aggregate → evaluate → store.
+
+Each phase is timed and recorded in the state DB as it happens, so ``quorumfl runs show`` can follow
+a run live and a crash loses at most the round in flight. A node whose reply is an error, malformed,
+late or rejected by aggregation is recorded as a round failure and the round goes on without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from flwr.app import Message, MessageType, RecordDict
+from flwr.serverapp import Grid
+from numpy.typing import NDArray
+
+from quorumfl.aggregation import NodeUpdate, QuorumError, aggregate_weighted_metrics
+from quorumfl.aggregation.errors import FederationError
+from quorumfl.client.data.datasets import Dataset, holdout_split
+from quorumfl.client.models import architecture_key, arrays_to_model, build_model, model_to_arrays
+from quorumfl.client.training import evaluate
+from quorumfl.client.wire import ARRAYS, CONFIG, METRICS, NODE, TrainConfig, from_array_record, to_array_record
+
+from .config import RunConfig, StartFrom
+from .model_store import ModelStore
+from .state.repository import Repository, RoundStatus, RunStatus
+from .strategies import FedAvg, build_strategy
+
+__all__ = ["Federation", "ReplyError", "parse_train_reply"]
+
+log = logging.getLogger(__name__)
+Arrays = dict[str, NDArray[np.generic]]
+
+
+class ReplyError(QuorumError):
+    """A node's reply does not follow the message contract."""
+
+
+@dataclass(frozen=True)
+class TrainReply:
+    node_id: int
+    department: str | None
+    update: NodeUpdate
+    metrics: dict[str, float]
+
+
+def _department(content: RecordDict) -> str | None:
+    if NODE not in content.config_records:
+        return None
+    value = content.config_records[NODE].get("department")
+    return value if isinstance(value, str) and value else None
+
+
+def parse_train_reply(reply: Message) -> TrainReply:
+    """Check a train reply's structure; the arrays themselves are checked by the aggregator."""
+    node_id = int(reply.metadata.src_node_id)
+    content = reply.content
+    if ARRAYS not in content.array_records:
+        raise ReplyError("reply has no 'arrays' record")
+    if METRICS not in content.metric_records:
+        raise ReplyError("reply has no 'metrics' record")
+    metrics: dict[str, float] = {}
+    for key, value in content.metric_records[METRICS].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            metrics[key] = float(value)
+    examples = metrics.get("num-examples")
+    if examples is None:
+        raise ReplyError("reply metrics have no 'num-examples'")
+    try:
+        arrays = from_array_record(content.array_records[ARRAYS])
+    except Exception as exc:  # a malformed record from a remote node must not stop the round
+        raise ReplyError(f"reply arrays cannot be decoded ({exc})") from exc
+    update = NodeUpdate(node=str(node_id), arrays=arrays, weight=examples)
+    return TrainReply(node_id, _department(content), update, metrics)
+
+
+@dataclass
+class RoundOutcome:
+    participants: list[int] = field(default_factory=list)
+    failures: dict[int, tuple[str, str]] = field(default_factory=dict)  # node -> (stage, reason)
+
+
+class Federation:
+    """One run of the federation loop against a Flower Grid."""
+
+    def __init__(
+        self,
+        grid: Grid,
+        config: RunConfig,
+        repo: Repository,
+        store: ModelStore,
+        *,
+        flower_run_id: int | None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.grid = grid
+        self.config = config
+        self.repo = repo
+        self.store = store
+        self.flower_run_id = flower_run_id
+        self.clock = clock
+        self.strategy: FedAvg = build_strategy(config)
+        self._base = TrainConfig(
+            server_round=0,
+            model=config.model,
+            local_epochs=config.local_epochs,
+            batch_size=config.batch_size,
+            learning_rate=config.learning_rate,
+            proximal_mu=0.0,
+            seed=config.seed,
+        )
+        self._last_round_id: int | None = None
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _initial(self, test: Dataset) -> tuple[str, Arrays, int | None]:
+        arch = architecture_key(self.config.model, test.input_shape, test.num_classes)
+        if self.config.start_from is StartFrom.HEAD:
+            head = self.repo.head_version(arch)
+            if head is not None:
+                log.info("starting from model version %s (head of %s)", head.id, arch)
+                return arch, self.store.load(head.path, head.sha256), head.id
+        model = build_model(self.config.model, test.input_shape, test.num_classes, seed=self.config.seed)
+        return arch, model_to_arrays(model), None
+
+    def _available_nodes(self) -> list[int]:
+        """Connected, enabled nodes; waits up to ``node-wait-timeout`` for ``min-nodes`` of them."""
+        deadline = self.clock() + self.config.node_wait_timeout
+        while True:
+            disabled = self.repo.disabled_node_ids()
+            nodes = [int(n) for n in self.grid.get_node_ids() if int(n) not in disabled]
+            if len(nodes) >= self.config.min_nodes or self.clock() >= deadline:
+                break
+            time.sleep(1.0)
+        if len(nodes) < self.config.min_nodes:
+            raise FederationError(
+                f"only {len(nodes)} enabled node(s) connected after {self.config.node_wait_timeout:.0f}s, "
+                f"min-nodes is {self.config.min_nodes}; start more nodes or lower min-nodes"
+            )
+        return nodes
+
+    def _messages(self, kind: str, arrays: Arrays, configs: dict[int, TrainConfig]) -> list[Message]:
+        record = to_array_record(arrays)
+        return [
+            Message(
+                content=RecordDict({ARRAYS: record, CONFIG: cfg.to_record()}),
+                dst_node_id=node,
+                message_type=kind,
+            )
+            for node, cfg in configs.items()
+        ]
+
+    def _exchange(self, messages: list[Message], outcome: RoundOutcome, stage: str) -> list[Message]:
+        """Send, wait up to the round timeout, and record error replies and missing nodes."""
+        expected = {m.metadata.dst_node_id for m in messages}
+        replies = list(self.grid.send_and_receive(messages, timeout=self.config.round_timeout))
+        good: list[Message] = []
+        for reply in replies:
+            node = int(reply.metadata.src_node_id)
+            expected.discard(node)
+            if reply.has_error():
+                outcome.failures[node] = (stage, f"node error {reply.error.code}: {reply.error.reason}")
+            else:
+                good.append(reply)
+        for node in expected:
+            outcome.failures[node] = (stage, f"no reply within the round timeout ({self.config.round_timeout:.0f}s)")
+        return good
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def run(self, *, on_round: Callable[[int, dict[str, float]], None] | None = None) -> int:
+        """Run all rounds; returns the QuorumFL run id. The run is marked failed on any error."""
+        config = self.config
+        run = self.repo.create_run(
+            flower_run_id=self.flower_run_id,
+            config=config.resolved(),
+            strategy=config.strategy.value,
+            num_rounds=config.num_rounds,
+        )
+        try:
+            _, test = holdout_split(config.dataset, seed=config.seed, data_dir=config.data_path())
+            arch, arrays, parent = self._initial(test)
+            model = build_model(config.model, test.input_shape, test.num_classes)
+            seen: set[int] = set()
+            completed = 0
+            for number in range(1, config.num_rounds + 1):
+                head = self.repo.head_version(arch)
+                if parent is not None and head is not None and head.id != parent:
+                    log.info("head of %s moved to version %s (rollback); continuing from it", arch, head.id)
+                    arrays, parent = self.store.load(head.path, head.sha256), head.id
+                arrays, parent, metrics = self._round(run.id, number, arch, arrays, parent, model, test, seen)
+                completed += bool(metrics)
+                if on_round is not None:
+                    on_round(number, metrics)
+            if completed == 0:
+                raise FederationError(
+                    f"none of the {config.num_rounds} round(s) completed; 'quorumfl rounds list' shows why"
+                )
+            self._final_evaluation(run.id, arrays, sorted(seen))
+        except BaseException as exc:
+            reason = f"{exc.__class__.__name__}: {exc}"
+            self.repo.abort_running_rounds(run.id, reason)
+            self.repo.finish_run(run.id, RunStatus.FAILED, error=reason)
+            raise
+        self.repo.finish_run(run.id, RunStatus.COMPLETED)
+        return run.id
+
+    def _round(
+        self,
+        run_id: int,
+        number: int,
+        arch: str,
+        arrays: Arrays,
+        parent: int | None,
+        model: Any,
+        test: Dataset,
+        seen: set[int],
+    ) -> tuple[Arrays, int | None, dict[str, float]]:
+        config = self.config
+        available = self._available_nodes()
+        selected = self.strategy.select(number, available)
+        rnd = self.repo.start_round(run_id, number, selected)
+        self._last_round_id = rnd.id
+        outcome = RoundOutcome()
+        timings: dict[str, float] = {}
+
+        start = self.clock()
+        messages = self._messages(MessageType.TRAIN, arrays, self.strategy.configure_train(number, selected, self._base))
+        replies = self._exchange(messages, outcome, "train")
+        timings["train"] = self.clock() - start
+
+        start = self.clock()
+        parsed: list[TrainReply] = []
+        for reply in replies:
+            try:
+                parsed.append(parse_train_reply(reply))
+            except ReplyError as exc:
+                outcome.failures[int(reply.metadata.src_node_id)] = ("train", str(exc))
+        for item in parsed:
+            self.repo.touch_node(item.node_id, department=item.department)
+            seen.add(item.node_id)
+        result = self.strategy.aggregate_train(arrays, (p.update for p in parsed))
+        for node, reason in result.rejected.items():
+            outcome.failures[node] = ("aggregate", reason)
+        timings["aggregate"] = self.clock() - start
+        accepted = [p for p in parsed if p.node_id in set(result.accepted)]
+        timings["local_train_max"] = max((p.metrics.get("train-seconds", 0.0) for p in accepted), default=0.0)
+
+        for node, (stage, reason) in outcome.failures.items():
+            self.repo.add_failure(rnd.id, node, stage=stage, reason=reason)
+            log.warning("round %s: node %s failed at %s: %s", number, node, stage, reason)
+
+        if result.arrays is None or len(result.accepted) < config.min_nodes:
+            why = f"{len(result.accepted)} valid update(s) of {len(selected)} selected; min-nodes is {config.min_nodes}"
+            self.repo.finish_round(rnd.id, RoundStatus.FAILED, participants=result.accepted, timings=timings, error=why)
+            log.warning("round %s failed: %s; the global model is unchanged", number, why)
+            return arrays, parent, {}
+
+        start = self.clock()
+        arrays_to_model(model, result.arrays)
+        global_eval = evaluate(model, test)
+        timings["evaluate"] = self.clock() - start
+        train_metrics = aggregate_weighted_metrics(
+            (str(p.node_id), {k: v for k, v in p.metrics.items() if k != "num-examples" and math.isfinite(v)},
+             p.update.weight)
+            for p in accepted
+        )
+        round_metrics = {
+            "accuracy": global_eval.accuracy,
+            "loss": global_eval.loss,
+            "train-loss": train_metrics.get("train-loss", math.nan),
+            "participants": float(len(result.accepted)),
+            "examples": result.total_examples,
+        }
+
+        start = self.clock()
+        stored = self.store.save(result.arrays, f"run{run_id}-round{number:04d}")
+        version = self.repo.add_model_version(
+            run_id=run_id,
+            round_number=number,
+            parent_id=parent,
+            architecture=arch,
+            path=str(stored.path),
+            sha256=stored.sha256,
+            size_bytes=stored.size_bytes,
+            metrics={"accuracy": global_eval.accuracy, "loss": global_eval.loss},
+        )
+        self.repo.add_metrics(run_id, number, {k: v for k, v in round_metrics.items() if math.isfinite(v)})
+        for p in accepted:
+            self.repo.add_metrics(run_id, number, p.metrics, node_id=p.node_id)
+        timings["store"] = self.clock() - start
+        self.repo.finish_round(rnd.id, RoundStatus.COMPLETED, participants=result.accepted, timings=timings)
+        log.info(
+            "round %s/%s: accuracy %.4f, %s of %s nodes, %.1fs",
+            number, config.num_rounds, global_eval.accuracy, len(result.accepted), len(selected), sum(timings.values()),
+        )
+        return result.arrays, version.id, round_metrics
+
+    def _final_evaluation(self, run_id: int, arrays: Arrays, nodes: Iterable[int]) -> None:
+        """Each department evaluates the final model on its own test split (one message round trip)."""
+        disabled = self.repo.disabled_node_ids()
+        connected = {int(n) for n in self.grid.get_node_ids()}
+        targets = [n for n in nodes if n in connected and n not in disabled]
+        if not targets:
+            return
+        outcome = RoundOutcome()
+        configs = {n: self._base for n in targets}
+        replies = self._exchange(self._messages(MessageType.EVALUATE, arrays, configs), outcome, "evaluate")
+        for reply in replies:
+            node = int(reply.metadata.src_node_id)
+            content = reply.content
+            if METRICS not in content.metric_records:
+                continue
+            values = {
+                f"final-{k}": float(v)
+                for k, v in content.metric_records[METRICS].items()
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+            }
+            self.repo.touch_node(node, department=_department(content))
+            self.repo.add_metrics(run_id, self.config.num_rounds, values, node_id=node)
+        for node, (stage, reason) in outcome.failures.items():
+            if self._last_round_id is not None:
+                self.repo.add_failure(self._last_round_id, node, stage=stage, reason=reason)
+            log.warning("final evaluation: node %s failed: %s", node, reason)
+
+

@@ -1,0 +1,190 @@
+"""What the admin commands do, apart from printing: views of runs, rounds, nodes and models as
+plain dicts (rendered as Rich tables or JSON by the CLI), and the operations that change state.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from quorumfl.aggregation.errors import FederationError, NotFoundError
+
+from .model_store import ModelStore
+from .state.orm import ModelVersion, Round, Run
+from .state.repository import Repository, RoundStatus, RunStatus
+
+__all__ = [
+    "department_accuracy",
+    "export_model",
+    "follow_run",
+    "model_view",
+    "models_view",
+    "nodes_view",
+    "round_view",
+    "run_summary",
+    "run_view",
+]
+
+
+def _iso(value: Any) -> str | None:
+    return value.isoformat(timespec="seconds") if value is not None else None
+
+
+def run_summary(repo: Repository, run: Run) -> dict[str, Any]:
+    completed = [r for r in run.rounds if r.status == RoundStatus.COMPLETED]
+    accuracy = {m.round: m.value for m in repo.metrics(run.id, name="accuracy") if m.node_id is None}
+    last = max(accuracy) if accuracy else None
+    return {
+        "id": run.id,
+        "flower_run_id": str(run.flower_run_id) if run.flower_run_id is not None else None,
+        "status": run.status,
+        "strategy": run.strategy,
+        "dataset": run.config.get("dataset"),
+        "model": run.config.get("model"),
+        "rounds_planned": run.num_rounds,
+        "rounds_completed": len(completed),
+        "final_accuracy": accuracy[last] if last is not None else None,
+        "started_at": _iso(run.started_at),
+        "finished_at": _iso(run.finished_at),
+        "error": run.error,
+    }
+
+
+def round_view(rnd: Round, departments: dict[int, str | None]) -> dict[str, Any]:
+    return {
+        "round": rnd.number,
+        "status": rnd.status,
+        "selected": len(rnd.selected),
+        "participants": [departments.get(n) or str(n) for n in rnd.participants],
+        "timings_s": rnd.timings,
+        "failures": [
+            {"node": departments.get(f.node_id) or str(f.node_id), "node_id": str(f.node_id), "stage": f.stage, "reason": f.reason}
+            for f in rnd.failures
+        ],
+        "error": rnd.error,
+    }
+
+
+def department_accuracy(repo: Repository, run: Run) -> list[dict[str, Any]]:
+    """Per department: accuracy of the final global model on its own test split."""
+    departments = {n.node_id: n.department for n in repo.list_nodes()}
+    rows: dict[int, dict[str, Any]] = {}
+    for metric in repo.metrics(run.id):
+        if metric.node_id is None or not metric.name.startswith("final-"):
+            continue
+        row = rows.setdefault(
+            metric.node_id, {"department": departments.get(metric.node_id) or str(metric.node_id), "node_id": str(metric.node_id)}
+        )
+        row[metric.name.removeprefix("final-")] = metric.value
+    return sorted(rows.values(), key=lambda r: str(r["department"]))
+
+
+def run_view(repo: Repository, ref: int) -> dict[str, Any]:
+    run = repo.get_run(ref)
+    departments = {n.node_id: n.department for n in repo.list_nodes()}
+    global_metrics: dict[int, dict[str, float]] = {}
+    for metric in repo.metrics(run.id):
+        if metric.node_id is None:
+            global_metrics.setdefault(metric.round, {})[metric.name] = metric.value
+    rounds = []
+    for rnd in run.rounds:
+        view = round_view(rnd, departments)
+        view["metrics"] = global_metrics.get(rnd.number, {})
+        rounds.append(view)
+    return {
+        **run_summary(repo, run),
+        "config": run.config,
+        "rounds": rounds,
+        "departments": department_accuracy(repo, run),
+    }
+
+
+def nodes_view(repo: Repository) -> list[dict[str, Any]]:
+    return [
+        {
+            "node_id": str(n.node_id),
+            "department": n.department,
+            "enabled": n.enabled,
+            "first_seen": _iso(n.first_seen),
+            "last_seen": _iso(n.last_seen),
+        }
+        for n in repo.list_nodes()
+    ]
+
+
+def model_view(version: ModelVersion, heads: dict[str, int]) -> dict[str, Any]:
+    return {
+        "version": version.id,
+        "run": version.run_id,
+        "round": version.round,
+        "parent": version.parent_id,
+        "architecture": version.architecture,
+        "head": heads.get(version.architecture) == version.id,
+        "sha256": version.sha256,
+        "size_bytes": version.size_bytes,
+        "metrics": version.metrics,
+        "tags": version.tags,
+        "path": version.path,
+        "created_at": _iso(version.created_at),
+    }
+
+
+def models_view(repo: Repository, *, run_id: int | None = None) -> list[dict[str, Any]]:
+    heads = repo.heads()
+    return [model_view(v, heads) for v in repo.list_model_versions(run_id=run_id)]
+
+
+def export_model(repo: Repository, version_id: int, destination: Path) -> Path:
+    """Copy a verified model version to ``destination`` (a file, or a folder to put it in)."""
+    version = repo.get_model_version(version_id)
+    ModelStore.load(version.path, version.sha256)  # refuses a tampered file
+    target = destination / Path(version.path).name if destination.is_dir() else destination
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    shutil.copyfile(version.path, tmp)
+    tmp.replace(target)
+    return target
+
+
+def follow_run(
+    repo: Repository,
+    flower_run_id: int,
+    *,
+    timeout: float,
+    on_round: Callable[[Run, Round], None] | None = None,
+    poll: float = 1.0,
+    alive: Callable[[], bool] | None = None,
+) -> Run:
+    """Wait for the run's record to reach a final status, reporting each finished round once."""
+    deadline = time.monotonic() + timeout
+    reported: set[int] = set()
+
+    def check() -> Run | None:
+        try:
+            run = repo.get_run(flower_run_id)
+        except NotFoundError:
+            return None
+        for rnd in run.rounds:
+            if rnd.status != RoundStatus.RUNNING and rnd.number not in reported:
+                reported.add(rnd.number)
+                if on_round is not None:
+                    on_round(run, rnd)
+        return run if run.status != RunStatus.RUNNING else None
+
+    while True:
+        if (run := check()) is not None:
+            return run
+        if alive is not None and not alive():
+            time.sleep(poll)  # the final status may be committed just now
+            if (run := check()) is not None:
+                return run
+            raise FederationError(
+                f"run {flower_run_id} ended at the SuperLink without a final status in the state DB "
+                "(the ServerApp failed to start or was killed); see the SuperLink log"
+            )
+        if time.monotonic() > deadline:
+            raise FederationError(f"run {flower_run_id} did not finish within {timeout:.0f}s")
+        time.sleep(poll)

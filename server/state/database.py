@@ -1,0 +1,108 @@
+"""Engines, the default database location, and Alembic upgrades.
+
+Default: a SQLite file ``quorumfl.db`` under the QuorumFL home (``$QUORUMFL_HOME`` or
+``~/.quorumfl``); any SQLAlchemy URL works (``$QUORUMFL_DB_URL`` or ``--db``). SQLite runs in WAL
+mode so the CLI can read while the ServerApp writes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event, make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from quorumfl.aggregation.errors import ConfigError, StateError
+
+__all__ = ["connect", "default_home", "default_url", "migration_config", "upgrade", "require_current"]
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("QUORUMFL_HOME") or Path.home() / ".quorumfl").expanduser()
+
+
+def default_url(home: Path | None = None) -> str:
+    if url := os.environ.get("QUORUMFL_DB_URL"):
+        return url
+    return f"sqlite:///{(home or default_home()) / 'quorumfl.db'}"
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cursor = dbapi_conn.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()
+
+
+def create(url: str) -> Engine:
+    """An engine for ``url``; SQLite parent folders are created, pragmas set."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise ConfigError(f"database URL '{url}' is not a valid SQLAlchemy URL ({exc})") from exc
+    kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        kwargs["connect_args"] = {"timeout": 30}
+    try:
+        engine = create_engine(parsed, **kwargs)
+    except (ArgumentError, ImportError) as exc:
+        raise ConfigError(f"database URL '{url}': {exc}") from exc
+    if parsed.get_backend_name() == "sqlite":
+        event.listen(engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+def migration_config(engine: Engine) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.attributes["engine"] = engine
+    return config
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Apply Alembic migrations up to ``revision``."""
+    try:
+        command.upgrade(migration_config(engine), revision)
+    except SQLAlchemyError as exc:
+        raise StateError(f"cannot migrate the database at {engine.url!r}: {exc.__class__.__name__}: {exc}") from exc
+
+
+def require_current(engine: Engine) -> None:
+    """Fail with a clear error when the database is unreachable or not at the newest migration."""
+    script = ScriptDirectory.from_config(migration_config(engine))
+    try:
+        with engine.connect() as conn:
+            current = MigrationContext.configure(conn).get_current_revision()
+    except SQLAlchemyError as exc:
+        raise StateError(
+            f"cannot reach the state database at {engine.url!r} ({exc.__class__.__name__}); "
+            "check --db / QUORUMFL_DB_URL and that the server is running"
+        ) from exc
+    head = script.get_current_head()
+    if current != head:
+        raise StateError(
+            f"the state database at {engine.url!r} is at migration {current}, expected {head}; "
+            "run 'quorumfl db upgrade'"
+        )
+
+
+def connect(url: str | None = None, *, migrate: bool = False) -> sessionmaker[Session]:
+    """A session factory for ``url`` (default: ``default_url()``), migrated or checked."""
+    engine = create(url or default_url())
+    if migrate:
+        upgrade(engine)
+    else:
+        require_current(engine)
+    return sessionmaker(engine, expire_on_commit=False)

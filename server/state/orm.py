@@ -1,0 +1,173 @@
+"""SQLAlchemy 2 typed ORM: runs, rounds, round failures, nodes, metrics, model versions, heads.
+
+The schema is created and changed only by the Alembic migrations in ``migrations/``; a test checks
+that the migrations and these classes agree.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+__all__ = [
+    "Base",
+    "Metric",
+    "ModelHead",
+    "ModelVersion",
+    "Node",
+    "Round",
+    "RoundFailure",
+    "Run",
+    "UInt64",
+]
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UInt64(TypeDecorator[int]):
+    """Flower's node and run ids are unsigned 64-bit; stored two's-complement in a BIGINT."""
+
+    impl = BigInteger
+    cache_ok = True
+
+    def process_bind_param(self, value: int | None, dialect: Dialect) -> int | None:
+        if value is None:
+            return None
+        if not 0 <= value < 2**64:
+            raise ValueError(f"id {value} is outside the unsigned 64-bit range")
+        return value - 2**64 if value >= 2**63 else value
+
+    def process_result_value(self, value: int | None, dialect: Dialect) -> int | None:
+        if value is None:
+            return None
+        return value + 2**64 if value < 0 else value
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    flower_run_id: Mapped[int | None] = mapped_column(UInt64, unique=True)
+    status: Mapped[str] = mapped_column(String(16))
+    config: Mapped[dict[str, Any]] = mapped_column(JSON)
+    strategy: Mapped[str] = mapped_column(String(32))
+    num_rounds: Mapped[int] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    rounds: Mapped[list[Round]] = relationship(
+        back_populates="run", order_by="Round.number", cascade="all, delete-orphan"
+    )
+
+
+class Round(Base):
+    __tablename__ = "rounds"
+    __table_args__ = (UniqueConstraint("run_id", "number", name="uq_rounds_run_number"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    number: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    selected: Mapped[list[int]] = mapped_column(JSON)
+    participants: Mapped[list[int]] = mapped_column(JSON)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Seconds per phase: "train" (send → last reply), "aggregate", "evaluate", "store".
+    timings: Mapped[dict[str, float]] = mapped_column(JSON)
+    error: Mapped[str | None] = mapped_column(Text)
+
+    run: Mapped[Run] = relationship(back_populates="rounds")
+    failures: Mapped[list[RoundFailure]] = relationship(
+        back_populates="round", cascade="all, delete-orphan", order_by="RoundFailure.id"
+    )
+
+
+class RoundFailure(Base):
+    __tablename__ = "round_failures"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id", ondelete="CASCADE"), index=True)
+    node_id: Mapped[int] = mapped_column(UInt64)
+    stage: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+    round: Mapped[Round] = relationship(back_populates="failures")
+
+
+class Node(Base):
+    __tablename__ = "nodes"
+
+    node_id: Mapped[int] = mapped_column(UInt64, primary_key=True, autoincrement=False)
+    department: Mapped[str | None] = mapped_column(String(64), index=True)
+    enabled: Mapped[bool] = mapped_column(default=True)
+    first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class Metric(Base):
+    __tablename__ = "metrics"
+    __table_args__ = (Index("ix_metrics_run_round", "run_id", "round"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    round: Mapped[int] = mapped_column(Integer)
+    # NULL node_id = a global (server-side or aggregated) metric.
+    node_id: Mapped[int | None] = mapped_column(UInt64)
+    name: Mapped[str] = mapped_column(String(64))
+    value: Mapped[float] = mapped_column(Float)
+
+
+class ModelVersion(Base):
+    __tablename__ = "model_versions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"), index=True)
+    round: Mapped[int] = mapped_column(Integer)
+    parent_id: Mapped[int | None] = mapped_column(ForeignKey("model_versions.id"))
+    architecture: Mapped[str] = mapped_column(String(128), index=True)
+    path: Mapped[str] = mapped_column(Text)
+    sha256: Mapped[str] = mapped_column(String(64))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    metrics: Mapped[dict[str, float]] = mapped_column(JSON)
+    tags: Mapped[list[str]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class ModelHead(Base):
+    """The version that the next round (or run) of an architecture starts from."""
+
+    __tablename__ = "model_heads"
+
+    architecture: Mapped[str] = mapped_column(String(128), primary_key=True)
+    version_id: Mapped[int] = mapped_column(ForeignKey("model_versions.id"))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -1,0 +1,344 @@
+"""The repository: every read and write of QuorumFL state goes through here, one transaction each.
+
+Returned ORM objects are detached (``expire_on_commit=False``); relationships that callers need are
+loaded eagerly by the method that returns them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, selectinload, sessionmaker
+
+from quorumfl.aggregation.errors import NotFoundError, StateError
+
+from .orm import Metric, ModelHead, ModelVersion, Node, Round, RoundFailure, Run
+
+__all__ = ["Repository", "RoundStatus", "RunStatus", "utcnow"]
+
+
+class RunStatus(StrEnum):
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+class RoundStatus(StrEnum):
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Repository:
+    """Typed access to runs, rounds, nodes, metrics and model versions."""
+
+    def __init__(self, sessions: sessionmaker[Session]) -> None:
+        self._sessions = sessions
+
+    def _session(self) -> Session:
+        return self._sessions()
+
+    def _write(self, fn: Any) -> Any:
+        try:
+            with self._session() as session, session.begin():
+                return fn(session)
+        except SQLAlchemyError as exc:
+            raise StateError(f"state database write failed: {exc.__class__.__name__}: {exc}") from exc
+
+    def _read(self, fn: Any) -> Any:
+        try:
+            with self._session() as session:
+                return fn(session)
+        except SQLAlchemyError as exc:
+            raise StateError(f"state database read failed: {exc.__class__.__name__}: {exc}") from exc
+
+    # ---- runs -------------------------------------------------------------------------------
+    def create_run(
+        self, *, flower_run_id: int | None, config: Mapping[str, Any], strategy: str, num_rounds: int
+    ) -> Run:
+        def op(s: Session) -> Run:
+            now = utcnow()
+            run = Run(
+                flower_run_id=flower_run_id,
+                status=RunStatus.RUNNING,
+                config=dict(config),
+                strategy=strategy,
+                num_rounds=num_rounds,
+                created_at=now,
+                started_at=now,
+            )
+            s.add(run)
+            s.flush()
+            return run
+
+        return self._write(op)  # type: ignore[no-any-return]
+
+    def finish_run(self, run_id: int, status: RunStatus, *, error: str | None = None) -> None:
+        def op(s: Session) -> None:
+            run = s.get(Run, run_id)
+            if run is None:
+                raise NotFoundError(f"run {run_id} does not exist")
+            run.status = status
+            run.error = error
+            run.finished_at = utcnow()
+
+        self._write(op)
+
+    def get_run(self, ref: int) -> Run:
+        """A run by QuorumFL id, or else by Flower run id."""
+
+        def op(s: Session) -> Run | None:
+            opts = selectinload(Run.rounds).selectinload(Round.failures)
+            run = s.scalar(select(Run).where(Run.id == ref).options(opts)) if ref < 2**31 else None
+            if run is None and 0 <= ref < 2**64:
+                run = s.scalar(select(Run).where(Run.flower_run_id == ref).options(opts))
+            return run
+
+        run = self._read(op)
+        if run is None:
+            raise NotFoundError(f"run {ref} does not exist; 'quorumfl runs list' shows the runs")
+        return run  # type: ignore[no-any-return]
+
+    def list_runs(self) -> list[Run]:
+        return self._read(  # type: ignore[no-any-return]
+            lambda s: list(
+                s.scalars(select(Run).options(selectinload(Run.rounds)).order_by(Run.id))
+            )
+        )
+
+    # ---- rounds -----------------------------------------------------------------------------
+    def start_round(self, run_id: int, number: int, selected: Iterable[int]) -> Round:
+        def op(s: Session) -> Round:
+            # A round left 'running' by a crashed server is recorded as aborted and redone.
+            old = s.scalar(select(Round).where(Round.run_id == run_id, Round.number == number))
+            if old is not None:
+                s.delete(old)
+                s.flush()
+            rnd = Round(
+                run_id=run_id,
+                number=number,
+                status=RoundStatus.RUNNING,
+                selected=list(selected),
+                participants=[],
+                started_at=utcnow(),
+                timings={},
+            )
+            s.add(rnd)
+            s.flush()
+            return rnd
+
+        return self._write(op)  # type: ignore[no-any-return]
+
+    def finish_round(
+        self,
+        round_id: int,
+        status: RoundStatus,
+        *,
+        participants: Iterable[int],
+        timings: Mapping[str, float],
+        error: str | None = None,
+    ) -> None:
+        def op(s: Session) -> None:
+            rnd = s.get(Round, round_id)
+            if rnd is None:
+                raise NotFoundError(f"round {round_id} does not exist")
+            rnd.status = status
+            rnd.participants = list(participants)
+            rnd.timings = {k: round(float(v), 4) for k, v in timings.items()}
+            rnd.error = error
+            rnd.finished_at = utcnow()
+
+        self._write(op)
+
+    def abort_running_rounds(self, run_id: int, reason: str) -> int:
+        """Mark rounds of ``run_id`` still 'running' as aborted (server stopped or crashed)."""
+
+        def op(s: Session) -> int:
+            rounds = list(s.scalars(select(Round).where(Round.run_id == run_id, Round.status == RoundStatus.RUNNING)))
+            for rnd in rounds:
+                rnd.status = RoundStatus.ABORTED
+                rnd.error = reason
+                rnd.finished_at = utcnow()
+            return len(rounds)
+
+        return self._write(op)  # type: ignore[no-any-return]
+
+    def add_failure(self, round_id: int, node_id: int, *, stage: str, reason: str) -> None:
+        self._write(
+            lambda s: s.add(
+                RoundFailure(
+                    round_id=round_id, node_id=node_id, stage=stage, reason=reason[:4000], created_at=utcnow()
+                )
+            )
+        )
+
+    def list_rounds(self, run_ref: int) -> list[Round]:
+        return list(self.get_run(run_ref).rounds)
+
+    # ---- nodes ------------------------------------------------------------------------------
+    def touch_node(self, node_id: int, *, department: str | None = None) -> Node:
+        """Register ``node_id`` or update its last-seen time (and department when reported)."""
+
+        def op(s: Session) -> Node:
+            now = utcnow()
+            node = s.get(Node, node_id)
+            if node is None:
+                node = Node(node_id=node_id, department=department, enabled=True, first_seen=now, last_seen=now)
+                s.add(node)
+            else:
+                node.last_seen = now
+                if department:
+                    node.department = department
+            s.flush()
+            return node
+
+        return self._write(op)  # type: ignore[no-any-return]
+
+    def list_nodes(self) -> list[Node]:
+        return self._read(lambda s: list(s.scalars(select(Node).order_by(Node.department, Node.node_id))))  # type: ignore[no-any-return]
+
+    def find_nodes(self, ref: str) -> list[Node]:
+        """Nodes matching a Flower node id or a department name."""
+
+        def op(s: Session) -> list[Node]:
+            if ref.isdigit():
+                node = s.get(Node, int(ref)) if int(ref) < 2**64 else None
+                if node is not None:
+                    return [node]
+            return list(s.scalars(select(Node).where(Node.department == ref)))
+
+        nodes = self._read(op)
+        if not nodes:
+            raise NotFoundError(
+                f"no node with id or department '{ref}'; 'quorumfl nodes list' shows the known nodes"
+            )
+        return nodes  # type: ignore[no-any-return]
+
+    def set_enabled(self, ref: str, enabled: bool) -> list[Node]:
+        ids = [n.node_id for n in self.find_nodes(ref)]
+
+        def op(s: Session) -> list[Node]:
+            nodes = [s.get(Node, i) for i in ids]
+            for node in nodes:
+                assert node is not None
+                node.enabled = enabled
+            return [n for n in nodes if n is not None]
+
+        return self._write(op)  # type: ignore[no-any-return]
+
+    def disabled_node_ids(self) -> set[int]:
+        return self._read(  # type: ignore[no-any-return]
+            lambda s: set(s.scalars(select(Node.node_id).where(Node.enabled.is_(False))))
+        )
+
+    # ---- metrics ----------------------------------------------------------------------------
+    def add_metrics(
+        self, run_id: int, round_number: int, values: Mapping[str, float], *, node_id: int | None = None
+    ) -> None:
+        self._write(
+            lambda s: s.add_all(
+                Metric(run_id=run_id, round=round_number, node_id=node_id, name=k, value=float(v))
+                for k, v in values.items()
+            )
+        )
+
+    def metrics(self, run_id: int, *, name: str | None = None) -> list[Metric]:
+        def op(s: Session) -> list[Metric]:
+            q = select(Metric).where(Metric.run_id == run_id)
+            if name is not None:
+                q = q.where(Metric.name == name)
+            return list(s.scalars(q.order_by(Metric.round, Metric.id)))
+
+        return self._read(op)  # type: ignore[no-any-return]
+
+    # ---- model versions ---------------------------------------------------------------------
+    def add_model_version(
+        self,
+        *,
+        run_id: int | None,
+        round_number: int,
+        parent_id: int | None,
+        architecture: str,
+        path: str,
+        sha256: str,
+        size_bytes: int,
+        metrics: Mapping[str, float],
+        tags: Iterable[str] = (),
+        make_head: bool = True,
+    ) -> ModelVersion:
+        def op(s: Session) -> ModelVersion:
+            now = utcnow()
+            version = ModelVersion(
+                run_id=run_id,
+                round=round_number,
+                parent_id=parent_id,
+                architecture=architecture,
+                path=path,
+                sha256=sha256,
+                size_bytes=size_bytes,
+                metrics=dict(metrics),
+                tags=list(tags),
+                created_at=now,
+            )
+            s.add(version)
+            s.flush()
+            if make_head:
+                self._set_head(s, architecture, version.id)
+            return version
+
+        return self._write(op)  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _set_head(s: Session, architecture: str, version_id: int) -> None:
+        head = s.get(ModelHead, architecture)
+        if head is None:
+            s.add(ModelHead(architecture=architecture, version_id=version_id, updated_at=utcnow()))
+        else:
+            head.version_id = version_id
+            head.updated_at = utcnow()
+
+    def get_model_version(self, version_id: int) -> ModelVersion:
+        version = self._read(lambda s: s.get(ModelVersion, version_id))
+        if version is None:
+            raise NotFoundError(
+                f"model version {version_id} does not exist; 'quorumfl models list' shows the versions"
+            )
+        return version  # type: ignore[no-any-return]
+
+    def list_model_versions(self, *, run_id: int | None = None) -> list[ModelVersion]:
+        def op(s: Session) -> list[ModelVersion]:
+            q = select(ModelVersion)
+            if run_id is not None:
+                q = q.where(ModelVersion.run_id == run_id)
+            return list(s.scalars(q.order_by(ModelVersion.id)))
+
+        return self._read(op)  # type: ignore[no-any-return]
+
+    def heads(self) -> dict[str, int]:
+        return self._read(  # type: ignore[no-any-return]
+            lambda s: {h.architecture: h.version_id for h in s.scalars(select(ModelHead))}
+        )
+
+    def head_version(self, architecture: str) -> ModelVersion | None:
+        def op(s: Session) -> ModelVersion | None:
+            head = s.get(ModelHead, architecture)
+            return None if head is None else s.get(ModelVersion, head.version_id)
+
+        return self._read(op)  # type: ignore[no-any-return]
+
+    def rollback(self, version_id: int) -> ModelVersion:
+        """Make ``version_id`` the head of its architecture: the next round starts from it."""
+        version = self.get_model_version(version_id)
+        self._write(lambda s: self._set_head(s, version.architecture, version.id))
+        return version
