@@ -34,7 +34,7 @@ def _iso(value: Any) -> str | None:
 
 
 def run_summary(repo: Repository, run: Run) -> dict[str, Any]:
-    completed = [r for r in run.rounds if r.status == RoundStatus.COMPLETED]
+    completed = {r.number for r in run.rounds if r.status == RoundStatus.COMPLETED}
     accuracy = {m.round: m.value for m in repo.metrics(run.id, name="accuracy") if m.node_id is None}
     last = max(accuracy) if accuracy else None
     return {
@@ -56,6 +56,7 @@ def run_summary(repo: Repository, run: Run) -> dict[str, Any]:
 def round_view(rnd: Round, departments: dict[int, str | None]) -> dict[str, Any]:
     return {
         "round": rnd.number,
+        "attempt": rnd.attempt,
         "status": rnd.status,
         "selected": len(rnd.selected),
         "participants": [departments.get(n) or str(n) for n in rnd.participants],
@@ -168,7 +169,7 @@ def follow_run(
         except NotFoundError:
             return None
         for rnd in run.rounds:
-            if rnd.status != RoundStatus.RUNNING and rnd.number not in reported:
+            if rnd.status not in (RoundStatus.RUNNING, RoundStatus.ABORTED) and rnd.number not in reported:
                 reported.add(rnd.number)
                 if on_round is not None:
                     on_round(run, rnd)

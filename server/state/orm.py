@@ -85,17 +85,19 @@ class Run(Base):
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
     rounds: Mapped[list[Round]] = relationship(
-        back_populates="run", order_by="Round.number", cascade="all, delete-orphan"
+        back_populates="run", order_by="(Round.number, Round.attempt)", cascade="all, delete-orphan"
     )
 
 
 class Round(Base):
     __tablename__ = "rounds"
-    __table_args__ = (UniqueConstraint("run_id", "number", name="uq_rounds_run_number"),)
+    __table_args__ = (UniqueConstraint("run_id", "number", "attempt", name="uq_rounds_run_number_attempt"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     number: Mapped[int] = mapped_column(Integer)
+    # A round interrupted (server crash, stop) stays recorded as aborted; its redo is attempt + 1.
+    attempt: Mapped[int] = mapped_column(Integer, default=1)
     status: Mapped[str] = mapped_column(String(16))
     selected: Mapped[list[int]] = mapped_column(JSON)
     participants: Mapped[list[int]] = mapped_column(JSON)

@@ -120,14 +120,17 @@ class Repository:
     # ---- rounds -----------------------------------------------------------------------------
     def start_round(self, run_id: int, number: int, selected: Iterable[int]) -> Round:
         def op(s: Session) -> Round:
-            # A round left 'running' by a crashed server is recorded as aborted and redone.
-            old = s.scalar(select(Round).where(Round.run_id == run_id, Round.number == number))
-            if old is not None:
-                s.delete(old)
-                s.flush()
+            # Earlier attempts of this round (a crashed or stopped server) stay recorded as aborted.
+            earlier = list(s.scalars(select(Round).where(Round.run_id == run_id, Round.number == number)))
+            for old in earlier:
+                if old.status == RoundStatus.RUNNING:
+                    old.status = RoundStatus.ABORTED
+                    old.error = old.error or "interrupted; the round was started again"
+                    old.finished_at = utcnow()
             rnd = Round(
                 run_id=run_id,
                 number=number,
+                attempt=len(earlier) + 1,
                 status=RoundStatus.RUNNING,
                 selected=list(selected),
                 participants=[],

@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-29 10:35:37.577890
+Create Date: 2026-11-29 10:49:21.649765
 
 """
 from typing import Sequence, Union
@@ -83,6 +83,7 @@ def upgrade() -> None:
     sa.Column('id', sa.Integer(), nullable=False),
     sa.Column('run_id', sa.Integer(), nullable=False),
     sa.Column('number', sa.Integer(), nullable=False),
+    sa.Column('attempt', sa.Integer(), nullable=False),
     sa.Column('status', sa.String(length=16), nullable=False),
     sa.Column('selected', sa.JSON(), nullable=False),
     sa.Column('participants', sa.JSON(), nullable=False),
@@ -92,7 +93,7 @@ def upgrade() -> None:
     sa.Column('error', sa.Text(), nullable=True),
     sa.ForeignKeyConstraint(['run_id'], ['runs.id'], name=op.f('fk_rounds_run_id_runs'), ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_rounds')),
-    sa.UniqueConstraint('run_id', 'number', name='uq_rounds_run_number')
+    sa.UniqueConstraint('run_id', 'number', 'attempt', name='uq_rounds_run_number_attempt')
     )
     with op.batch_alter_table('rounds', schema=None) as batch_op:
         batch_op.create_index(batch_op.f('ix_rounds_run_id'), ['run_id'], unique=False)

@@ -1,0 +1,125 @@
+"""Weighted mean against a plain numpy reference, and rejection of bad updates."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quorumfl.aggregation import (
+    AggregationError,
+    EmptyAggregationError,
+    NodeUpdate,
+    WeightedMean,
+    aggregate_weighted_mean,
+    aggregate_weighted_metrics,
+)
+
+
+def _updates(rng: np.random.Generator, n: int, shapes: dict[str, tuple[int, ...]]) -> list[NodeUpdate]:
+    return [
+        NodeUpdate(
+            node=f"n{i}",
+            arrays={k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()},
+            weight=float(rng.integers(1, 500)),
+        )
+        for i in range(n)
+    ]
+
+
+def _reference(updates: list[NodeUpdate]) -> dict[str, np.ndarray]:
+    weights = np.array([u.weight for u in updates], dtype=np.float64)
+    return {
+        k: np.tensordot(weights / weights.sum(), np.stack([u.arrays[k].astype(np.float64) for u in updates]), axes=1)
+        for k in updates[0].arrays
+    }
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 8),
+    seed=st.integers(0, 2**32 - 1),
+    shapes=st.dictionaries(
+        st.sampled_from(["w", "b", "conv.weight", "bn"]),
+        st.lists(st.integers(1, 5), min_size=0, max_size=3).map(tuple),
+        min_size=1,
+    ),
+)
+def test_matches_numpy_reference(n: int, seed: int, shapes: dict[str, tuple[int, ...]]) -> None:
+    updates = _updates(np.random.default_rng(seed), n, shapes)
+    result = aggregate_weighted_mean(updates)
+    reference = _reference(updates)
+    assert set(result) == set(reference)
+    for key in reference:
+        assert result[key].dtype == np.float32
+        np.testing.assert_allclose(result[key], reference[key], rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), perm_seed=st.integers(0, 1000))
+def test_order_invariant(seed: int, perm_seed: int) -> None:
+    updates = _updates(np.random.default_rng(seed), 5, {"w": (3, 4), "b": (4,)})
+    shuffled = [updates[i] for i in np.random.default_rng(perm_seed).permutation(len(updates))]
+    a, b = aggregate_weighted_mean(updates), aggregate_weighted_mean(shuffled)
+    for key in a:
+        np.testing.assert_allclose(a[key], b[key], rtol=1e-6, atol=1e-7)
+
+
+def test_equal_weights_is_plain_mean() -> None:
+    ups = [NodeUpdate(str(i), {"w": np.full(3, float(i), np.float32)}, 10) for i in range(4)]
+    np.testing.assert_array_equal(aggregate_weighted_mean(ups)["w"], np.full(3, 1.5, np.float32))
+
+
+@pytest.mark.parametrize(
+    ("arrays", "weight", "needle"),
+    [
+        ({"w": np.zeros((2, 3), np.float32), "b": np.zeros(3, np.float32)}, 5, "shape mismatch for 'w'"),
+        ({"w": np.array([[np.nan, 0], [0, 0]], np.float32), "b": np.zeros(3, np.float32)}, 5, "non-finite"),
+        ({"w": np.full((2, 2), np.inf, np.float32), "b": np.zeros(3, np.float32)}, 5, "non-finite"),
+        ({"w": np.zeros((2, 2), np.float32)}, 5, "missing ['b']"),
+        ({"w": np.zeros((2, 2), np.float32), "b": np.zeros(3, np.float32), "x": np.zeros(1)}, 5, "unexpected ['x']"),
+        ({}, 5, "empty"),
+        ({"w": np.zeros((2, 2), np.float32), "b": np.zeros(3, np.float32)}, 0, "positive"),
+        ({"w": np.zeros((2, 2), np.float32), "b": np.zeros(3, np.float32)}, -3, "positive"),
+        ({"w": np.zeros((2, 2), np.float32), "b": np.zeros(3, np.float32)}, math.nan, "positive"),
+        ({"w": np.zeros((2, 2), np.float32), "b": np.zeros(3, np.float32)}, True, "number"),
+    ],
+)
+def test_bad_update_is_rejected_naming_node_and_leaves_sums_untouched(
+    arrays: dict[str, np.ndarray], weight: float, needle: str
+) -> None:
+    template = {"w": np.zeros((2, 2), np.float32), "b": np.zeros(3, np.float32)}
+    mean = WeightedMean(template)
+    good = NodeUpdate("tax-office", {"w": np.ones((2, 2), np.float32), "b": np.ones(3, np.float32)}, 10)
+    mean.add(good)
+    with pytest.raises(AggregationError) as info:
+        mean.add(NodeUpdate("planning", arrays, weight))
+    assert "node planning" in str(info.value) and needle in str(info.value)
+    assert info.value.node == "planning"
+    result = mean.result()
+    np.testing.assert_array_equal(result["w"], np.ones((2, 2), np.float32))
+    assert mean.nodes == ["tax-office"]
+
+
+def test_empty_aggregation_raises() -> None:
+    with pytest.raises(EmptyAggregationError):
+        aggregate_weighted_mean([])
+    with pytest.raises(EmptyAggregationError):
+        WeightedMean({"w": np.zeros(2)}).result()
+
+
+def test_same_node_twice_is_rejected() -> None:
+    mean = WeightedMean({"w": np.zeros(2)})
+    mean.add(NodeUpdate("a", {"w": np.ones(2)}, 1))
+    with pytest.raises(AggregationError, match="same node"):
+        mean.add(NodeUpdate("a", {"w": np.ones(2)}, 1))
+
+
+def test_weighted_metrics() -> None:
+    result = aggregate_weighted_metrics([("a", {"loss": 1.0, "acc": 0.5}, 1), ("b", {"loss": 3.0}, 3)])
+    assert result == {"loss": pytest.approx(2.5), "acc": pytest.approx(0.5)}
+    with pytest.raises(AggregationError, match="node b"):
+        aggregate_weighted_metrics([("b", {"loss": math.inf}, 1)])

@@ -1,0 +1,226 @@
+"""The federation loop over an in-process Grid that delivers messages to the real ClientApp handlers.
+
+Faulty nodes are planted by rewriting honest replies (NaN, wrong shape, error, silence) so the
+round must go on with the honest nodes and record why each bad one was left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, Context, Error, Message, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore.task_identity import TaskIdentity
+
+from quorumfl.aggregation.errors import ModelStoreError
+from quorumfl.client.app import evaluate_handler, train_handler
+from quorumfl.client.data import prepare_partitions
+from quorumfl.client.wire import ARRAYS, METRICS, from_array_record
+from quorumfl.server.config import RunConfig
+from quorumfl.server.model_store import ModelStore
+from quorumfl.server.rounds import Federation
+from quorumfl.server.state.database import connect
+from quorumfl.server.state.repository import Repository, RoundStatus, RunStatus
+
+Fault = Callable[[Message, Message], Message | None]  # (request, honest reply) -> what is sent
+
+
+class LoopbackGrid(Grid):
+    """Delivers each message to an in-process node: the real handlers, then an optional fault."""
+
+    def __init__(self, nodes: dict[int, Context], faults: dict[int, Fault] | None = None) -> None:
+        self.nodes = nodes
+        self.faults = faults or {}
+        self.sent: list[Message] = []
+        self.replies: list[Message] = []
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.nodes)
+
+    # The loop only uses get_node_ids and send_and_receive; the rest of Grid is out of scope here.
+    def set_run(self, run: object) -> None:
+        raise AssertionError("not used by the federation loop")
+
+    @property
+    def run(self) -> object:
+        raise AssertionError("not used by the federation loop")
+
+    def create_message(self, *args: object, **kwargs: object) -> Message:
+        raise AssertionError("not used by the federation loop")
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        raise AssertionError("not used by the federation loop")
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        raise AssertionError("not used by the federation loop")
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        out = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = f"m{len(self.sent)}"  # the SuperLink assigns ids
+            self.sent.append(msg)
+            node = msg.metadata.dst_node_id
+            handler = train_handler if msg.metadata.message_type == "train" else evaluate_handler
+            reply: Message | None = handler(msg, self.nodes[node])
+            fault = self.faults.get(node)
+            if fault is not None and reply is not None and msg.metadata.message_type == "train":
+                reply = fault(msg, reply)
+            if reply is not None:
+                out.append(reply)
+        self.replies.extend(out)
+        return out
+
+
+def _with_arrays(
+    request: Message, reply: Message, change: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+) -> Message:
+    arrays = change(from_array_record(reply.content.array_records[ARRAYS]))
+    content = RecordDict({**reply.content, ARRAYS: ArrayRecord({k: Array(v) for k, v in arrays.items()})})
+    return Message(content=content, reply_to=request)
+
+
+def nan_update(request: Message, reply: Message) -> Message:
+    def poison(a: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        key = next(iter(a))
+        bad = a[key].copy()
+        bad.flat[0] = np.nan
+        return {**a, key: bad}
+
+    return _with_arrays(request, reply, poison)
+
+
+def wrong_shape(request: Message, reply: Message) -> Message:
+    return _with_arrays(request, reply, lambda a: {k: (v[:1] if v.ndim == 2 else v) for k, v in a.items()})
+
+
+def error_reply(request: Message, _reply: Message) -> Message:
+    return Message(Error(code=1, reason="ClientApp raised DataError: partition missing"), reply_to=request)
+
+
+def silent(_request: Message, _reply: Message) -> None:
+    return None
+
+
+@pytest.fixture
+def federation_parts(tmp_path: Path) -> dict[str, Path]:
+    names = ["tax-office", "urban-planning", "public-works", "nan-node", "shape-node", "error-node", "silent-node"]
+    return prepare_partitions(tmp_path / "data", names, seed=0, method="iid")
+
+
+@pytest.fixture(autouse=True)
+def task_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(TaskIdentity, "_run_id", 99)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+
+
+def _contexts(parts: dict[str, Path]) -> dict[int, Context]:
+    return {
+        1000 + i: Context(run_id=99, node_id=1000 + i, node_config={"data-path": str(p), "department": name},
+                          state=RecordDict(), run_config={})
+        for i, (name, p) in enumerate(parts.items())
+    }
+
+
+def _federation(tmp_path: Path, grid: Grid, **overrides: object) -> tuple[Federation, Repository]:
+    config = RunConfig.from_mapping({"num-rounds": 2, "local-epochs": 1, "min-nodes": 2, "start-from": "fresh", **overrides})
+    repo = Repository(connect(f"sqlite:///{tmp_path / 'state.db'}", migrate=True))
+    flower_run_id = 99 + len(repo.list_runs())
+    return Federation(grid, config, repo, ModelStore(tmp_path / "models"), flower_run_id=flower_run_id), repo
+
+
+def test_bad_nodes_are_left_out_and_recorded(tmp_path: Path, federation_parts: dict[str, Path]) -> None:
+    contexts = _contexts(federation_parts)
+    ids = list(contexts)
+    faults: dict[int, Fault] = {ids[3]: nan_update, ids[4]: wrong_shape, ids[5]: error_reply, ids[6]: silent}
+    grid = LoopbackGrid(contexts, faults)
+    federation, repo = _federation(tmp_path, grid)
+
+    run_id = federation.run()
+
+    run = repo.get_run(run_id)
+    assert run.status == RunStatus.COMPLETED
+    first = run.rounds[0]
+    assert first.status == RoundStatus.COMPLETED
+    assert sorted(first.participants) == ids[:3]
+    reasons = {f.node_id: (f.stage, f.reason) for f in first.failures}
+    assert reasons[ids[3]][0] == "aggregate" and "non-finite" in reasons[ids[3]][1]
+    assert reasons[ids[4]][0] == "aggregate" and "shape mismatch" in reasons[ids[4]][1]
+    assert reasons[ids[5]][0] == "train" and "partition missing" in reasons[ids[5]][1]
+    assert reasons[ids[6]][0] == "train" and "no reply" in reasons[ids[6]][1]
+
+    # The stored round-1 model is exactly the example-weighted mean of the honest replies.
+    honest = [r for r in grid.replies[: len(ids) - 1] if r.metadata.src_node_id in ids[:3]]
+    weights = np.array([r.content.metric_records[METRICS]["num-examples"] for r in honest], dtype=np.float64)
+    version = repo.list_model_versions(run_id=run_id)[0]
+    stored = ModelStore.load(version.path, version.sha256)
+    for key, value in stored.items():
+        stack = np.stack([from_array_record(r.content.array_records[ARRAYS])[key] for r in honest]).astype(np.float64)
+        np.testing.assert_allclose(value, np.tensordot(weights / weights.sum(), stack, axes=1), rtol=1e-5, atol=1e-6)
+
+    departments = {n.node_id: n.department for n in repo.list_nodes()}
+    assert departments[ids[0]] == "tax-office"
+    finals = {m.node_id for m in repo.metrics(run_id) if m.name == "final-accuracy"}
+    assert set(ids[:3]) <= finals
+
+
+def test_disabled_nodes_are_never_selected(tmp_path: Path, federation_parts: dict[str, Path]) -> None:
+    contexts = _contexts(dict(list(federation_parts.items())[:3]))
+    ids = list(contexts)
+    grid = LoopbackGrid(contexts)
+    federation, repo = _federation(tmp_path, grid, **{"num-rounds": 1})
+    repo.touch_node(ids[1], department="urban-planning")
+    repo.set_enabled("urban-planning", False)
+    federation.run()
+    assert ids[1] not in {m.metadata.dst_node_id for m in grid.sent}
+
+
+def test_rollback_sets_where_the_next_run_starts(tmp_path: Path, federation_parts: dict[str, Path]) -> None:
+    contexts = _contexts(dict(list(federation_parts.items())[:3]))
+    federation, repo = _federation(tmp_path, LoopbackGrid(contexts))
+    run_id = federation.run()
+    v1, v2 = repo.list_model_versions(run_id=run_id)
+    assert repo.heads() == {v2.architecture: v2.id}
+    repo.rollback(v1.id)
+
+    grid = LoopbackGrid(contexts)
+    federation, repo = _federation(tmp_path, grid, **{"start-from": "head", "num-rounds": 1})
+    new_run = federation.run()
+    sent = from_array_record(grid.sent[0].content.array_records[ARRAYS])
+    expected = ModelStore.load(v1.path, v1.sha256)
+    assert all(np.array_equal(sent[k], expected[k]) for k in expected)
+    assert repo.list_model_versions(run_id=new_run)[0].parent_id == v1.id
+
+
+def test_tampered_head_fails_the_run_and_keeps_history(tmp_path: Path, federation_parts: dict[str, Path]) -> None:
+    contexts = _contexts(dict(list(federation_parts.items())[:3]))
+    federation, repo = _federation(tmp_path, LoopbackGrid(contexts), **{"num-rounds": 1})
+    first_run = federation.run()
+    [version] = repo.list_model_versions(run_id=first_run)
+    data = bytearray(Path(version.path).read_bytes())
+    data[-1] ^= 0xFF
+    Path(version.path).write_bytes(bytes(data))
+
+    federation, repo = _federation(tmp_path, LoopbackGrid(contexts), **{"start-from": "head"})
+    with pytest.raises(ModelStoreError, match="SHA-256"):
+        federation.run()
+    runs = repo.list_runs()
+    assert [r.status for r in runs] == [RunStatus.COMPLETED, RunStatus.FAILED]
+    assert "SHA-256" in (runs[1].error or "")
+    assert len(repo.list_model_versions()) == 1 and len(repo.metrics(first_run)) > 0
+
+
+def test_too_few_valid_updates_fails_the_round_not_the_model(tmp_path: Path, federation_parts: dict[str, Path]) -> None:
+    contexts = _contexts(dict(list(federation_parts.items())[:3]))
+    ids = list(contexts)
+    grid = LoopbackGrid(contexts, {ids[1]: nan_update, ids[2]: silent})
+    federation, repo = _federation(tmp_path, grid, **{"num-rounds": 1})
+    with pytest.raises(Exception, match="none of the 1 round"):
+        federation.run()
+    [run] = repo.list_runs()
+    assert run.status == RunStatus.FAILED and run.rounds[0].status == RoundStatus.FAILED
+    assert "1 valid update(s) of 3 selected" in (run.rounds[0].error or "")
+    assert repo.list_model_versions() == []
