@@ -56,9 +56,8 @@ def _department(content: RecordDict) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def parse_train_reply(reply: Message) -> TrainReply:
+def parse_train_reply(node_id: int, reply: Message) -> TrainReply:
     """Check a train reply's structure; the arrays themselves are checked by the aggregator."""
-    node_id = int(reply.metadata.src_node_id)
     content = reply.content
     if ARRAYS not in content.array_records:
         raise ReplyError("reply has no 'arrays' record")
@@ -154,18 +153,28 @@ class Federation:
             for node, cfg in configs.items()
         ]
 
-    def _exchange(self, messages: list[Message], outcome: RoundOutcome, stage: str) -> list[Message]:
-        """Send, wait up to the round timeout, and record error replies and missing nodes."""
-        expected = {m.metadata.dst_node_id for m in messages}
+    def _exchange(self, messages: list[Message], outcome: RoundOutcome, stage: str) -> list[tuple[int, Message]]:
+        """Send, wait up to the round timeout, and record error replies and missing nodes.
+
+        Replies are matched to requests by ``reply_to_message_id``: an error reply that the SuperLink
+        writes for an unreachable node carries the SuperLink's own id as its source.
+        """
+        expected = {int(m.metadata.dst_node_id) for m in messages}
         replies = list(self.grid.send_and_receive(messages, timeout=self.config.round_timeout))
-        good: list[Message] = []
+        destination = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in messages}
+        good: list[tuple[int, Message]] = []
         for reply in replies:
-            node = int(reply.metadata.src_node_id)
+            node = destination.get(reply.metadata.reply_to_message_id)
+            if node is None or node not in expected:
+                log.warning("ignoring a reply that answers no open request (from node %s)", reply.metadata.src_node_id)
+                continue
             expected.discard(node)
             if reply.has_error():
                 outcome.failures[node] = (stage, f"node error {reply.error.code}: {reply.error.reason}")
+            elif reply.metadata.src_node_id != node:
+                outcome.failures[node] = (stage, f"reply came from node {reply.metadata.src_node_id}, not {node}")
             else:
-                good.append(reply)
+                good.append((node, reply))
         for node in expected:
             outcome.failures[node] = (stage, f"no reply within the round timeout ({self.config.round_timeout:.0f}s)")
         return good
@@ -221,6 +230,8 @@ class Federation:
     ) -> tuple[Arrays, int | None, dict[str, float]]:
         config = self.config
         available = self._available_nodes()
+        for node in available:  # registry: connected nodes, named once they reply
+            self.repo.touch_node(node)
         selected = self.strategy.select(number, available)
         rnd = self.repo.start_round(run_id, number, selected)
         self._last_round_id = rnd.id
@@ -234,11 +245,11 @@ class Federation:
 
         start = self.clock()
         parsed: list[TrainReply] = []
-        for reply in replies:
+        for node, reply in replies:
             try:
-                parsed.append(parse_train_reply(reply))
+                parsed.append(parse_train_reply(node, reply))
             except ReplyError as exc:
-                outcome.failures[int(reply.metadata.src_node_id)] = ("train", str(exc))
+                outcome.failures[node] = ("train", str(exc))
         for item in parsed:
             self.repo.touch_node(item.node_id, department=item.department)
             seen.add(item.node_id)
@@ -309,8 +320,7 @@ class Federation:
         outcome = RoundOutcome()
         configs = {n: self._base for n in targets}
         replies = self._exchange(self._messages(MessageType.EVALUATE, arrays, configs), outcome, "evaluate")
-        for reply in replies:
-            node = int(reply.metadata.src_node_id)
+        for node, reply in replies:
             content = reply.content
             if METRICS not in content.metric_records:
                 continue

@@ -1,0 +1,73 @@
+"""End to end on Flower's deployment engine: SuperLink + 3 SuperNodes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from quorumfl.server.services import follow_run
+from quorumfl.server.state.repository import RoundStatus, RunStatus
+
+from .conftest import DEPARTMENTS, Deployment
+
+
+def _overrides(d: Deployment, **extra: object) -> dict[str, object]:
+    return {"state-url": d.db_url, "model-dir": str(d.home / "models"), "start-from": "fresh", **extra}
+
+
+def test_two_rounds_recorded_in_the_state_db(deployment: Deployment) -> None:
+    d = deployment
+    flower_run_id = d.control.start_run(_overrides(d, **{"num-rounds": 2, "local-epochs": 2}))
+    run = follow_run(d.repo, flower_run_id, timeout=300, alive=lambda: not d.control.run_finished(flower_run_id))
+
+    assert run.status == RunStatus.COMPLETED, f"{run.error}\n{d.logs()}"
+    assert [(r.number, r.status, len(r.participants)) for r in run.rounds] == [
+        (1, RoundStatus.COMPLETED, 3), (2, RoundStatus.COMPLETED, 3)
+    ]
+    assert all(r.timings["train"] > 0 and "aggregate" in r.timings for r in run.rounds)
+    assert sorted(n.department or "" for n in d.repo.list_nodes()) == sorted(DEPARTMENTS)
+    versions = d.repo.list_model_versions(run_id=run.id)
+    assert [v.round for v in versions] == [1, 2] and versions[1].parent_id == versions[0].id
+    accuracy = {m.round: m.value for m in d.repo.metrics(run.id, name="accuracy") if m.node_id is None}
+    assert set(accuracy) == {1, 2} and accuracy[2] > 0.3
+    finals = [m for m in d.repo.metrics(run.id, name="final-accuracy")]
+    assert len(finals) == 3
+    assert run.config["num-rounds"] == 2 and run.flower_run_id == flower_run_id
+    # Flower itself marks the run finished once the ServerApp process has exited.
+    deadline = time.monotonic() + 60
+    while not d.control.run_finished(flower_run_id):
+        assert time.monotonic() < deadline, "Flower never marked the run finished"
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_killed_node_mid_round_is_recorded_and_the_round_completes(deployment: Deployment) -> None:
+    d = deployment
+    flower_run_id = d.control.start_run(
+        _overrides(d, **{"num-rounds": 2, "local-epochs": 40, "round-timeout": 150.0, "min-nodes": 2})
+    )
+    victim = d.nodes["public-works"]
+    deadline = time.monotonic() + 120
+    while True:  # wait until round 1 is in flight, then kill one department's whole node
+        runs = d.repo.list_runs()
+        if runs and runs[-1].rounds and runs[-1].rounds[0].status == RoundStatus.RUNNING:
+            break
+        assert time.monotonic() < deadline, d.logs()
+        time.sleep(0.2)
+    time.sleep(1.0)
+    d.group.kill(victim, signal.SIGKILL, group=True)
+
+    run = follow_run(d.repo, flower_run_id, timeout=420, alive=lambda: not d.control.run_finished(flower_run_id))
+    assert run.status == RunStatus.COMPLETED, f"{run.error}\n{d.logs()}"
+    first = run.rounds[0]
+    assert first.status == RoundStatus.COMPLETED and len(first.participants) == 2
+    [failure] = first.failures
+    assert failure.stage == "train" and failure.reason
+    assert failure.node_id in first.selected and failure.node_id not in first.participants
+    # The killed node never replied, so its department is unknown; the others are named.
+    departments = {n.node_id: n.department for n in d.repo.list_nodes()}
+    assert departments[failure.node_id] is None
+    assert sorted(departments[n] or "" for n in first.participants) == ["tax-office", "urban-planning"]
+    assert run.rounds[1].status == RoundStatus.COMPLETED and len(run.rounds[1].participants) == 2
