@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -82,7 +83,7 @@ def architecture_key(name: str, input_shape: tuple[int, ...], num_classes: int) 
     return f"{name}:{'x'.join(str(d) for d in input_shape)}:{num_classes}"
 
 
-def model_to_arrays(model: nn.Module) -> dict[str, NDArray[np.float32]]:
+def model_to_arrays(model: nn.Module) -> dict[str, NDArray[Any]]:
     return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
 
 

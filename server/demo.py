@@ -5,7 +5,6 @@ run submitted through the Control API and followed in the state DB.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +13,7 @@ from typing import Any
 from quorumfl.aggregation.errors import FederationError
 from quorumfl.client.data import prepare_partitions
 
-from .control import Control
-from .processes import ProcessGroup, flower_env, free_port, superlink_command, supernode_command, wait_for_port
+from .local import local_federation
 from .services import follow_run
 from .state.database import connect, default_url
 from .state.orm import Round, Run
@@ -63,27 +61,8 @@ def run_demo(
     parts = prepare_partitions(home / "demo" / "data", names, dataset="digits", alpha=settings.alpha, seed=settings.seed)
     db_url = settings.db_url or default_url(home)
     repo = Repository(connect(db_url, migrate=True))
-    link_db = home / "demo" / "superlink.db"
-    for stale in link_db.parent.glob("superlink.db*"):
-        stale.unlink()
-    port = free_port()
-    address = f"127.0.0.1:{port}"
-    with ProcessGroup(home / "demo" / "logs", flower_env(home, db_url=db_url)) as group:
-        link = group.start("superlink", superlink_command(port=port, database=link_db))
-        try:
-            wait_for_port("127.0.0.1", port, timeout=60, process=link.process)
-        except FederationError as exc:
-            raise FederationError(f"{exc}\n{group.tail(link)}") from exc
-        on_status(f"SuperLink listening on {address}")
-        for name in names:
-            group.start(name, supernode_command(superlink=address, port=free_port(), data_path=parts[name], department=name))
-        control = Control(address)
-        deadline = time.monotonic() + 120
-        while len(control.online_nodes()) < len(names):
-            if time.monotonic() > deadline:
-                raise FederationError(f"only {len(control.online_nodes())} of {len(names)} SuperNodes connected; see {group.log_dir}")
-            time.sleep(0.5)
-        on_status(f"{len(names)} SuperNodes online: {', '.join(names)}")
+    with local_federation(home / "demo", parts, db_url=db_url) as federation:
+        on_status(f"SuperLink on {federation.address}; {len(names)} SuperNodes online: {', '.join(names)}")
         overrides: dict[str, Any] = {
             "strategy": settings.strategy,
             "proximal-mu": settings.proximal_mu,
@@ -94,13 +73,10 @@ def run_demo(
             "state-url": db_url,
             "model-dir": str(home / "models"),
         }
-        flower_run_id = control.start_run(overrides)
+        flower_run_id = federation.control.start_run(overrides)
         on_status(f"run submitted (Flower run {flower_run_id})")
         run = follow_run(
-            repo,
-            flower_run_id,
-            timeout=settings.timeout,
-            on_round=on_round,
-            alive=lambda: link.process.poll() is None and not control.run_finished(flower_run_id),
+            repo, flower_run_id, timeout=settings.timeout, on_round=on_round,
+            alive=lambda: federation.alive(flower_run_id),
         )
     return repo, run

@@ -33,7 +33,7 @@ class StoredModel:
 
 def _serialize(arrays: Arrays) -> bytes:
     buffer = io.BytesIO()
-    np.savez(buffer, allow_pickle=False, **arrays)  # type: ignore[arg-type]
+    np.savez(buffer, allow_pickle=False, **arrays)
     return buffer.getvalue()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import resource
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -285,6 +286,8 @@ class Federation:
             "train-loss": train_metrics.get("train-loss", math.nan),
             "participants": float(len(result.accepted)),
             "examples": result.total_examples,
+            # Peak RSS of the ServerApp process so far (Linux reports KiB).
+            "server-peak-rss-mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         }
 
         start = self.clock()

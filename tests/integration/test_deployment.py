@@ -19,10 +19,10 @@ def _overrides(d: Deployment, **extra: object) -> dict[str, object]:
 
 def test_two_rounds_recorded_in_the_state_db(deployment: Deployment) -> None:
     d = deployment
-    flower_run_id = d.control.start_run(_overrides(d, **{"num-rounds": 2, "local-epochs": 2}))
-    run = follow_run(d.repo, flower_run_id, timeout=300, alive=lambda: not d.control.run_finished(flower_run_id))
+    flower_run_id = d.federation.control.start_run(_overrides(d, **{"num-rounds": 2, "local-epochs": 2}))
+    run = follow_run(d.repo, flower_run_id, timeout=300, alive=lambda: d.federation.alive(flower_run_id))
 
-    assert run.status == RunStatus.COMPLETED, f"{run.error}\n{d.logs()}"
+    assert run.status == RunStatus.COMPLETED, f"{run.error}\n{d.federation.logs()}"
     assert [(r.number, r.status, len(r.participants)) for r in run.rounds] == [
         (1, RoundStatus.COMPLETED, 3), (2, RoundStatus.COMPLETED, 3)
     ]
@@ -37,7 +37,7 @@ def test_two_rounds_recorded_in_the_state_db(deployment: Deployment) -> None:
     assert run.config["num-rounds"] == 2 and run.flower_run_id == flower_run_id
     # Flower itself marks the run finished once the ServerApp process has exited.
     deadline = time.monotonic() + 60
-    while not d.control.run_finished(flower_run_id):
+    while not d.federation.control.run_finished(flower_run_id):
         assert time.monotonic() < deadline, "Flower never marked the run finished"
         time.sleep(0.5)
 
@@ -45,22 +45,22 @@ def test_two_rounds_recorded_in_the_state_db(deployment: Deployment) -> None:
 @pytest.mark.slow
 def test_killed_node_mid_round_is_recorded_and_the_round_completes(deployment: Deployment) -> None:
     d = deployment
-    flower_run_id = d.control.start_run(
+    flower_run_id = d.federation.control.start_run(
         _overrides(d, **{"num-rounds": 2, "local-epochs": 40, "round-timeout": 150.0, "min-nodes": 2})
     )
-    victim = d.nodes["public-works"]
+    victim = d.federation.nodes["public-works"]
     deadline = time.monotonic() + 120
     while True:  # wait until round 1 is in flight, then kill one department's whole node
         runs = d.repo.list_runs()
         if runs and runs[-1].rounds and runs[-1].rounds[0].status == RoundStatus.RUNNING:
             break
-        assert time.monotonic() < deadline, d.logs()
+        assert time.monotonic() < deadline, d.federation.logs()
         time.sleep(0.2)
     time.sleep(1.0)
-    d.group.kill(victim, signal.SIGKILL, group=True)
+    d.federation.group.kill(victim, signal.SIGKILL, group=True)
 
-    run = follow_run(d.repo, flower_run_id, timeout=420, alive=lambda: not d.control.run_finished(flower_run_id))
-    assert run.status == RunStatus.COMPLETED, f"{run.error}\n{d.logs()}"
+    run = follow_run(d.repo, flower_run_id, timeout=420, alive=lambda: d.federation.alive(flower_run_id))
+    assert run.status == RunStatus.COMPLETED, f"{run.error}\n{d.federation.logs()}"
     first = run.rounds[0]
     assert first.status == RoundStatus.COMPLETED and len(first.participants) == 2
     [failure] = first.failures

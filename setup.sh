@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up QuorumFL in ./.venv on Python >= 3.11.
+#   ./setup.sh        the product (quorumfl command)
+#   ./setup.sh --dev  plus the test and lint tools
+# torch is installed first and only when missing, pinned to the 2.13 CPU wheel: an unpinned torch
+# would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+extras=""
+[ "${1:-}" = "--dev" ] && extras="[dev]"
+
+python=""
+for candidate in "${PYTHON:-}" python3.11 python3.12 python3.13 python3; do
+  [ -n "$candidate" ] || continue
+  if command -v "$candidate" >/dev/null 2>&1 &&
+     "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    python="$candidate"; break
+  fi
+done
+[ -n "$python" ] || { echo "setup.sh: Python 3.11 or newer is required (set PYTHON=/path/to/python3.11)" >&2; exit 1; }
+
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+if ! .venv/bin/python -c 'import torch' >/dev/null 2>&1; then
+  echo "setup.sh: installing torch 2.13.0 (CPU)"
+  "${pip[@]}" torch==2.13.0
+fi
+echo "setup.sh: installing quorumfl${extras}"
+"${pip[@]}" -e ".${extras}"
+.venv/bin/quorumfl --help >/dev/null
+echo "setup.sh: ready (.venv/bin/quorumfl)"
