@@ -15,6 +15,7 @@ import typer
 
 from quorumfl.aggregation.errors import QuorumError
 
+from ..processes import terminate_on_signals
 from ..state.database import default_home, default_url
 from .cmd_federation import data_app, db_app, demo, node_app, server_app
 from .cmd_runs import rounds_app, runs_app
@@ -57,7 +58,13 @@ def root(
 def main() -> None:
     debug = "--debug" in sys.argv
     try:
-        app(standalone_mode=False)
+        with terminate_on_signals():  # SIGTERM unwinds like Ctrl-C, so child processes are stopped
+            # Typer returns (not raises) the exit code of an interrupt or typer.Exit here.
+            code = app(standalone_mode=False)
+        if isinstance(code, int) and code:
+            if code == 130:
+                err_console.print("[red]interrupted[/red]")
+            sys.exit(code)
     except QuorumError as exc:
         if debug:
             err_console.print_exception()
