@@ -55,6 +55,7 @@ class WeightedMean:
         self._shapes = {name: tuple(np.shape(a)) for name, a in template.items()}
         self._dtypes = {name: np.asarray(a).dtype for name, a in template.items()}
         self._sums = {name: np.zeros(shape, dtype=np.float64) for name, shape in self._shapes.items()}
+        self._scratch: dict[str, NDArray[np.floating]] = {}
         self._total = 0.0
         self._nodes: list[str] = []
 
@@ -106,8 +107,16 @@ class WeightedMean:
             raise AggregationError("a second update from the same node in one aggregation", node=update.node)
         weight = self.check(update)
         for name, array in update.arrays.items():
-            acc = self._sums[name]
-            acc += weight * np.asarray(array, dtype=np.float64)
+            # w·x in the update's own float precision (one rounding per term) into a reused buffer,
+            # then added into the float64 sums: no allocation per update, and half the memory
+            # traffic of converting x to float64 first.
+            arr = np.asarray(array)
+            dtype = arr.dtype if np.issubdtype(arr.dtype, np.floating) else np.dtype(np.float64)
+            scratch = self._scratch.get(name)
+            if scratch is None or scratch.dtype != dtype:
+                scratch = self._scratch[name] = np.empty(self._shapes[name], dtype=dtype)
+            np.multiply(arr, dtype.type(weight), out=scratch)
+            np.add(self._sums[name], scratch, out=self._sums[name])
         self._total += weight
         self._nodes.append(update.node)
 
