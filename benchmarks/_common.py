@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 from typing import Any
@@ -20,3 +21,11 @@ def report(figures: dict[str, Any], *, as_json: bool) -> None:
         print(f"{key:<{width}}  {shown}")
     if as_json:
         print(json.dumps(figures))
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """An argument parser with the flags every benchmark takes: --smoke and --json."""
+    out = argparse.ArgumentParser(description=doc.splitlines()[0])
+    out.add_argument("--smoke", action="store_true", help="tiny sizes for CI")
+    out.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    return out

@@ -12,20 +12,18 @@ mean_s (1.0 would be as fast as a memcpy).
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
 
 from quorumfl.aggregation import NodeUpdate, WeightedMean
 
+from _common import parser as make_parser
 from _common import peak_rss_mb, report
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes for CI")
-    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser = make_parser(__doc__ or "")
     parser.add_argument("--nodes", type=int, default=100)
     parser.add_argument("--params", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=3)

@@ -19,7 +19,6 @@ Figures are means over the rounds after the first (the first also pays one-off s
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 import time
@@ -32,13 +31,12 @@ from quorumfl.server.services import follow_run
 from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository, RoundStatus
 
+from _common import parser as make_parser
 from _common import peak_rss_mb, report
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes for CI")
-    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser = make_parser(__doc__ or "")
     parser.add_argument("--nodes", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", default="mlp-wide")
@@ -56,7 +54,7 @@ def main() -> None:
         with local_federation(home, parts, db_url=db_url) as federation:
             up_s = time.perf_counter() - started
             flower_run_id = federation.control.start_run(
-                {"model": model, "num-rounds": rounds, "local-epochs": 1, "min-nodes": nodes,
+                {"model": model, "num-rounds": rounds, "local-epochs": 1, "min-nodes": 2,
                  "strategy": "fedavg", "start-from": "fresh", "state-url": db_url,
                  "model-dir": str(home / "models"), "round-timeout": 600.0}
             )
@@ -83,6 +81,8 @@ def main() -> None:
                 "aggregate_s": mean("aggregate"),
                 "evaluate_s": mean("evaluate"),
                 "store_s": mean("store"),
+                "node_failures": sum(len(r.failures) for r in run.rounds),
+                "rounds_completed": len(done),
                 "first_round_s": sum(v for k, v in done[0].timings.items() if k != "local_train_max"),
                 "federation_start_s": up_s,
                 "server_peak_rss_mb": max(rss) if rss else -1.0,

@@ -142,11 +142,6 @@ class RunConfig:
             raise ConfigError(problems)
         return config
 
-    @property
-    def mu(self) -> float:
-        """The proximal coefficient nodes use (0 under FedAvg)."""
-        return self.proximal_mu if self.strategy is StrategyName.FEDPROX else 0.0
-
     def resolved(self) -> dict[str, Any]:
         """Kebab-case mapping of every setting, as stored with the run."""
         return {k.replace("_", "-"): (v.value if isinstance(v, StrEnum) else v) for k, v in asdict(self).items()}

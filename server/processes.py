@@ -143,16 +143,23 @@ class ProcessGroup:
                 child.process.send_signal(sig)
 
     def stop_all(self, *, grace: float = 10.0) -> None:
+        """SIGTERM every child's process group and every descendant (Flower starts its ServerApp
+        in a session of its own, outside the group), then SIGKILL whatever is left after ``grace``."""
+        descendants = _descendants({c.process.pid for c in self.children})
         for child in reversed(self.children):
             self.kill(child, signal.SIGTERM, group=True)
+        _signal_pids(descendants, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for child in self.children:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        for child in self.children:  # whatever is left, including grandchildren in the group
+        while _alive(descendants) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for child in self.children:
             self.kill(child, signal.SIGKILL, group=True)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.process.wait(timeout=5)
+        _signal_pids(_alive(descendants), signal.SIGKILL)
         self.children.clear()
 
     def __enter__(self) -> ProcessGroup:
@@ -168,6 +175,33 @@ class ProcessGroup:
             return "\n".join(child.log.read_text(errors="replace").splitlines()[-lines:])
         except OSError:
             return ""
+
+
+def _descendants(roots: set[int]) -> set[int]:
+    """All processes below ``roots``, found through /proc (Linux); empty where /proc is absent."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found: set[int] = set()
+    frontier = set(roots)
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier and pid not in found}
+        found |= frontier
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    return {pid for pid in pids if Path(f"/proc/{pid}").exists()}
+
+
+def _signal_pids(pids: set[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
 
 
 @contextlib.contextmanager

@@ -197,6 +197,9 @@ class Federation:
             seen: set[int] = set()
             completed = 0
             for number in range(1, config.num_rounds + 1):
+                if self.repo.run_status(run.id) is RunStatus.STOPPED:
+                    log.info("run %s was stopped by the admin before round %s", run.id, number)
+                    return run.id
                 head = self.repo.head_version(arch)
                 if parent is not None and head is not None and head.id != parent:
                     log.info("head of %s moved to version %s (rollback); continuing from it", arch, head.id)

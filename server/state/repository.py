@@ -85,15 +85,25 @@ class Repository:
         return self._write(op)  # type: ignore[no-any-return]
 
     def finish_run(self, run_id: int, status: RunStatus, *, error: str | None = None) -> None:
+        """Record the run's final status; a run already stopped by the admin stays stopped."""
+
         def op(s: Session) -> None:
             run = s.get(Run, run_id)
             if run is None:
                 raise NotFoundError(f"run {run_id} does not exist")
+            if run.status == RunStatus.STOPPED:
+                return
             run.status = status
             run.error = error
             run.finished_at = utcnow()
 
         self._write(op)
+
+    def run_status(self, run_id: int) -> RunStatus:
+        status = self._read(lambda s: s.scalar(select(Run.status).where(Run.id == run_id)))
+        if status is None:
+            raise NotFoundError(f"run {run_id} does not exist")
+        return RunStatus(status)
 
     def get_run(self, ref: int) -> Run:
         """A run by QuorumFL id, or else by Flower run id."""

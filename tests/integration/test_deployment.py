@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -71,3 +73,30 @@ def test_killed_node_mid_round_is_recorded_and_the_round_completes(deployment: D
     assert departments[failure.node_id] is None
     assert sorted(departments[n] or "" for n in first.participants) == ["tax-office", "urban-planning"]
     assert run.rounds[1].status == RoundStatus.COMPLETED and len(run.rounds[1].participants) == 2
+
+
+def test_runs_stop_through_the_cli(deployment: Deployment) -> None:
+    d = deployment
+    flower_run_id = d.federation.control.start_run(_overrides(d, **{"num-rounds": 50, "local-epochs": 1}))
+    deadline = time.monotonic() + 180
+    while True:  # let round 1 finish
+        runs = d.repo.list_runs()
+        if runs and any(r.status == RoundStatus.COMPLETED for r in runs[-1].rounds):
+            break
+        assert time.monotonic() < deadline, d.federation.logs()
+        time.sleep(0.5)
+    result = subprocess.run(
+        [sys.executable, "-m", "quorumfl.server.cli", "--db", d.db_url, "runs", "stop", str(flower_run_id),
+         "--superlink", d.federation.address],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    deadline = time.monotonic() + 60
+    while not d.federation.control.run_finished(flower_run_id):
+        assert time.monotonic() < deadline, "Flower did not stop the run"
+        time.sleep(0.5)
+    time.sleep(2)
+    run = d.repo.get_run(flower_run_id)
+    assert run.status == RunStatus.STOPPED
+    assert len([r for r in run.rounds if r.status == RoundStatus.COMPLETED]) < 50
+    assert all(r.status in (RoundStatus.COMPLETED, RoundStatus.ABORTED) for r in run.rounds)

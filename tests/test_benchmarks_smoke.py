@@ -1,0 +1,37 @@
+"""CI smoke runs of the benchmarks: tiny sizes, and the last line is one JSON object with the keys
+the benchmark promises (no timing assertions: figures are for people, quoted from full runs)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _run(script: str) -> dict[str, object]:
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--smoke", "--json"],
+        capture_output=True, text=True, timeout=600, cwd=BENCHMARKS,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    assert isinstance(figures, dict)
+    return figures
+
+
+def test_aggregate_throughput_smoke() -> None:
+    figures = _run("aggregate_throughput.py")
+    assert {"mean_s", "copy_s", "fraction_of_copy_bandwidth", "peak_rss_mb"} <= set(figures)
+    assert float(figures["mean_s"]) > 0 and float(figures["copy_s"]) > 0  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_round_overhead_smoke() -> None:
+    figures = _run("round_overhead.py")
+    assert {"round_s", "train_s", "transport_s", "aggregate_s", "server_peak_rss_mb"} <= set(figures)
+    assert float(figures["round_s"]) >= float(figures["aggregate_s"]) >= 0  # type: ignore[arg-type]
