@@ -16,10 +16,9 @@ import time
 
 import numpy as np
 
-from quorumfl.aggregation import NodeUpdate, WeightedMean
-
 from _common import parser as make_parser
 from _common import peak_rss_mb, report
+from quorumfl.aggregation import NodeUpdate, WeightedMean
 
 
 def main() -> None:

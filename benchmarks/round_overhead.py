@@ -24,15 +24,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import parser as make_parser
+from _common import peak_rss_mb, report
 from quorumfl.client.data import prepare_partitions
 from quorumfl.client.models import build_model
 from quorumfl.server.local import local_federation
 from quorumfl.server.services import follow_run
 from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository, RoundStatus
-
-from _common import parser as make_parser
-from _common import peak_rss_mb, report
 
 
 def main() -> None:

@@ -11,9 +11,9 @@ import logging
 import time
 from pathlib import Path
 
+import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
-import torch
 
 from quorumfl.aggregation.errors import DataError
 

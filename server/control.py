@@ -18,7 +18,12 @@ import tomli_w
 from flwr.cli.build import build_fab_from_files
 from flwr.cli.cli_client_interceptor import CliClientHttpInterceptor
 from flwr.common.serde import fab_to_proto, user_config_to_proto
-from flwr.proto.control_pb2 import ListNodesRequest, ListRunsRequest, StartRunRequest, StopRunRequest
+from flwr.proto.control_pb2 import (
+    ListNodesRequest,
+    ListRunsRequest,
+    StartRunRequest,
+    StopRunRequest,
+)
 from flwr.supercore.control import ControlHttpClient
 from flwr.supercore.fab import Fab
 from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor

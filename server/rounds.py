@@ -25,7 +25,15 @@ from quorumfl.aggregation.errors import FederationError
 from quorumfl.client.data.datasets import Dataset, holdout_split
 from quorumfl.client.models import architecture_key, arrays_to_model, build_model, model_to_arrays
 from quorumfl.client.training import evaluate
-from quorumfl.client.wire import ARRAYS, CONFIG, METRICS, NODE, TrainConfig, from_array_record, to_array_record
+from quorumfl.client.wire import (
+    ARRAYS,
+    CONFIG,
+    METRICS,
+    NODE,
+    TrainConfig,
+    from_array_record,
+    to_array_record,
+)
 
 from .config import RunConfig, StartFrom
 from .model_store import ModelStore

@@ -13,7 +13,14 @@ from quorumfl.client.data import prepare_partitions, read_partition
 from quorumfl.client.data.datasets import FASHION_MNIST_DIR
 
 from ..demo import DemoSettings, run_demo
-from ..processes import ProcessGroup, flower_env, free_port, superlink_command, supernode_command, wait_for_port
+from ..processes import (
+    ProcessGroup,
+    flower_env,
+    free_port,
+    superlink_command,
+    supernode_command,
+    wait_for_port,
+)
 from ..services import run_view
 from ..state.database import connect
 from .cmd_runs import round_progress, round_reporter
