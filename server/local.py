@@ -47,15 +47,12 @@ class LocalFederation:
 def local_federation(
     home: Path, departments: dict[str, Path], *, db_url: str, connect_timeout: float = 120.0
 ) -> Iterator[LocalFederation]:
-    """Start the SuperLink (fresh Flower state under ``home``) and the SuperNodes; wait until all
-    nodes are online."""
-    link_db = home / "superlink.db"
-    for stale in home.glob("superlink.db*"):
-        stale.unlink()
+    """Start the SuperLink (Flower's link state in memory) and the SuperNodes, with logs under
+    ``home``; wait until all nodes are online."""
     port = free_port()
     address = f"127.0.0.1:{port}"
     with ProcessGroup(home / "logs", flower_env(home, db_url=db_url)) as group:
-        link = group.start("superlink", superlink_command(port=port, database=link_db))
+        link = group.start("superlink", superlink_command(port=port, database=None))
         try:
             wait_for_port("127.0.0.1", port, timeout=60, process=link.process)
         except FederationError as exc:

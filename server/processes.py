@@ -56,10 +56,14 @@ def flower_env(home: Path, *, db_url: str | None = None) -> dict[str, str]:
     return env
 
 
-def superlink_command(*, port: int, database: Path, host: str = "127.0.0.1", insecure: bool = True) -> list[str]:
+def superlink_command(
+    *, port: int, database: Path | None, host: str = "127.0.0.1", insecure: bool = True
+) -> list[str]:
+    """``database=None`` keeps Flower's link state in memory: nothing to lock or clean up, which
+    suits short-lived local federations (under load its SQLite state hit 'database is locked')."""
     cmd = [
         _bin("flower-superlink"),
-        "--database", str(database),
+        *(["--database", str(database)] if database is not None else []),
         "--disable-runtime-dependency-installation",
         "--host", host,
         "--port", str(port),
