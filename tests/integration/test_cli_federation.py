@@ -1,0 +1,67 @@
+"""The admin workflow with the CLI alone: `server start`, `data split`, `node start`, `runs start --follow`."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from quorumfl.server.processes import free_port, wait_for_port
+
+
+def _cli(home: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "quorumfl.server.cli", "--home", str(home), *args]
+
+
+def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    port = free_port()
+    split = subprocess.run(
+        _cli(home, "data", "split", "--out", str(tmp_path / "parts"), "--departments", "tax-office,parks", "--method", "iid"),
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert split.returncode == 0, split.stderr
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(name: str, *args: str) -> subprocess.Popen[bytes]:
+        with open(logs / f"{name}.log", "wb") as log:
+            proc = subprocess.Popen(_cli(home, *args), stdout=log, stderr=subprocess.STDOUT)
+        started.append(proc)
+        return proc
+
+    try:
+        server = start("server", "server", "start", "--port", str(port))
+        wait_for_port("127.0.0.1", port, timeout=90)
+        for dept in ("tax-office", "parks"):
+            start(dept, "node", "start", "--department", dept, "--data", str(tmp_path / "parts" / dept),
+                  "--superlink", f"127.0.0.1:{port}")
+        config = tmp_path / "run.toml"
+        config.write_text('[run]\nstrategy = "fedavg"\nnum-rounds = 2\nlocal-epochs = 1\nstart-from = "fresh"\n')
+        run = subprocess.run(
+            _cli(home, "runs", "start", str(config), "--superlink", f"127.0.0.1:{port}", "--follow", "--timeout", "300",
+                 "-c", "min-nodes=2"),
+            capture_output=True, text=True, timeout=400, check=False,
+        )
+        assert run.returncode == 0, run.stdout + run.stderr + (logs / "server.log").read_text()
+        assert "completed" in run.stdout
+        listed = subprocess.run(_cli(home, "runs", "list", "--format", "json"), capture_output=True, text=True, timeout=120, check=False)
+        [record] = json.loads(listed.stdout)
+        assert record["status"] == "completed" and record["rounds_completed"] == 2 and record["strategy"] == "fedavg"
+        nodes = json.loads(subprocess.run(_cli(home, "nodes", "list", "--format", "json"), capture_output=True, text=True,
+                                          timeout=120, check=False).stdout)
+        assert sorted(n["department"] for n in nodes) == ["parks", "tax-office"]
+    finally:
+        for proc in started:
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        for proc in started:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    assert server.returncode == 130  # stopped by the signal, after stopping its SuperLink
