@@ -25,7 +25,7 @@ from ..services import run_view
 from ..state.database import connect
 from .cmd_runs import round_progress, round_reporter
 from .context import DEFAULT_SUPERLINK, settings
-from .output import console, table
+from .output import console, err_console, table
 
 server_app = typer.Typer(help="The coordinating server (Flower SuperLink + QuorumFL state).", no_args_is_help=True)
 node_app = typer.Typer(help="A department node (Flower SuperNode running the QuorumFL ClientApp).", no_args_is_help=True)
@@ -65,6 +65,13 @@ def demo(
                   f"'quorumfl runs show {run.id}'")
 
 
+INSECURE_WARNING = (
+    "[yellow]warning: TLS and node authentication are not enabled in this release; traffic to and "
+    "from the SuperLink is unencrypted and any node that reaches it can join. Run it only on a "
+    "trusted network.[/yellow]"
+)
+
+
 @server_app.command("start")
 def server_start(
     ctx: typer.Context,
@@ -73,6 +80,7 @@ def server_start(
 ) -> None:
     """Run the Flower SuperLink with the QuorumFL state DB until Ctrl-C."""
     state = settings(ctx)
+    err_console.print(INSECURE_WARNING)
     connect(state.db_url, migrate=True)
     with ProcessGroup(state.home / "logs", flower_env(state.home, db_url=state.db_url)) as group:
         link = group.start("superlink", superlink_command(port=port, host=host, database=state.home / "superlink.db"))
@@ -93,6 +101,7 @@ def node_start(
 ) -> None:
     """Run a Flower SuperNode that serves the QuorumFL ClientApp on DATA, until Ctrl-C."""
     state = settings(ctx)
+    err_console.print(INSECURE_WARNING)
     part = read_partition(data)  # fail here, clearly, rather than in every round
     console.print(f"{department}: {len(part.train)} training and {len(part.test)} test examples of {part.dataset}")
     with ProcessGroup(state.home / "logs", flower_env(state.home)) as group:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +16,8 @@ from quorumfl.server.services import follow_run
 from quorumfl.server.state.repository import RoundStatus, RunStatus
 
 from .conftest import DEPARTMENTS, Deployment
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _overrides(d: Deployment, **extra: object) -> dict[str, object]:
@@ -100,3 +105,25 @@ def test_runs_stop_through_the_cli(deployment: Deployment) -> None:
     assert run.status == RunStatus.STOPPED
     assert len([r for r in run.rounds if r.status == RoundStatus.COMPLETED]) < 50
     assert all(r.status in (RoundStatus.COMPLETED, RoundStatus.ABORTED) for r in run.rounds)
+
+
+def test_flowers_own_flwr_run_drives_the_app(deployment: Deployment, tmp_path: Path) -> None:
+    """`flwr run . CONNECTION` (Flower's CLI, the repo's pyproject as the app) runs the same app."""
+    d = deployment
+    flwr_home = tmp_path / "flwr-cli"
+    flwr_home.mkdir()
+    (flwr_home / "config.toml").write_text(
+        f'[superlink]\ndefault = "quorumfl"\n\n[superlink.quorumfl]\naddress = "{d.federation.address}"\ninsecure = true\n'
+    )
+    overrides = f"num-rounds=1 local-epochs=1 start-from='fresh' state-url='{d.db_url}' model-dir='{d.home / 'models'}'"
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "flwr"), "run", str(ROOT), "quorumfl", "--format", "json", "-c", overrides],
+        env={**os.environ, "FLWR_HOME": str(flwr_home), "FLWR_TELEMETRY_ENABLED": "0"},
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    flower_run_id = int(json.loads(result.stdout[result.stdout.index("{"):])["run-id"])
+    run = follow_run(d.repo, flower_run_id, timeout=300, alive=lambda: d.federation.alive(flower_run_id))
+    assert run.status == RunStatus.COMPLETED, f"{run.error}\n{d.federation.logs()}"
+    assert [(r.number, len(r.participants)) for r in run.rounds] == [(1, 3)]
+    assert not (ROOT / "pyproject.toml").read_text().count("[tool.flwr.federations]")  # flwr left it alone
