@@ -43,12 +43,18 @@ def _partition(context: Context) -> tuple[Partition, str]:
     return part, department if isinstance(department, str) and department else part.department
 
 
-@app.train()
-def train_handler(msg: Message, context: Context) -> Message:
-    part, department = _partition(context)
+def _received_model(msg: Message, part: Partition) -> tuple[TrainConfig, torch.nn.Module]:
+    """The round's config and the global model it carries, built for this partition's data."""
     config = TrainConfig.from_record(msg.content.config_records[CONFIG])
     model = build_model(config.model, part.train.input_shape, part.train.num_classes)
     arrays_to_model(model, from_array_record(msg.content.array_records[ARRAYS]))
+    return config, model
+
+
+@app.train()
+def train_handler(msg: Message, context: Context) -> Message:
+    part, department = _partition(context)
+    config, model = _received_model(msg, part)
     before = evaluate(model, part.test)
     started = time.perf_counter()
     result = train(
@@ -86,9 +92,7 @@ def train_handler(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate_handler(msg: Message, context: Context) -> Message:
     part, department = _partition(context)
-    config = TrainConfig.from_record(msg.content.config_records[CONFIG])
-    model = build_model(config.model, part.test.input_shape, part.test.num_classes)
-    arrays_to_model(model, from_array_record(msg.content.array_records[ARRAYS]))
+    _, model = _received_model(msg, part)
     result = evaluate(model, part.test)
     content = RecordDict(
         {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -14,6 +15,7 @@ from quorumfl.client.data.datasets import FASHION_MNIST_DIR
 
 from ..demo import DemoSettings, run_demo
 from ..processes import (
+    Child,
     ProcessGroup,
     flower_env,
     free_port,
@@ -82,13 +84,13 @@ def server_start(
     state = settings(ctx)
     err_console.print(INSECURE_WARNING)
     connect(state.db_url, migrate=True)
-    with ProcessGroup(state.home / "logs", flower_env(state.home, db_url=state.db_url)) as group:
-        link = group.start("superlink", superlink_command(port=port, host=host, database=state.home / "superlink.db"))
-        wait_for_port(host, port, timeout=60, process=link.process)
-        console.print(f"[green]SuperLink listening on {host}:{port}[/green]; state DB {state.db_url}; log {link.log}")
-        code = link.process.wait()
-    if code != 0:
-        raise FederationError(f"the SuperLink exited with code {code}; see {link.log}")
+    cmd = superlink_command(port=port, host=host, database=state.home / "superlink.db")
+
+    def ready(child: Child) -> None:
+        wait_for_port(host, port, timeout=60, process=child.process)
+        console.print(f"[green]SuperLink listening on {host}:{port}[/green]; state DB {state.db_url}; log {child.log}")
+
+    _run_in_foreground(flower_env(state.home, db_url=state.db_url), state.home / "logs", "superlink", cmd, ready)
 
 
 @node_app.command("start")
@@ -104,15 +106,23 @@ def node_start(
     err_console.print(INSECURE_WARNING)
     part = read_partition(data)  # fail here, clearly, rather than in every round
     console.print(f"{department}: {len(part.train)} training and {len(part.test)} test examples of {part.dataset}")
-    with ProcessGroup(state.home / "logs", flower_env(state.home)) as group:
-        node = group.start(
-            f"node-{department}",
-            supernode_command(superlink=superlink, port=port or free_port(), data_path=data.resolve(), department=department),
-        )
-        console.print(f"[green]node {department} started[/green]; log {node.log}")
-        code = node.process.wait()
+    cmd = supernode_command(superlink=superlink, port=port or free_port(), data_path=data.resolve(), department=department)
+    _run_in_foreground(
+        flower_env(state.home), state.home / "logs", f"node-{department}", cmd,
+        lambda child: console.print(f"[green]node {department} started[/green]; log {child.log}"),
+    )
+
+
+def _run_in_foreground(
+    env: dict[str, str], log_dir: Path, name: str, cmd: list[str], on_started: Callable[[Child], None]
+) -> None:
+    """Run one Flower process until it exits or we are interrupted; it (and its children) always stop."""
+    with ProcessGroup(log_dir, env) as group:
+        child = group.start(name, cmd)
+        on_started(child)
+        code = child.process.wait()
     if code != 0:
-        raise FederationError(f"the SuperNode exited with code {code}; see {node.log}")
+        raise FederationError(f"{name} exited with code {code}; see {child.log}")
 
 
 @data_app.command("split")
