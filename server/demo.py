@@ -15,7 +15,6 @@ from quorumfl.client.data import prepare_partitions
 
 from .local import local_federation
 from .services import follow_run
-from .state.database import connect, default_url
 from .state.orm import Round, Run
 from .state.repository import Repository
 
@@ -36,6 +35,7 @@ DEPARTMENTS = [
 @dataclass(frozen=True)
 class DemoSettings:
     home: Path
+    db_url: str
     departments: int = 4
     rounds: int = 5
     alpha: float = 0.5
@@ -43,24 +43,24 @@ class DemoSettings:
     strategy: str = "fedprox"
     proximal_mu: float = 0.1
     timeout: float = 900.0
-    db_url: str | None = None
 
 
 def run_demo(
     settings: DemoSettings,
+    repo: Repository,
     *,
     on_status: Callable[[str], None] = lambda _msg: None,
     on_round: Callable[[Run, Round], None] | None = None,
-) -> tuple[Repository, Run]:
-    """Run the whole demo; every child process is stopped before this returns or raises."""
+) -> Run:
+    """Run the whole demo, recording into ``repo`` (the state DB at ``settings.db_url``, migrated);
+    every child process is stopped before this returns or raises."""
     if not 1 <= settings.departments <= len(DEPARTMENTS):
         raise FederationError(f"--departments must be 1..{len(DEPARTMENTS)}, got {settings.departments}")
     home = settings.home
     names = DEPARTMENTS[: settings.departments]
     on_status(f"splitting digits across {len(names)} departments (Dirichlet α={settings.alpha})")
     parts = prepare_partitions(home / "demo" / "data", names, dataset="digits", alpha=settings.alpha, seed=settings.seed)
-    db_url = settings.db_url or default_url(home)
-    repo = Repository(connect(db_url, migrate=True))
+    db_url = settings.db_url
     with local_federation(home / "demo", parts, db_url=db_url) as federation:
         on_status(f"SuperLink on {federation.address}; {len(names)} SuperNodes online: {', '.join(names)}")
         overrides: dict[str, Any] = {
@@ -79,4 +79,4 @@ def run_demo(
             repo, flower_run_id, timeout=settings.timeout, on_round=on_round,
             alive=lambda: federation.alive(flower_run_id),
         )
-    return repo, run
+    return run

@@ -13,11 +13,10 @@ from typing import Any
 from quorumfl.aggregation.errors import FederationError, NotFoundError
 
 from .model_store import ModelStore
-from .state.orm import ModelVersion, Round, Run
+from .state.orm import Metric, ModelVersion, Round, Run
 from .state.repository import Repository, RoundStatus, RunStatus
 
 __all__ = [
-    "department_accuracy",
     "export_model",
     "follow_run",
     "model_view",
@@ -69,11 +68,10 @@ def round_view(rnd: Round, departments: dict[int, str | None]) -> dict[str, Any]
     }
 
 
-def department_accuracy(repo: Repository, run: Run) -> list[dict[str, Any]]:
+def _department_accuracy(metrics: list[Metric], departments: dict[int, str | None]) -> list[dict[str, Any]]:
     """Per department: accuracy of the final global model on its own test split."""
-    departments = {n.node_id: n.department for n in repo.list_nodes()}
     rows: dict[int, dict[str, Any]] = {}
-    for metric in repo.metrics(run.id):
+    for metric in metrics:
         if metric.node_id is None or not metric.name.startswith("final-"):
             continue
         row = rows.setdefault(
@@ -86,8 +84,9 @@ def department_accuracy(repo: Repository, run: Run) -> list[dict[str, Any]]:
 def run_view(repo: Repository, ref: int) -> dict[str, Any]:
     run = repo.get_run(ref)
     departments = {n.node_id: n.department for n in repo.list_nodes()}
+    metrics = repo.metrics(run.id)
     global_metrics: dict[int, dict[str, float]] = {}
-    for metric in repo.metrics(run.id):
+    for metric in metrics:
         if metric.node_id is None:
             global_metrics.setdefault(metric.round, {})[metric.name] = metric.value
     rounds = []
@@ -99,7 +98,7 @@ def run_view(repo: Repository, ref: int) -> dict[str, Any]:
         **run_summary(repo, run),
         "config": run.config,
         "rounds": rounds,
-        "departments": department_accuracy(repo, run),
+        "departments": _department_accuracy(metrics, departments),
     }
 
 

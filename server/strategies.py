@@ -19,7 +19,7 @@ from quorumfl.client.wire import TrainConfig
 
 from .config import RunConfig, StrategyName
 
-__all__ = ["STRATEGIES", "AggregateResult", "FedAvg", "FedProx", "build_strategy"]
+__all__ = ["AggregateResult", "FedAvg", "FedProx", "build_strategy"]
 
 Arrays = dict[str, NDArray[np.generic]]
 
@@ -93,14 +93,11 @@ class FedProx(FedAvg):
         return {node: config for node in nodes}
 
 
-STRATEGIES: dict[StrategyName, type[FedAvg]] = {
-    StrategyName.FEDAVG: FedAvg,
-    StrategyName.FEDPROX: FedProx,
-}
-
-
 def build_strategy(config: RunConfig) -> FedAvg:
-    common = {"fraction_train": config.fraction_train, "min_nodes": config.min_nodes, "seed": config.seed}
+    """The strategy named by the run config, with every hyperparameter visible here."""
     if config.strategy is StrategyName.FEDPROX:
-        return FedProx(**common, proximal_mu=config.proximal_mu)  # type: ignore[arg-type]
-    return STRATEGIES[config.strategy](**common)  # type: ignore[arg-type]
+        return FedProx(
+            fraction_train=config.fraction_train, min_nodes=config.min_nodes, seed=config.seed,
+            proximal_mu=config.proximal_mu,
+        )
+    return FedAvg(fraction_train=config.fraction_train, min_nodes=config.min_nodes, seed=config.seed)

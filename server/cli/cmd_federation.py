@@ -48,12 +48,14 @@ def demo(
     state = settings(ctx)
     progress, task = round_progress(rounds)
     started = time.monotonic()
+    repo = state.repository(migrate=True)
     with progress:
-        repo, run = run_demo(
+        run = run_demo(
             DemoSettings(home=state.home, departments=departments, rounds=rounds, alpha=alpha, seed=seed,
                          strategy=strategy, proximal_mu=mu, db_url=state.db_url),
+            repo,
             on_status=lambda msg: progress.console.print(f"[dim]{msg}[/dim]"),
-            on_round=round_reporter(state.repository(migrate=True), progress, task),
+            on_round=round_reporter(repo, progress, task),
         )
     view = run_view(repo, run.id)
     rows = [{"round": r["round"], "status": r["status"], "accuracy": r["metrics"].get("accuracy"),
