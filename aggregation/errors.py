@@ -8,7 +8,9 @@ every other layer (client, server, CLI) can import it::
     ├── DataError            missing/corrupt dataset or partition directory
     ├── ModelError           unknown model name, architecture mismatch
     ├── AggregationError     an update that cannot be combined (names the node and the problem)
-    │   └── EmptyAggregationError   nothing left to aggregate
+    │   ├── EmptyAggregationError   nothing left to aggregate
+    │   └── SecureAggregationError  a secure-aggregation message breaks the protocol (fails closed)
+    │       └── QuorumNotMetError   fewer than t parties are left; nothing is revealed
     ├── StateError           the state database (unreachable, not migrated, missing row)
     │   └── NotFoundError    a run / node / model version that does not exist
     ├── ModelStoreError      a model file missing, tampered or unreadable
@@ -29,6 +31,8 @@ __all__ = [
     "ModelStoreError",
     "NotFoundError",
     "QuorumError",
+    "QuorumNotMetError",
+    "SecureAggregationError",
     "StateError",
 ]
 
@@ -63,6 +67,14 @@ class AggregationError(QuorumError):
 
 class EmptyAggregationError(AggregationError):
     """No valid update is left to aggregate."""
+
+
+class SecureAggregationError(AggregationError):
+    """A secure-aggregation stage received something the protocol does not allow; the stage refuses it."""
+
+
+class QuorumNotMetError(SecureAggregationError):
+    """Fewer than the threshold of parties remain, so the protocol stops before revealing anything."""
 
 
 class StateError(QuorumError):

@@ -1,0 +1,274 @@
+"""The server's side of the masking protocol: a key epoch, and per round the masked sum and unmasking.
+
+``CoordinatorEpoch`` runs the two setup stages (collect public keys → hand out key directories;
+collect encrypted share bundles → route them) and then serves up to ``slots`` rounds. Each round is
+a ``MaskedRound``: masked vectors are added into one running sum per group as they arrive (memory
+grows with the model, not with the number of nodes), the unmask request tells the survivors who
+dropped, and the reply shares rebuild exactly the self-mask seeds of survivors and the slot keys of
+dropped nodes, which is enough to cancel every mask in each group's sum and nothing more.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ..errors import QuorumNotMetError, SecureAggregationError
+from .graph import neighbour_graph, share_threshold
+from .messages import (
+    EPOCH_BYTES,
+    EpochAnnouncement,
+    KeyAdvertisement,
+    KeyDirectory,
+    MaskingParams,
+    MaskRequest,
+    ShareBundle,
+    UnmaskReply,
+    UnmaskRequest,
+)
+from .shamir import PRIME, reconstruct_secret
+from .streams import KEY_BYTES, keystream, pairwise_mask_key, public_key, self_mask_key
+
+__all__ = ["CoordinatorEpoch", "GroupOutcome", "MaskedRound"]
+
+
+class CoordinatorEpoch:
+    """One key epoch on the server: setup, then rounds on fresh slots."""
+
+    def __init__(self, cohort: Sequence[int], params: MaskingParams) -> None:
+        cohort = tuple(sorted(set(int(c) for c in cohort)))
+        params.check(len(cohort))
+        self.cohort = cohort
+        self.params = params
+        self.epoch = os.urandom(EPOCH_BYTES)
+        self.graph_seed = os.urandom(16)
+        self.ads: dict[int, KeyAdvertisement] = {}
+        self.members: tuple[int, ...] = ()
+        self.graph: list[frozenset[int]] = []
+        self.pending: dict[int, dict[int, bytes]] = {}  # recipient -> sender -> ciphertext
+        self.ready: tuple[int, ...] = ()
+        self.next_slot = 0
+        self.reconstructed: set[tuple[int, int]] = set()  # (node, slot) whose slot key was rebuilt
+
+    def announcement(self) -> EpochAnnouncement:
+        return EpochAnnouncement(epoch=self.epoch, cohort=self.cohort, params=self.params)
+
+    # ---- setup ---------------------------------------------------------------------------------
+    def receive_advertisement(self, ad: KeyAdvertisement) -> None:
+        if self.members:
+            raise SecureAggregationError("key directories were already sent", node=str(ad.node))
+        if ad.node not in self.cohort:
+            raise SecureAggregationError("node is not in this epoch's cohort", node=str(ad.node))
+        ad.check(self.params.slots)
+        self.ads[ad.node] = ad
+
+    def directories(self) -> dict[int, KeyDirectory]:
+        """Close stage 1: members are the nodes that advertised; each gets its neighbours' keys."""
+        members = tuple(sorted(self.ads))
+        if len(members) < self.params.threshold:
+            raise QuorumNotMetError(f"{len(members)} node(s) advertised keys, threshold is {self.params.threshold}")
+        keys = [k for ad in self.ads.values() for k in (ad.share_key, *ad.mask_keys)]
+        if len(set(keys)) != len(keys):
+            raise SecureAggregationError("two nodes advertised the same public key")
+        self.members = members
+        self.graph = neighbour_graph(len(members), seed=self.graph_seed, complete_up_to=self.params.complete_up_to)
+        out: dict[int, KeyDirectory] = {}
+        for i, node in enumerate(members):
+            near = [members[j] for j in self.graph[i]] + [node]
+            out[node] = KeyDirectory(self.epoch, members, self.graph_seed, {p: self.ads[p] for p in near})
+        return out
+
+    def neighbours(self, node: int) -> list[int]:
+        return [self.members[j] for j in sorted(self.graph[self.members.index(node)])]
+
+    def receive_bundles(self, node: int, bundles: Sequence[ShareBundle]) -> None:
+        if node not in self.members or self.ready:
+            raise SecureAggregationError("node may not send share bundles now", node=str(node))
+        expected = set(self.neighbours(node))
+        recipients = [b.recipient for b in bundles]
+        if any(b.sender != node for b in bundles) or sorted(recipients) != sorted(expected):
+            raise SecureAggregationError("share bundles must go to each neighbour exactly once", node=str(node))
+        for b in bundles:
+            self.pending.setdefault(b.recipient, {})[node] = b.ciphertext
+
+    def close_setup(self, sharers: Sequence[int]) -> tuple[int, ...]:
+        """Close stage 2: the nodes whose bundles arrived can take part in this epoch's rounds."""
+        ready = tuple(sorted(set(sharers) & set(self.members)))
+        if len(ready) < self.params.threshold:
+            raise QuorumNotMetError(f"{len(ready)} node(s) shared keys, threshold is {self.params.threshold}")
+        for recipient in self.pending:  # bundles from nodes that did not finish sharing are useless
+            self.pending[recipient] = {s: c for s, c in self.pending[recipient].items() if s in ready}
+        self.ready = ready
+        return ready
+
+    @property
+    def slots_left(self) -> int:
+        return self.params.slots - self.next_slot if self.ready else 0
+
+    # ---- rounds ---------------------------------------------------------------------------------
+    def start_round(self, groups: Sequence[Sequence[int]], length: int) -> MaskedRound:
+        """A round on the next unused slot; each group is summed (and revealed) on its own."""
+        if not self.ready:
+            raise SecureAggregationError("the key epoch's setup is not finished")
+        if self.slots_left < 1:
+            raise SecureAggregationError("this key epoch has no unused slot left; start a new epoch")
+        clean = [tuple(sorted(set(int(n) for n in g))) for g in groups]
+        everyone = [n for g in clean for n in g]
+        if len(set(everyone)) != len(everyone) or not set(everyone) <= set(self.ready):
+            raise SecureAggregationError("groups must be disjoint sets of nodes that finished the key setup")
+        small = [g for g in clean if len(g) < self.params.group_quorum]
+        if small:
+            raise QuorumNotMetError(f"group(s) below the quorum {self.params.group_quorum}: {small}")
+        if length < 1:
+            raise SecureAggregationError(f"vector length must be >= 1, got {length}")
+        slot = self.next_slot
+        self.next_slot += 1
+        return MaskedRound(self, slot, clean, length)
+
+    def mask_request(self, node: int, rnd: MaskedRound) -> MaskRequest:
+        """The node's request; it carries every share bundle for it that it has not confirmed yet."""
+        incoming = tuple(
+            ShareBundle(sender, node, ciphertext) for sender, ciphertext in sorted(self.pending.get(node, {}).items())
+        )
+        return MaskRequest(epoch=self.epoch, slot=rnd.slot, group=rnd.groups[rnd.group_of[node]], incoming=incoming)
+
+    def delivered(self, node: int) -> None:
+        """A masked input arrived, so the node has stored its bundles: stop resending them."""
+        self.pending.pop(node, None)
+
+
+@dataclass
+class GroupOutcome:
+    survivors: tuple[int, ...]
+    dropped: tuple[int, ...]
+    total: NDArray[np.float64] | None = None
+    error: str | None = None
+
+
+@dataclass
+class MaskedRound:
+    epoch: CoordinatorEpoch
+    slot: int
+    groups: list[tuple[int, ...]]
+    length: int
+    group_of: dict[int, int] = field(init=False)
+    sums: list[NDArray[np.unsignedinteger]] = field(init=False)
+    arrived: list[set[int]] = field(init=False)
+    request: UnmaskRequest | None = None
+    shares: dict[int, UnmaskReply] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.group_of = {n: i for i, g in enumerate(self.groups) for n in g}
+        dtype = self.epoch.params.fixed_point(len(self.epoch.members)).dtype
+        self.sums = [np.zeros(self.length, dtype=dtype) for _ in self.groups]
+        self.arrived = [set() for _ in self.groups]
+
+    def add_masked(self, node: int, vector: NDArray[np.generic]) -> None:
+        """Add one node's masked vector to its group's running sum (checked first)."""
+        if self.request is not None:
+            raise SecureAggregationError("masked input arrived after the unmask stage began", node=str(node))
+        if node not in self.group_of:
+            raise SecureAggregationError("node is not a participant of this round", node=str(node))
+        g = self.group_of[node]
+        if node in self.arrived[g]:
+            raise SecureAggregationError("node sent two masked inputs", node=str(node))
+        total = self.sums[g]
+        if vector.dtype != total.dtype or vector.shape != total.shape:
+            raise SecureAggregationError(
+                f"masked input must be {total.dtype}[{self.length}], got {vector.dtype}{list(vector.shape)}", node=str(node)
+            )
+        np.add(total, vector, out=total)
+        self.arrived[g].add(node)
+        self.epoch.delivered(node)
+
+    def unmask_request(self) -> tuple[UnmaskRequest, dict[int, str]]:
+        """Close the input stage. Groups below quorum are dropped here (nothing of theirs is revealed)."""
+        aborted: dict[int, str] = {}
+        kept: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        for g, members in enumerate(self.groups):
+            alive = tuple(n for n in members if n in self.arrived[g])
+            gone = tuple(n for n in members if n not in self.arrived[g])
+            if len(alive) < self.epoch.params.group_quorum:
+                aborted[g] = f"{len(alive)} masked input(s) arrived, quorum is {self.epoch.params.group_quorum}"
+            else:
+                kept.append((alive, gone))
+        if not kept:
+            raise QuorumNotMetError("; ".join(f"group {g}: {why}" for g, why in aborted.items()))
+        self.request = UnmaskRequest(epoch=self.epoch.epoch, slot=self.slot, groups=tuple(kept))
+        for g in aborted:
+            self.sums[g] = self.sums[g][:0]  # an aborted group's sum is never unmasked
+        return self.request, aborted
+
+    def add_unmask(self, reply: UnmaskReply) -> None:
+        request = self.request
+        if request is None:
+            raise SecureAggregationError("unmask reply before the unmask request", node=str(reply.node))
+        survivors = {n for alive, _ in request.groups for n in alive}
+        dropped = {n for _, gone in request.groups for n in gone}
+        if reply.node not in survivors or reply.node in self.shares:
+            raise SecureAggregationError("unexpected unmask reply", node=str(reply.node))
+        if not set(reply.seed_shares) <= survivors or not set(reply.key_shares) <= dropped:
+            raise SecureAggregationError("unmask reply holds shares nobody asked for", node=str(reply.node))
+        if any(not 0 <= v < PRIME for v in (*reply.seed_shares.values(), *reply.key_shares.values())):
+            raise SecureAggregationError("a share is not a field element", node=str(reply.node))
+        self.shares[reply.node] = reply
+
+    def _secret(self, owner: int, *, key: bool) -> bytes:
+        members = self.epoch.members
+        holders = [*self.epoch.neighbours(owner), owner]
+        t = share_threshold(self.epoch.params.threshold, len(members), len(holders))
+        points = {
+            members.index(h) + 1: (self.shares[h].key_shares if key else self.shares[h].seed_shares)[owner]
+            for h in holders
+            if h in self.shares and owner in (self.shares[h].key_shares if key else self.shares[h].seed_shares)
+        }
+        if len(points) < t:
+            raise QuorumNotMetError(f"only {len(points)} of the {t} shares needed for node {owner} arrived")
+        return reconstruct_secret(points, threshold=t, length=KEY_BYTES)
+
+    def result(self) -> list[GroupOutcome]:
+        """Each group's unmasked, decoded sum, or why it could not be unmasked."""
+        if self.request is None:
+            raise SecureAggregationError("the unmask stage has not run")
+        fp = self.epoch.params.fixed_point(len(self.epoch.members))
+        kept = {tuple(sorted(a + d)): (a, d) for a, d in self.request.groups}
+        outcomes: list[GroupOutcome] = []
+        for g, members in enumerate(self.groups):
+            if members not in kept:
+                outcomes.append(GroupOutcome((), members, error="below quorum at the input stage"))
+                continue
+            alive, gone = kept[members]
+            outcome = GroupOutcome(alive, gone)
+            try:
+                outcome.total = fp.decode(self._unmasked(self.sums[g], alive, gone))
+            except SecureAggregationError as exc:
+                outcome.error = str(exc)
+            outcomes.append(outcome)
+            self.sums[g] = self.sums[g][:0]
+        return outcomes
+
+    def _unmasked(self, masked: NDArray[np.unsignedinteger], alive: tuple[int, ...], gone: tuple[int, ...]) -> NDArray[np.unsignedinteger]:
+        epoch, slot, dtype = self.epoch.epoch, self.slot, masked.dtype
+        total = masked.copy()
+        for u in alive:
+            seed = self._secret(u, key=False)
+            np.subtract(total, keystream(self_mask_key(seed, epoch=epoch, slot=slot), self.length, dtype), out=total)
+        for u in gone:
+            private = self._secret(u, key=True)
+            if public_key(private) != self.epoch.ads[u].mask_keys[slot]:
+                raise SecureAggregationError(f"rebuilt slot key of node {u} does not match its public key")
+            self.epoch.reconstructed.add((u, slot))
+            for v in self.epoch.neighbours(u):
+                if v not in alive:
+                    continue
+                stream = keystream(pairwise_mask_key(private, self.epoch.ads[v].mask_keys[slot], epoch=epoch, slot=slot),
+                                   self.length, dtype)
+                if v < u:  # v added this stream; take it away
+                    np.subtract(total, stream, out=total)
+                else:
+                    np.add(total, stream, out=total)
+        return total

@@ -1,0 +1,91 @@
+"""Fixed-point encoding of real vectors into Z_M (M = 2^32 or 2^64) so that masked sums do not wrap.
+
+Each coordinate is clipped to [−clip, clip], multiplied by ``scale`` and stochastically rounded
+(unbiased: E[encode(v)] = v·scale). The scale is the largest that keeps a sum of ``max_summands``
+encoded values inside (−M/2, M/2):
+
+    max_summands · (clip · scale + 1) ≤ M/2 − 1   ⇒   scale = ⌊(M/2 − 1 − max_summands) / (max_summands · clip)⌋
+
+so the signed sum decodes exactly (the scale is also capped so that scaled values stay below 2^52,
+where float64 is exact). Each rounding is off by less than 1/scale, hence the documented
+bound: |decode(Σ encode(v_i)) − Σ clip(v_i)| < max_summands / scale per coordinate (``error_bound``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ..errors import ConfigError
+
+__all__ = ["FixedPoint", "ModulusBits"]
+
+ModulusBits = int  # 32 or 64
+_DTYPES: dict[int, np.dtype[np.unsignedinteger]] = {32: np.dtype("<u4"), 64: np.dtype("<u8")}
+
+
+@dataclass(frozen=True)
+class FixedPoint:
+    modulus_bits: int
+    clip: float
+    max_summands: int
+
+    def __post_init__(self) -> None:
+        problems: list[str] = []
+        if self.modulus_bits not in _DTYPES:
+            problems.append(f"modulus bits must be 32 or 64, got {self.modulus_bits}")
+        if not (math.isfinite(self.clip) and self.clip > 0):
+            problems.append(f"clip must be a positive number, got {self.clip}")
+        if self.max_summands < 1:
+            problems.append(f"max summands must be >= 1, got {self.max_summands}")
+        if not problems and self.scale < 1:
+            problems.append(
+                f"{self.max_summands} summands clipped to ±{self.clip} do not fit a 2^{self.modulus_bits} "
+                "modulus; use 64 modulus bits or a smaller clip"
+            )
+        if problems:
+            raise ConfigError(problems)
+
+    @property
+    def dtype(self) -> np.dtype[np.unsignedinteger]:
+        return _DTYPES[self.modulus_bits]
+
+    @property
+    def scale(self) -> float:
+        half = 2 ** (self.modulus_bits - 1) - 1
+        fits = math.floor((half - self.max_summands) / (self.max_summands * self.clip))
+        # Scaled values stay below 2^52, where float64 still holds every integer exactly.
+        return float(min(fits, math.floor(2**52 / self.clip)))
+
+    @property
+    def error_bound(self) -> float:
+        """Per-coordinate bound on |decoded sum − exact sum of the clipped values|."""
+        return self.max_summands / self.scale
+
+    def encode(self, values: NDArray[np.floating], rng: np.random.Generator) -> tuple[NDArray[np.unsignedinteger], int]:
+        """Encoded copy of ``values`` and how many coordinates had to be clipped."""
+        v = np.asarray(values, dtype=np.float64)
+        if not np.all(np.isfinite(v)):
+            raise ConfigError("a value to encode is NaN or infinite; the update must be finite")
+        clipped = int(np.count_nonzero(np.abs(v) > self.clip))
+        scaled = np.clip(v, -self.clip, self.clip) * self.scale
+        low = np.floor(scaled)
+        q = low.astype(np.int64) + (rng.random(v.shape) < (scaled - low)).astype(np.int64)
+        if self.modulus_bits == 64:
+            return q.view(np.uint64).astype(self.dtype, copy=False), clipped
+        return (q % (1 << 32)).astype(self.dtype), clipped
+
+    def decode(self, total: NDArray[np.unsignedinteger]) -> NDArray[np.float64]:
+        """Real values of a sum of at most ``max_summands`` encodings (mod M)."""
+        t = np.asarray(total)
+        if t.dtype != self.dtype:
+            raise ConfigError(f"a {self.modulus_bits}-bit sum must be {self.dtype}, got {t.dtype}")
+        if self.modulus_bits == 64:
+            signed = t.view(np.int64)
+        else:
+            signed = t.astype(np.int64)
+            signed[signed >= 1 << 31] -= 1 << 32
+        return signed.astype(np.float64) / self.scale

@@ -1,0 +1,175 @@
+"""The masking protocol's parameters and the messages its stages exchange (plain, transport-free).
+
+Node ids are Flower's uint64 node ids; inside an epoch a node is also known by its index in the
+sorted member list, and index + 1 is its Shamir x-coordinate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ..errors import ConfigError, SecureAggregationError
+from .fixedpoint import FixedPoint
+from .graph import COMPLETE_UP_TO
+from .streams import KEY_BYTES
+
+__all__ = [
+    "EPOCH_BYTES",
+    "EpochAnnouncement",
+    "KeyAdvertisement",
+    "KeyDirectory",
+    "MaskRequest",
+    "MaskingParams",
+    "ShareBundle",
+    "UnmaskReply",
+    "UnmaskRequest",
+    "resolve_threshold",
+]
+
+EPOCH_BYTES = 16
+
+
+def resolve_threshold(value: float, n: int) -> int:
+    """An absolute threshold (value ≥ 1, an integer) or a fraction of ``n`` (0.5 < value < 1), as t."""
+    if value >= 1:
+        if value != int(value):
+            raise ConfigError(f"an absolute threshold must be a whole number, got {value}")
+        return int(value)
+    if not 0.5 < value < 1:
+        raise ConfigError(f"a fractional threshold must be in (0.5, 1), got {value}; t must be a majority")
+    return max(n // 2 + 1, math.ceil(value * n))
+
+
+@dataclass(frozen=True)
+class MaskingParams:
+    """One key epoch's settings, fixed at the announcement.
+
+    ``threshold`` is t: shares needed to rebuild any secret (a majority of the cohort, at least 2).
+    ``min_group`` is the fewest surviving members for which a group's sum is revealed (normally t).
+    ``slots`` is how many rounds the epoch's pre-shared keys serve: each round uses a fresh slot.
+    """
+
+    threshold: int
+    slots: int
+    modulus_bits: int = 32
+    clip: float = 8.0
+    min_group: int = 0  # 0 means "the threshold"
+    complete_up_to: int = COMPLETE_UP_TO
+
+    @property
+    def group_quorum(self) -> int:
+        return self.min_group or self.threshold
+
+    def check(self, n: int) -> None:
+        """Every problem with these parameters for a cohort of ``n``, raised together."""
+        problems: list[str] = []
+        if n < 2:
+            problems.append(f"secure aggregation needs at least 2 nodes, got {n}")
+        if not n // 2 + 1 <= self.threshold <= n or self.threshold < 2:
+            problems.append(
+                f"threshold {self.threshold} must be a majority of the {n} nodes and at least 2 "
+                f"(between {max(2, n // 2 + 1)} and {n})"
+            )
+        if not 2 <= self.group_quorum <= max(self.threshold, 2):
+            problems.append(f"min group {self.group_quorum} must be between 2 and the threshold {self.threshold}")
+        if not 1 <= self.slots <= 10_000:
+            problems.append(f"slots (rounds per key epoch) must be in [1, 10000], got {self.slots}")
+        if problems:
+            raise ConfigError(problems)
+        self.fixed_point(n)
+
+    def fixed_point(self, n: int) -> FixedPoint:
+        return FixedPoint(modulus_bits=self.modulus_bits, clip=self.clip, max_summands=n)
+
+    def to_dict(self) -> dict[str, int | float]:
+        return {
+            "threshold": self.threshold, "slots": self.slots, "modulus-bits": self.modulus_bits,
+            "clip": self.clip, "min-group": self.min_group, "complete-up-to": self.complete_up_to,
+        }
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, object]) -> MaskingParams:
+        try:
+            return cls(
+                threshold=int(values["threshold"]),  # type: ignore[call-overload]
+                slots=int(values["slots"]),  # type: ignore[call-overload]
+                modulus_bits=int(values["modulus-bits"]),  # type: ignore[call-overload]
+                clip=float(values["clip"]),  # type: ignore[arg-type]
+                min_group=int(values["min-group"]),  # type: ignore[call-overload]
+                complete_up_to=int(values["complete-up-to"]),  # type: ignore[call-overload]
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SecureAggregationError(f"malformed secure-aggregation parameters ({exc})") from exc
+
+
+@dataclass(frozen=True)
+class EpochAnnouncement:
+    """Stage 1, server → each cohort node: start a key epoch."""
+
+    epoch: bytes
+    cohort: tuple[int, ...]
+    params: MaskingParams
+
+
+@dataclass(frozen=True)
+class KeyAdvertisement:
+    """Stage 1, node → server: the node's public keys (one for share encryption, one per slot)."""
+
+    node: int
+    share_key: bytes
+    mask_keys: tuple[bytes, ...]
+
+    def check(self, slots: int) -> None:
+        if len(self.share_key) != KEY_BYTES or len(self.mask_keys) != slots:
+            raise SecureAggregationError(f"advertisement must hold 1 + {slots} keys", node=str(self.node))
+        if any(len(k) != KEY_BYTES for k in self.mask_keys):
+            raise SecureAggregationError(f"every public key is {KEY_BYTES} bytes", node=str(self.node))
+
+
+@dataclass(frozen=True)
+class KeyDirectory:
+    """Stage 2, server → node: who advertised, the graph seed, and the neighbours' public keys."""
+
+    epoch: bytes
+    members: tuple[int, ...]
+    graph_seed: bytes
+    keys: Mapping[int, KeyAdvertisement]
+
+
+@dataclass(frozen=True)
+class ShareBundle:
+    """Stage 2, node → server → recipient: the sender's shares for the recipient, AEAD-encrypted."""
+
+    sender: int
+    recipient: int
+    ciphertext: bytes
+
+
+@dataclass(frozen=True)
+class MaskRequest:
+    """With a round's train message: the slot, the node's group, and share bundles not yet delivered."""
+
+    epoch: bytes
+    slot: int
+    group: tuple[int, ...]
+    incoming: tuple[ShareBundle, ...] = ()
+
+
+@dataclass(frozen=True)
+class UnmaskRequest:
+    """After the masked inputs: per group, who survived and who dropped. One request for all survivors."""
+
+    epoch: bytes
+    slot: int
+    groups: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (survivors, dropped) per group
+
+
+@dataclass(frozen=True)
+class UnmaskReply:
+    """A survivor's shares: self-mask seeds of survivors and slot keys of dropped nodes it holds."""
+
+    node: int
+    seed_shares: Mapping[int, int]
+    key_shares: Mapping[int, int]

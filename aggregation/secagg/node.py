@@ -1,0 +1,308 @@
+"""The node's side of the masking protocol: one key epoch as a state machine that fails closed.
+
+Stages: ``NodeEpoch.advertise`` (fresh keys) → ``share`` (Shamir shares, encrypted per neighbour)
+→ per round ``mask`` (with the train reply) → ``unmask`` (shares for the server). Every stage checks
+what it receives and raises ``SecureAggregationError`` instead of doing anything unsafe: a slot is
+masked at most once, a dropped node's key share and a survivor's seed share are never both
+revealed for the same slot, and nothing is revealed for a group below its quorum. The whole state
+round-trips through ``to_bytes``/``from_bytes`` because the node keeps it between messages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ..errors import QuorumNotMetError, SecureAggregationError
+from .graph import neighbour_graph, share_threshold
+from .messages import (
+    EPOCH_BYTES,
+    EpochAnnouncement,
+    KeyAdvertisement,
+    KeyDirectory,
+    MaskingParams,
+    MaskRequest,
+    ShareBundle,
+    UnmaskReply,
+    UnmaskRequest,
+)
+from .shamir import SHARE_BYTES, share_from_bytes, share_to_bytes, split_secret
+from .streams import (
+    KEY_BYTES,
+    decrypt_bundle,
+    encrypt_bundle,
+    keystream,
+    new_private_key,
+    pairwise_mask_key,
+    public_key,
+    self_mask_key,
+)
+
+__all__ = ["NodeEpoch"]
+
+_SLOT_BYTES = 2 * SHARE_BYTES  # key share + seed share
+
+
+@dataclass
+class NodeEpoch:
+    node: int
+    epoch: bytes
+    params: MaskingParams
+    cohort: tuple[int, ...]
+    share_private: bytes
+    mask_private: list[bytes]
+    seeds: list[bytes]
+    members: tuple[int, ...] = ()
+    graph_seed: bytes = b""
+    peers: dict[int, KeyAdvertisement] = field(default_factory=dict)
+    held: dict[int, bytes] = field(default_factory=dict)  # owner -> plaintext bundle (shares I hold)
+    used: dict[int, tuple[int, ...]] = field(default_factory=dict)  # slot -> group it was masked with
+    revealed: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+
+    def _fail(self, message: str) -> SecureAggregationError:
+        return SecureAggregationError(message, node=str(self.node))
+
+    # ---- stage 1 ----------------------------------------------------------------------------
+    @classmethod
+    def advertise(cls, announcement: EpochAnnouncement, node: int) -> tuple[NodeEpoch, KeyAdvertisement]:
+        cohort = announcement.cohort
+        if len(announcement.epoch) != EPOCH_BYTES:
+            raise SecureAggregationError(f"epoch id must be {EPOCH_BYTES} bytes", node=str(node))
+        if list(cohort) != sorted(set(cohort)) or node not in cohort:
+            raise SecureAggregationError("cohort must be sorted, unique and include this node", node=str(node))
+        announcement.params.check(len(cohort))
+        slots = announcement.params.slots
+        state = cls(
+            node=node,
+            epoch=announcement.epoch,
+            params=announcement.params,
+            cohort=tuple(cohort),
+            share_private=new_private_key(),
+            mask_private=[new_private_key() for _ in range(slots)],
+            seeds=[os.urandom(KEY_BYTES) for _ in range(slots)],
+        )
+        return state, state.advertisement()
+
+    def advertisement(self) -> KeyAdvertisement:
+        return KeyAdvertisement(
+            node=self.node,
+            share_key=public_key(self.share_private),
+            mask_keys=tuple(public_key(k) for k in self.mask_private),
+        )
+
+    # ---- stage 2 ----------------------------------------------------------------------------
+    def _graph(self) -> list[frozenset[int]]:
+        return neighbour_graph(len(self.members), seed=self.graph_seed, complete_up_to=self.params.complete_up_to)
+
+    def neighbours(self) -> list[int]:
+        index = self.members.index(self.node)
+        return [self.members[j] for j in sorted(self._graph()[index])]
+
+    def share(self, directory: KeyDirectory) -> list[ShareBundle]:
+        if self.members:
+            raise self._fail("shares for this epoch were already made")
+        if directory.epoch != self.epoch:
+            raise self._fail("key directory is for another epoch")
+        members = directory.members
+        if list(members) != sorted(set(members)) or not set(members) <= set(self.cohort) or self.node not in members:
+            raise self._fail("members must be a sorted subset of the cohort that includes this node")
+        if len(members) < self.params.threshold:
+            raise QuorumNotMetError(
+                f"{len(members)} node(s) advertised keys, threshold is {self.params.threshold}", node=str(self.node)
+            )
+        if directory.keys.get(self.node) != self.advertisement():
+            raise self._fail("the directory does not carry this node's own keys")
+        self.members, self.graph_seed = tuple(members), directory.graph_seed
+        neighbours = self.neighbours()
+        seen: set[bytes] = set()
+        for peer in [*neighbours, self.node]:
+            ad = directory.keys.get(peer)
+            if ad is None or ad.node != peer:
+                raise self._fail(f"the directory has no keys for neighbour {peer}")
+            ad.check(self.params.slots)
+            for key in (ad.share_key, *ad.mask_keys):
+                if key in seen:
+                    raise self._fail("two advertised public keys are equal")
+                seen.add(key)
+            if peer != self.node:
+                self.peers[peer] = ad
+        holders = [*neighbours, self.node]
+        xs = [members.index(h) + 1 for h in holders]
+        t = share_threshold(self.params.threshold, len(members), len(holders))
+        parts: dict[int, list[bytes]] = {x: [] for x in xs}
+        for key, seed in zip(self.mask_private, self.seeds, strict=True):
+            key_shares = split_secret(key, threshold=t, holders=xs)
+            seed_shares = split_secret(seed, threshold=t, holders=xs)
+            for x in xs:
+                parts[x].append(share_to_bytes(key_shares[x]) + share_to_bytes(seed_shares[x]))
+        self.held[self.node] = b"".join(parts[members.index(self.node) + 1])
+        return [
+            ShareBundle(
+                sender=self.node,
+                recipient=peer,
+                ciphertext=encrypt_bundle(
+                    b"".join(parts[members.index(peer) + 1]),
+                    private=self.share_private,
+                    peer_public=self.peers[peer].share_key,
+                    epoch=self.epoch,
+                    sender=self.node,
+                    recipient=peer,
+                ),
+            )
+            for peer in neighbours
+        ]
+
+    # ---- per round: mask ----------------------------------------------------------------------
+    def _receive(self, bundle: ShareBundle) -> None:
+        if bundle.recipient != self.node or bundle.sender not in self.peers:
+            raise self._fail(f"share bundle from {bundle.sender} to {bundle.recipient} is not for this node")
+        plain = decrypt_bundle(
+            bundle.ciphertext,
+            private=self.share_private,
+            peer_public=self.peers[bundle.sender].share_key,
+            epoch=self.epoch,
+            sender=bundle.sender,
+            recipient=self.node,
+        )
+        if len(plain) != self.params.slots * _SLOT_BYTES:
+            raise self._fail(f"share bundle from {bundle.sender} has the wrong length")
+        known = self.held.get(bundle.sender)
+        if known is not None and known != plain:
+            raise self._fail(f"node {bundle.sender} sent two different share bundles")
+        self.held[bundle.sender] = plain
+
+    def _check_group(self, group: tuple[int, ...]) -> None:
+        if list(group) != sorted(set(group)) or not set(group) <= set(self.members):
+            raise self._fail("a group must be a sorted, unique subset of the epoch's members")
+        if len(group) < self.params.group_quorum:
+            raise QuorumNotMetError(
+                f"group of {len(group)} is below the quorum {self.params.group_quorum}", node=str(self.node)
+            )
+
+    def mask(self, request: MaskRequest, values: NDArray[np.floating], rng: np.random.Generator) -> NDArray[np.unsignedinteger]:
+        """Encode ``values`` and hide them under the slot's self mask and pairwise masks."""
+        if not self.members:
+            raise self._fail("no shares were made for this epoch yet")
+        if request.epoch != self.epoch:
+            raise self._fail("mask request is for another epoch; the node must re-key")
+        if not 0 <= request.slot < self.params.slots:
+            raise self._fail(f"slot {request.slot} is outside this epoch's {self.params.slots} slots")
+        if request.slot in self.used:
+            raise self._fail(f"slot {request.slot} was already used; a mask key is never used twice")
+        if self.used and request.slot < max(self.used):
+            raise self._fail(f"slot {request.slot} is older than a slot this node already used")
+        for bundle in request.incoming:
+            self._receive(bundle)
+        group = request.group
+        self._check_group(group)
+        if self.node not in group:
+            raise self._fail("this node is not in the group it is asked to mask for")
+        partners = [p for p in self.neighbours() if p in group]
+        if not partners:
+            raise self._fail("no neighbour takes part in this group; the input would be exposed")
+        missing = [p for p in partners if p not in self.held]
+        if missing:
+            raise self._fail(f"no share bundle from group member(s) {missing}")
+        fp = self.params.fixed_point(len(self.members))
+        masked, _ = fp.encode(values, rng)
+        slot, length, dtype = request.slot, masked.shape[0], fp.dtype
+        self.used[slot] = group  # recorded before any mask is added: a failure later never reuses it
+        np.add(masked, keystream(self_mask_key(self.seeds[slot], epoch=self.epoch, slot=slot), length, dtype), out=masked)
+        for peer in partners:
+            key = pairwise_mask_key(self.mask_private[slot], self.peers[peer].mask_keys[slot], epoch=self.epoch, slot=slot)
+            stream = keystream(key, length, dtype)
+            if self.node < peer:
+                np.add(masked, stream, out=masked)
+            else:
+                np.subtract(masked, stream, out=masked)
+        return masked
+
+    # ---- per round: unmask ----------------------------------------------------------------------
+    def unmask(self, request: UnmaskRequest) -> UnmaskReply:
+        if request.epoch != self.epoch:
+            raise self._fail("unmask request is for another epoch")
+        slot = request.slot
+        if slot not in self.used:
+            raise self._fail(f"this node sent no masked input in slot {slot}")
+        survivors: set[int] = set()
+        dropped: set[int] = set()
+        mine: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        for alive, gone in request.groups:
+            if len(alive) < self.params.group_quorum:
+                raise QuorumNotMetError(
+                    f"only {len(alive)} survivor(s) in a group, quorum is {self.params.group_quorum}; nothing revealed",
+                    node=str(self.node),
+                )
+            both = set(alive) | set(gone)
+            if len(both) != len(alive) + len(gone) or both & (survivors | dropped) or not both <= set(self.members):
+                raise self._fail("unmask groups must be disjoint sets of epoch members")
+            survivors |= set(alive)
+            dropped |= set(gone)
+            if self.node in both:
+                mine = (tuple(sorted(alive)), tuple(sorted(gone)))
+        if mine is None or self.node not in mine[0]:
+            raise self._fail("this node is not listed as a survivor")
+        if tuple(sorted(mine[0] + mine[1])) != self.used[slot]:
+            raise self._fail("survivors and dropped nodes do not match the group this node masked with")
+        answer = (tuple(sorted(survivors)), tuple(sorted(dropped)))
+        previous = self.revealed.get(slot)
+        if previous is not None and previous != answer:
+            raise self._fail(f"slot {slot} was already unmasked with other survivors; refusing")
+        self.revealed[slot] = answer
+        offset = slot * _SLOT_BYTES
+        seed_shares = {
+            u: share_from_bytes(self.held[u][offset + SHARE_BYTES: offset + _SLOT_BYTES]) for u in survivors if u in self.held
+        }
+        key_shares = {u: share_from_bytes(self.held[u][offset: offset + SHARE_BYTES]) for u in dropped if u in self.held}
+        return UnmaskReply(node=self.node, seed_shares=seed_shares, key_shares=key_shares)
+
+    # ---- persistence ----------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        def ad(a: KeyAdvertisement) -> list[str | list[str]]:
+            return [a.share_key.hex(), [k.hex() for k in a.mask_keys]]
+
+        return json.dumps(
+            {
+                "node": str(self.node), "epoch": self.epoch.hex(), "params": self.params.to_dict(),
+                "cohort": [str(c) for c in self.cohort], "share_private": self.share_private.hex(),
+                "mask_private": [k.hex() for k in self.mask_private], "seeds": [s.hex() for s in self.seeds],
+                "members": [str(m) for m in self.members], "graph_seed": self.graph_seed.hex(),
+                "peers": {str(p): ad(a) for p, a in self.peers.items()},
+                "held": {str(o): h.hex() for o, h in self.held.items()},
+                "used": {str(s): [str(g) for g in grp] for s, grp in self.used.items()},
+                "revealed": {str(s): [[str(x) for x in a], [str(x) for x in d]] for s, (a, d) in self.revealed.items()},
+            }
+        ).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> NodeEpoch:
+        try:
+            raw = json.loads(data)
+
+            def ids(xs: list[str]) -> tuple[int, ...]:
+                return tuple(int(x) for x in xs)
+
+            return cls(
+                node=int(raw["node"]),
+                epoch=bytes.fromhex(raw["epoch"]),
+                params=MaskingParams.from_dict(raw["params"]),
+                cohort=ids(raw["cohort"]),
+                share_private=bytes.fromhex(raw["share_private"]),
+                mask_private=[bytes.fromhex(k) for k in raw["mask_private"]],
+                seeds=[bytes.fromhex(s) for s in raw["seeds"]],
+                members=ids(raw["members"]),
+                graph_seed=bytes.fromhex(raw["graph_seed"]),
+                peers={
+                    int(p): KeyAdvertisement(int(p), bytes.fromhex(a[0]), tuple(bytes.fromhex(k) for k in a[1]))
+                    for p, a in raw["peers"].items()
+                },
+                held={int(o): bytes.fromhex(h) for o, h in raw["held"].items()},
+                used={int(s): ids(g) for s, g in raw["used"].items()},
+                revealed={int(s): (ids(v[0]), ids(v[1])) for s, v in raw["revealed"].items()},
+            )
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise SecureAggregationError(f"stored secure-aggregation state is unreadable ({exc})") from exc

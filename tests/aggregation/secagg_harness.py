@@ -1,0 +1,88 @@
+"""Runs the masking protocol in memory between one coordinator and n nodes, with planted dropouts.
+
+Messages pass through ``NodeEpoch.to_bytes``/``from_bytes`` between stages, as they do on a real node
+that keeps its state between Flower messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.typing import NDArray
+
+from quorumfl.aggregation.secagg import CoordinatorEpoch, GroupOutcome, MaskingParams, NodeEpoch
+
+
+@dataclass
+class Dropouts:
+    """Nodes that vanish before advertising, before sharing, before masking, and before unmasking."""
+
+    advertise: set[int] = field(default_factory=set)
+    share: set[int] = field(default_factory=set)
+    mask: set[int] = field(default_factory=set)
+    unmask: set[int] = field(default_factory=set)
+
+
+@dataclass
+class Federation:
+    coordinator: CoordinatorEpoch
+    states: dict[int, bytes]
+    masked_log: list[tuple[int, int]] = field(default_factory=list)  # (node, slot) each masked input
+
+    @classmethod
+    def setup(cls, nodes: Sequence[int], params: MaskingParams, drop: Dropouts | None = None) -> Federation:
+        drop = drop or Dropouts()
+        coord = CoordinatorEpoch(nodes, params)
+        states: dict[int, bytes] = {}
+        for node in nodes:
+            if node in drop.advertise:
+                continue
+            state, ad = NodeEpoch.advertise(coord.announcement(), node)
+            coord.receive_advertisement(ad)
+            states[node] = state.to_bytes()
+        sharers = []
+        for node, directory in coord.directories().items():
+            state = NodeEpoch.from_bytes(states[node])
+            bundles = state.share(directory)
+            states[node] = state.to_bytes()
+            if node in drop.share:
+                continue
+            coord.receive_bundles(node, bundles)
+            sharers.append(node)
+        coord.close_setup(sharers)
+        return cls(coord, states)
+
+    def round(
+        self,
+        groups: Sequence[Sequence[int]],
+        values: Mapping[int, NDArray[np.float64]],
+        drop: Dropouts | None = None,
+        *,
+        seed: int = 0,
+    ) -> list[GroupOutcome]:
+        drop = drop or Dropouts()
+        length = next(iter(values.values())).shape[0]
+        rnd = self.coordinator.start_round(groups, length)
+        rng = np.random.default_rng(seed)
+        for group in rnd.groups:
+            for node in group:
+                request = self.coordinator.mask_request(node, rnd)
+                if node in drop.mask:
+                    continue
+                state = NodeEpoch.from_bytes(self.states[node])
+                masked = state.mask(request, values[node], rng)
+                self.states[node] = state.to_bytes()
+                self.masked_log.append((node, rnd.slot))
+                rnd.add_masked(node, masked)
+        request, _ = rnd.unmask_request()
+        for alive, _gone in request.groups:
+            for node in alive:
+                if node in drop.unmask:
+                    continue
+                state = NodeEpoch.from_bytes(self.states[node])
+                reply = state.unmask(request)
+                self.states[node] = state.to_bytes()
+                rnd.add_unmask(reply)
+        return rnd.result()

@@ -1,0 +1,284 @@
+"""The masking protocol against a plain numpy sum, with dropouts at every stage; its secrecy properties."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+from quorumfl.aggregation.errors import ConfigError, QuorumNotMetError, SecureAggregationError
+from quorumfl.aggregation.secagg import (
+    CoordinatorEpoch,
+    FixedPoint,
+    MaskingParams,
+    NodeEpoch,
+    neighbour_graph,
+    resolve_threshold,
+)
+from quorumfl.aggregation.secagg.shamir import (
+    PRIME,
+    interpolate_at,
+    reconstruct_secret,
+    split_secret,
+)
+
+from .secagg_harness import Dropouts, Federation
+
+SLOW = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _ids(n: int) -> list[int]:
+    # Flower ids are uint64; use large ones so nothing assumes small or dense ids.
+    return [(2**63 + 977 * i) % 2**64 for i in range(n)]
+
+
+@st.composite
+def _federation_case(draw: st.DrawFn) -> tuple[int, int, Dropouts, int]:
+    n = draw(st.integers(3, 50))
+    t = draw(st.integers(n // 2 + 1, n))
+    nodes = _ids(n)
+    dropped = draw(st.lists(st.sampled_from(nodes), unique=True, max_size=n - t))
+    stages = draw(st.lists(st.sampled_from(["advertise", "share", "mask", "unmask"]),
+                           min_size=len(dropped), max_size=len(dropped)))
+    drop = Dropouts()
+    for node, stage in zip(dropped, stages, strict=True):
+        getattr(drop, stage).add(node)
+    return n, t, drop, draw(st.integers(0, 2**32 - 1))
+
+
+@SLOW
+@given(_federation_case())
+def test_unmasked_sum_equals_numpy_sum_under_any_tolerated_dropouts(case: tuple[int, int, Dropouts, int]) -> None:
+    n, t, drop, seed = case
+    nodes = _ids(n)
+    rng = np.random.default_rng(seed)
+    values = {u: rng.uniform(-3.0, 3.0, size=24) for u in nodes}
+    setup_drop = Dropouts(advertise=drop.advertise, share=drop.share)
+    round_drop = Dropouts(mask=drop.mask, unmask=drop.unmask)
+    fed = Federation.setup(nodes, MaskingParams(threshold=t, slots=2), setup_drop)
+
+    (outcome,) = fed.round([fed.coordinator.ready], values, round_drop, seed=seed)
+
+    assert outcome.error is None and outcome.total is not None
+    assert set(outcome.survivors) == set(nodes) - drop.advertise - drop.share - drop.mask
+    reference = np.sum([values[u] for u in outcome.survivors], axis=0)
+    bound = FixedPoint(32, 8.0, len(fed.coordinator.members)).error_bound
+    assert np.max(np.abs(outcome.total - reference)) <= bound
+
+
+def test_several_rounds_several_groups_and_a_dropped_node_coming_back() -> None:
+    nodes = _ids(9)
+    fed = Federation.setup(nodes, MaskingParams(threshold=5, slots=4, min_group=3))
+    rng = np.random.default_rng(7)
+    bound = FixedPoint(32, 8.0, 9).error_bound
+    for number, drop in enumerate([Dropouts(mask={nodes[0]}), Dropouts(), Dropouts(unmask={nodes[5]})]):
+        values = {u: rng.normal(size=10) for u in nodes}
+        groups = [nodes[:4], nodes[4:]]
+        outcomes = fed.round(groups, values, drop, seed=number)
+        for group, outcome in zip(groups, outcomes, strict=True):
+            assert outcome.total is not None, outcome.error
+            expected = [u for u in group if u not in drop.mask]
+            assert list(outcome.survivors) == expected
+            assert np.max(np.abs(outcome.total - np.sum([values[u] for u in expected], axis=0))) <= bound
+
+
+def test_sparse_graph_rounds_are_correct() -> None:
+    nodes = _ids(30)
+    params = MaskingParams(threshold=16, slots=1, complete_up_to=10)
+    fed = Federation.setup(nodes, params)
+    assert all(len(fed.coordinator.neighbours(u)) < 29 for u in nodes)
+    rng = np.random.default_rng(3)
+    values = {u: rng.normal(size=8) for u in nodes}
+    (outcome,) = fed.round([fed.coordinator.ready], values, Dropouts(mask={nodes[3]}, unmask={nodes[8]}))
+    assert outcome.total is not None, outcome.error
+    reference = np.sum([values[u] for u in outcome.survivors], axis=0)
+    assert np.max(np.abs(outcome.total - reference)) <= FixedPoint(32, 8.0, 30).error_bound
+
+
+def test_sparse_graph_is_regular_symmetric_and_seeded() -> None:
+    graph = neighbour_graph(200, seed=b"s" * 16, complete_up_to=100)
+    degrees = {len(g) for g in graph}
+    assert len(degrees) == 1 and degrees.pop() < 40
+    assert all(i in graph[j] for i, g in enumerate(graph) for j in g) and all(i not in g for i, g in enumerate(graph))
+    assert graph == neighbour_graph(200, seed=b"s" * 16, complete_up_to=100)
+
+
+def test_too_many_dropouts_abort_the_round_reveal_nothing_and_the_next_round_completes() -> None:
+    nodes = _ids(10)
+    fed = Federation.setup(nodes, MaskingParams(threshold=6, slots=3))
+    values = {u: np.full(5, 1.0) for u in nodes}
+    with pytest.raises(QuorumNotMetError):
+        fed.round([nodes], values, Dropouts(mask=set(nodes[:5])))  # n − t + 1 = 5
+    # No node was asked to unmask, so no share left any node.
+    assert all(NodeEpoch.from_bytes(state).revealed == {} for state in fed.states.values())
+    assert fed.coordinator.reconstructed == set()
+    (outcome,) = fed.round([nodes], values)
+    assert outcome.total is not None and np.allclose(outcome.total, 10.0, atol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 20), data=st.data())
+def test_any_t_shares_reconstruct_and_t_minus_1_leave_every_secret_possible(n: int, data: st.DataObject) -> None:
+    t = data.draw(st.integers(1, n))
+    secret = data.draw(st.binary(min_size=32, max_size=32))
+    holders = list(range(1, n + 1))
+    shares = split_secret(secret, threshold=t, holders=holders)
+    subset = data.draw(st.lists(st.sampled_from(holders), unique=True, min_size=t, max_size=n))
+    assert reconstruct_secret({x: shares[x] for x in subset}, threshold=t, length=32) == secret
+    if t >= 2:
+        known = {x: shares[x] for x in subset[: t - 1]}
+        missing = next(x for x in holders if x not in known)
+        candidates = [secret, bytes(32), b"\xff" * 32, data.draw(st.binary(min_size=32, max_size=32))]
+        completions = []
+        for candidate in candidates:
+            # The one t-th share that makes the t − 1 known shares decode to this candidate.
+            completion = interpolate_at([*known.items(), (0, int.from_bytes(candidate, "big"))], missing)
+            assert reconstruct_secret({**known, missing: completion}, threshold=t, length=32) == candidate
+            completions.append(completion)
+        assert len(set(completions)) == len(set(candidates))
+
+
+def test_a_corrupted_extra_share_is_detected() -> None:
+    shares = split_secret(b"k" * 32, threshold=3, holders=[1, 2, 3, 4])
+    shares[4] = (shares[4] + 1) % PRIME
+    with pytest.raises(SecureAggregationError, match="inconsistent"):
+        reconstruct_secret(shares, threshold=3, length=32)
+
+
+def _lone_masked_vector(values: np.ndarray, *, seed: int) -> np.ndarray:
+    nodes = _ids(3)
+    fed = Federation.setup(nodes, MaskingParams(threshold=2, slots=1))
+    rnd = fed.coordinator.start_round([nodes], values.shape[0])
+    state = NodeEpoch.from_bytes(fed.states[nodes[0]])
+    return state.mask(fed.coordinator.mask_request(nodes[0], rnd), values, np.random.default_rng(seed))
+
+
+def test_one_nodes_masked_vector_is_uniform() -> None:
+    # A structured input (all zeros) must look uniform once masked: chi-square on the top 4 bits.
+    masked = _lone_masked_vector(np.zeros(200_000), seed=1)
+    counts = np.bincount((masked >> 28).astype(np.int64), minlength=16)
+    assert chisquare(counts).pvalue > 1e-4
+    # ... and the same coordinate over many independent epochs.
+    draws = np.array([_lone_masked_vector(np.full(4, 2.5), seed=s)[0] for s in range(400)])
+    assert chisquare(np.bincount((draws >> 29).astype(np.int64), minlength=8)).pvalue > 1e-4
+
+
+def test_a_rebuilt_key_is_never_used_again() -> None:
+    nodes = _ids(6)
+    fed = Federation.setup(nodes, MaskingParams(threshold=4, slots=4))
+    rng = np.random.default_rng(0)
+    plan = [Dropouts(mask={nodes[0]}), Dropouts(mask={nodes[1]}), Dropouts(), Dropouts(mask={nodes[0]})]
+    for number, drop in enumerate(plan):
+        fed.round([nodes], {u: rng.normal(size=6) for u in nodes}, drop, seed=number)
+        for node, slot in fed.coordinator.reconstructed:
+            assert (node, slot) not in fed.masked_log
+    assert fed.coordinator.reconstructed == {(nodes[0], 0), (nodes[1], 1), (nodes[0], 3)}
+    assert len(set(fed.masked_log)) == len(fed.masked_log)  # every (node, slot) masked once
+    state = NodeEpoch.from_bytes(fed.states[nodes[0]])
+    assert len(set(state.mask_private)) == 4  # one key per slot
+    with pytest.raises(SecureAggregationError, match="no unused slot"):
+        fed.coordinator.start_round([nodes], 6)
+
+
+def test_node_refuses_a_reused_or_older_slot() -> None:
+    nodes = _ids(4)
+    fed = Federation.setup(nodes, MaskingParams(threshold=3, slots=3))
+    fed.round([nodes], {u: np.ones(3) for u in nodes})
+    fed.round([nodes], {u: np.ones(3) for u in nodes})
+    state = NodeEpoch.from_bytes(fed.states[nodes[1]])
+    rnd = fed.coordinator.start_round([nodes], 3)
+    request = fed.coordinator.mask_request(nodes[1], rnd)
+    for slot in (0, 1):
+        with pytest.raises(SecureAggregationError, match="already used|older"):
+            state.mask(dataclasses.replace(request, slot=slot), np.ones(3), np.random.default_rng(0))
+
+
+def test_node_refuses_unmasking_below_quorum_or_twice_with_other_survivors() -> None:
+    nodes = _ids(5)
+    fed = Federation.setup(nodes, MaskingParams(threshold=3, slots=1))
+    rnd = fed.coordinator.start_round([nodes], 2)
+    for node in nodes:
+        state = NodeEpoch.from_bytes(fed.states[node])
+        rnd.add_masked(node, state.mask(fed.coordinator.mask_request(node, rnd), np.ones(2), np.random.default_rng(0)))
+        fed.states[node] = state.to_bytes()
+    request, _ = rnd.unmask_request()
+    state = NodeEpoch.from_bytes(fed.states[nodes[0]])
+    too_few = dataclasses.replace(request, groups=((tuple(nodes[:2]), tuple(nodes[2:])),))
+    with pytest.raises(QuorumNotMetError):
+        state.unmask(too_few)
+    state.unmask(request)
+    other = dataclasses.replace(request, groups=((tuple(nodes[:4]), (nodes[4],)),))
+    with pytest.raises(SecureAggregationError, match="already unmasked"):
+        state.unmask(other)  # would reveal node 4's key after its seed: refused
+
+
+def test_tampered_bundle_and_substituted_keys_are_refused() -> None:
+    nodes = _ids(4)
+    coord = CoordinatorEpoch(nodes, MaskingParams(threshold=3, slots=1))
+    states = {}
+    for node in nodes:
+        states[node], ad = NodeEpoch.advertise(coord.announcement(), node)
+        coord.receive_advertisement(ad)
+    directories = coord.directories()
+    swapped = dict(directories[nodes[0]].keys)
+    swapped[nodes[0]] = directories[nodes[0]].keys[nodes[1]]
+    with pytest.raises(SecureAggregationError, match="own keys"):
+        NodeEpoch.from_bytes(states[nodes[0]].to_bytes()).share(dataclasses.replace(directories[nodes[0]], keys=swapped))
+    for node in nodes:
+        coord.receive_bundles(node, states[node].share(directories[node]))
+    coord.close_setup(nodes)
+    rnd = coord.start_round([nodes], 2)
+    request = coord.mask_request(nodes[0], rnd)
+    bad = request.incoming[0]
+    tampered = dataclasses.replace(bad, ciphertext=bad.ciphertext[:-1] + bytes([bad.ciphertext[-1] ^ 1]))
+    with pytest.raises(SecureAggregationError, match="authentication"):
+        states[nodes[0]].mask(dataclasses.replace(request, incoming=(tampered,)), np.ones(2), np.random.default_rng(0))
+    redirected = dataclasses.replace(bad, recipient=nodes[2])
+    with pytest.raises(SecureAggregationError):
+        states[nodes[2]].mask(dataclasses.replace(coord.mask_request(nodes[2], rnd), incoming=(redirected,)),
+                              np.ones(2), np.random.default_rng(0))
+
+
+def test_coordinator_rejects_malformed_masked_input() -> None:
+    nodes = _ids(3)
+    fed = Federation.setup(nodes, MaskingParams(threshold=2, slots=1))
+    rnd = fed.coordinator.start_round([nodes], 4)
+    with pytest.raises(SecureAggregationError, match="uint32"):
+        rnd.add_masked(nodes[0], np.zeros(4, dtype=np.float32))
+    with pytest.raises(SecureAggregationError, match="not a participant"):
+        rnd.add_masked(12345, np.zeros(4, dtype=np.uint32))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    bits=st.sampled_from([32, 64]),
+    n=st.integers(1, 200),
+    clip=st.floats(0.01, 100.0),
+    data=st.data(),
+)
+def test_fixed_point_sum_stays_within_the_documented_bound(bits: int, n: int, clip: float, data: st.DataObject) -> None:
+    fp = FixedPoint(bits, clip, n)
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    values = rng.uniform(-clip, clip, size=(n, 7))
+    values[0, 0] = clip  # extremes included
+    values[-1, 1] = -clip
+    total = np.zeros(7, dtype=fp.dtype)
+    for row in values:
+        encoded, clipped = fp.encode(row, rng)
+        assert clipped == 0
+        total += encoded
+    assert np.max(np.abs(fp.decode(total) - values.sum(axis=0))) <= fp.error_bound
+
+
+def test_params_and_thresholds_are_validated_with_the_fix() -> None:
+    with pytest.raises(ConfigError, match="majority"):
+        MaskingParams(threshold=2, slots=1).check(5)
+    with pytest.raises(ConfigError, match="64 modulus bits"):
+        FixedPoint(32, 1e9, 10)
+    assert resolve_threshold(0.6, 10) == 6 and resolve_threshold(7, 10) == 7 and resolve_threshold(0.51, 4) == 3
+    with pytest.raises(ConfigError, match="majority"):
+        resolve_threshold(0.3, 10)
