@@ -17,12 +17,17 @@ from typing import Any
 
 from quorumfl.aggregation.errors import ConfigError
 
-__all__ = ["DEFAULTS", "RunConfig", "StartFrom", "StrategyName", "load_run_config_file"]
+__all__ = ["DEFAULTS", "RunConfig", "SecureMode", "StartFrom", "StrategyName", "load_run_config_file"]
 
 
 class StrategyName(StrEnum):
     FEDAVG = "fedavg"
     FEDPROX = "fedprox"
+
+
+class SecureMode(StrEnum):
+    NONE = "none"  # plaintext updates (the server sees each department's update)
+    MASKING = "masking"  # threshold secure aggregation by masking (quorumfl.aggregation.secagg)
 
 
 class StartFrom(StrEnum):
@@ -48,6 +53,13 @@ DEFAULTS: dict[str, Any] = {
     "state-url": "",
     "model-dir": "",
     "start-from": "head",
+    "secure-aggregation": "none",
+    "secagg-threshold": 0.6,
+    "secagg-clip": 8.0,
+    "secagg-max-weight": 10000.0,
+    "secagg-modulus-bits": 32,
+    "secagg-epoch-rounds": 10,
+    "secagg-stage-timeout": 120.0,
 }
 
 
@@ -70,6 +82,13 @@ class RunConfig:
     state_url: str
     model_dir: str
     start_from: StartFrom
+    secure_aggregation: SecureMode
+    secagg_threshold: float
+    secagg_clip: float
+    secagg_max_weight: float
+    secagg_modulus_bits: int
+    secagg_epoch_rounds: int
+    secagg_stage_timeout: float
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
@@ -137,7 +156,22 @@ class RunConfig:
             state_url=text("state-url"),
             model_dir=text("model-dir"),
             start_from=choice("start-from", StartFrom),
+            secure_aggregation=choice("secure-aggregation", SecureMode),
+            secagg_threshold=number("secagg-threshold", float, low=0.5, open_low=True),
+            secagg_clip=number("secagg-clip", float, low=0.0, open_low=True),
+            secagg_max_weight=number("secagg-max-weight", float, low=0.0, open_low=True),
+            secagg_modulus_bits=number("secagg-modulus-bits", int, low=32, high=64),
+            secagg_epoch_rounds=number("secagg-epoch-rounds", int, low=1, high=10_000),
+            secagg_stage_timeout=number("secagg-stage-timeout", float, low=0.0, open_low=True),
         )
+        if config.secagg_modulus_bits not in (32, 64):
+            problems.append(f"secagg-modulus-bits must be 32 or 64, got {config.secagg_modulus_bits}")
+        if 1 < config.secagg_threshold and not float(config.secagg_threshold).is_integer():
+            problems.append(
+                f"secagg-threshold must be a fraction in (0.5, 1) or a whole number of nodes, got {config.secagg_threshold}"
+            )
+        if config.secagg_threshold == 1.0:
+            problems.append("secagg-threshold 1 is not a majority; write a fraction in (0.5, 1) or a node count >= 2")
         if problems:
             raise ConfigError(problems)
         return config

@@ -35,8 +35,10 @@ from quorumfl.client.wire import (
     to_array_record,
 )
 
-from .config import RunConfig, StartFrom
+from .config import RunConfig, SecureMode, StartFrom
 from .model_store import ModelStore
+from .phase import TrainPhase
+from .secure import MaskingSession
 from .state.repository import Repository, RoundStatus, RunStatus
 from .strategies import FedAvg, build_strategy
 
@@ -113,6 +115,9 @@ class Federation:
         self.flower_run_id = flower_run_id
         self.clock = clock
         self.strategy: FedAvg = build_strategy(config)
+        self.secure: MaskingSession | None = (
+            MaskingSession(config, self._exchange, clock=clock) if config.secure_aggregation is SecureMode.MASKING else None
+        )
         self._base = TrainConfig(
             server_round=0,
             model=config.model,
@@ -162,14 +167,16 @@ class Federation:
             for node, cfg in configs.items()
         ]
 
-    def _exchange(self, messages: list[Message], outcome: RoundOutcome, stage: str) -> list[tuple[int, Message]]:
-        """Send, wait up to the round timeout, and record error replies and missing nodes.
+    def _exchange(
+        self, messages: list[Message], failures: dict[int, tuple[str, str]], stage: str, timeout: float
+    ) -> list[tuple[int, Message]]:
+        """Send, wait up to ``timeout`` seconds, and record error replies and missing nodes.
 
         Replies are matched to requests by ``reply_to_message_id``: an error reply that the SuperLink
         writes for an unreachable node carries the SuperLink's own id as its source.
         """
         expected = {int(m.metadata.dst_node_id) for m in messages}
-        replies = list(self.grid.send_and_receive(messages, timeout=self.config.round_timeout))
+        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
         destination = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in messages}
         good: list[tuple[int, Message]] = []
         for reply in replies:
@@ -179,13 +186,13 @@ class Federation:
                 continue
             expected.discard(node)
             if reply.has_error():
-                outcome.failures[node] = (stage, f"node error {reply.error.code}: {reply.error.reason}")
+                failures[node] = (stage, f"node error {reply.error.code}: {reply.error.reason}")
             elif reply.metadata.src_node_id != node:
-                outcome.failures[node] = (stage, f"reply came from node {reply.metadata.src_node_id}, not {node}")
+                failures[node] = (stage, f"reply came from node {reply.metadata.src_node_id}, not {node}")
             else:
                 good.append((node, reply))
         for node in expected:
-            outcome.failures[node] = (stage, f"no reply within the round timeout ({self.config.round_timeout:.0f}s)")
+            failures[node] = (stage, f"no reply within the {stage} deadline ({timeout:.0f}s)")
         return good
 
     # ---- the loop ---------------------------------------------------------------------------
@@ -250,59 +257,46 @@ class Federation:
         outcome = RoundOutcome()
         timings: dict[str, float] = {}
 
-        start = self.clock()
-        messages = self._messages(MessageType.TRAIN, arrays, self.strategy.configure_train(number, selected, self._base))
-        replies = self._exchange(messages, outcome, "train")
-        timings["train"] = self.clock() - start
-
-        start = self.clock()
-        parsed: list[TrainReply] = []
-        for node, reply in replies:
-            try:
-                parsed.append(parse_train_reply(node, reply))
-            except ReplyError as exc:
-                outcome.failures[node] = ("train", str(exc))
-        for item in parsed:
-            self.repo.touch_node(item.node_id, department=item.department)
-            seen.add(item.node_id)
-        result = self.strategy.aggregate_train(arrays, (p.update for p in parsed))
-        for node, reason in result.rejected.items():
-            outcome.failures[node] = ("aggregate", reason)
-        timings["aggregate"] = self.clock() - start
-        accepted = [p for p in parsed if p.node_id in set(result.accepted)]
-        timings["local_train_max"] = max((p.metrics.get("train-seconds", 0.0) for p in accepted), default=0.0)
+        configs = self.strategy.configure_train(number, selected, self._base)
+        if self.secure is not None:
+            phase = self.secure.round(arrays, configs, outcome.failures, timings)
+        else:
+            phase = self._plaintext_phase(arrays, configs, outcome, timings)
+        for node in phase.accepted:
+            self.repo.touch_node(node, department=phase.departments.get(node))
+            seen.add(node)
+        timings["local_train_max"] = max(
+            (phase.node_metrics.get(n, {}).get("train-seconds", 0.0) for n in phase.accepted), default=0.0
+        )
 
         for node, (stage, reason) in outcome.failures.items():
             self.repo.add_failure(rnd.id, node, stage=stage, reason=reason)
             log.warning("round %s: node %s failed at %s: %s", number, node, stage, reason)
 
-        if result.arrays is None or len(result.accepted) < config.min_nodes:
-            why = f"{len(result.accepted)} valid update(s) of {len(selected)} selected; min-nodes is {config.min_nodes}"
-            self.repo.finish_round(rnd.id, RoundStatus.FAILED, participants=result.accepted, timings=timings, error=why)
+        if phase.arrays is None or len(phase.accepted) < config.min_nodes:
+            why = phase.error or (
+                f"{len(phase.accepted)} valid update(s) of {len(selected)} selected; min-nodes is {config.min_nodes}"
+            )
+            self.repo.finish_round(rnd.id, RoundStatus.FAILED, participants=phase.accepted, timings=timings, error=why)
             log.warning("round %s failed: %s; the global model is unchanged", number, why)
             return arrays, parent, {}
 
         start = self.clock()
-        arrays_to_model(model, result.arrays)
+        arrays_to_model(model, phase.arrays)
         global_eval = evaluate(model, test)
         timings["evaluate"] = self.clock() - start
-        train_metrics = aggregate_weighted_metrics(
-            (str(p.node_id), {k: v for k, v in p.metrics.items() if k != "num-examples" and math.isfinite(v)},
-             p.update.weight)
-            for p in accepted
-        )
         round_metrics = {
             "accuracy": global_eval.accuracy,
             "loss": global_eval.loss,
-            "train-loss": train_metrics.get("train-loss", math.nan),
-            "participants": float(len(result.accepted)),
-            "examples": result.total_examples,
+            "train-loss": phase.train_loss,
+            "participants": float(len(phase.accepted)),
+            "examples": phase.total_examples,
             # Peak RSS of the ServerApp process so far (Linux reports KiB).
             "server-peak-rss-mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         }
 
         start = self.clock()
-        stored = self.store.save(result.arrays, f"run{run_id}-round{number:04d}")
+        stored = self.store.save(phase.arrays, f"run{run_id}-round{number:04d}")
         version = self.repo.add_model_version(
             run_id=run_id,
             round_number=number,
@@ -314,15 +308,51 @@ class Federation:
             metrics={"accuracy": global_eval.accuracy, "loss": global_eval.loss},
         )
         self.repo.add_metrics(run_id, number, {k: v for k, v in round_metrics.items() if math.isfinite(v)})
-        for p in accepted:
-            self.repo.add_metrics(run_id, number, p.metrics, node_id=p.node_id)
+        for node in phase.accepted:
+            if phase.node_metrics.get(node):
+                self.repo.add_metrics(run_id, number, phase.node_metrics[node], node_id=node)
         timings["store"] = self.clock() - start
-        self.repo.finish_round(rnd.id, RoundStatus.COMPLETED, participants=result.accepted, timings=timings)
+        self.repo.finish_round(rnd.id, RoundStatus.COMPLETED, participants=phase.accepted, timings=timings)
         log.info(
             "round %s/%s: accuracy %.4f, %s of %s nodes, %.1fs",
-            number, config.num_rounds, global_eval.accuracy, len(result.accepted), len(selected), sum(timings.values()),
+            number, config.num_rounds, global_eval.accuracy, len(phase.accepted), len(selected), sum(timings.values()),
         )
-        return result.arrays, version.id, round_metrics
+        return phase.arrays, version.id, round_metrics
+
+    def _plaintext_phase(
+        self, arrays: Arrays, configs: dict[int, TrainConfig], outcome: RoundOutcome, timings: dict[str, float]
+    ) -> TrainPhase:
+        """Train round trip with plaintext updates; each update is validated, then averaged."""
+        start = self.clock()
+        messages = self._messages(MessageType.TRAIN, arrays, configs)
+        replies = self._exchange(messages, outcome.failures, "train", self.config.round_timeout)
+        timings["train"] = self.clock() - start
+
+        start = self.clock()
+        parsed: list[TrainReply] = []
+        for node, reply in replies:
+            try:
+                parsed.append(parse_train_reply(node, reply))
+            except ReplyError as exc:
+                outcome.failures[node] = ("train", str(exc))
+        result = self.strategy.aggregate_train(arrays, (p.update for p in parsed))
+        for node, reason in result.rejected.items():
+            outcome.failures[node] = ("aggregate", reason)
+        timings["aggregate"] = self.clock() - start
+        accepted = [p for p in parsed if p.node_id in set(result.accepted)]
+        train_metrics = aggregate_weighted_metrics(
+            (str(p.node_id), {k: v for k, v in p.metrics.items() if k != "num-examples" and math.isfinite(v)},
+             p.update.weight)
+            for p in accepted
+        )
+        return TrainPhase(
+            arrays=result.arrays,
+            accepted=list(result.accepted),
+            total_examples=result.total_examples,
+            train_loss=train_metrics.get("train-loss", math.nan),
+            node_metrics={p.node_id: p.metrics for p in accepted},
+            departments={p.node_id: p.department for p in parsed},
+        )
 
     def _final_evaluation(self, run_id: int, arrays: Arrays, nodes: Iterable[int]) -> None:
         """Each department evaluates the final model on its own test split (one message round trip)."""
@@ -333,7 +363,9 @@ class Federation:
             return
         outcome = RoundOutcome()
         configs = {n: self._base for n in targets}
-        replies = self._exchange(self._messages(MessageType.EVALUATE, arrays, configs), outcome, "evaluate")
+        replies = self._exchange(
+            self._messages(MessageType.EVALUATE, arrays, configs), outcome.failures, "evaluate", self.config.round_timeout
+        )
         for node, reply in replies:
             content = reply.content
             if METRICS not in content.metric_records:

@@ -16,7 +16,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 from quorumfl.aggregation.errors import ModelStoreError
-from quorumfl.client.app import evaluate_handler, train_handler
+from quorumfl.client.app import app
 from quorumfl.client.data import prepare_partitions
 from quorumfl.client.wire import ARRAYS, METRICS, from_array_record
 from quorumfl.server.config import RunConfig
@@ -31,9 +31,12 @@ Fault = Callable[[Message, Message], Message | None]  # (request, honest reply) 
 class LoopbackGrid(Grid):
     """Delivers each message to an in-process node: the real handlers, then an optional fault."""
 
-    def __init__(self, nodes: dict[int, Context], faults: dict[int, Fault] | None = None) -> None:
+    def __init__(
+        self, nodes: dict[int, Context], faults: dict[int, Fault] | None = None, *, fault_stages: tuple[str, ...] = ("train",)
+    ) -> None:
         self.nodes = nodes
         self.faults = faults or {}
+        self.fault_stages = fault_stages
         self.sent: list[Message] = []
         self.replies: list[Message] = []
 
@@ -63,10 +66,12 @@ class LoopbackGrid(Grid):
             msg.metadata.__dict__["_message_id"] = f"m{len(self.sent)}"  # the SuperLink assigns ids
             self.sent.append(msg)
             node = msg.metadata.dst_node_id
-            handler = train_handler if msg.metadata.message_type == "train" else evaluate_handler
-            reply: Message | None = handler(msg, self.nodes[node])
+            try:
+                reply: Message | None = app(msg, self.nodes[node])  # routed by message type, as on a node
+            except Exception as exc:  # what Flower turns into an error reply
+                reply = Message(Error(code=2, reason=f"{type(exc).__name__}: {exc}"), reply_to=msg)
             fault = self.faults.get(node)
-            if fault is not None and reply is not None and msg.metadata.message_type == "train":
+            if fault is not None and reply is not None and msg.metadata.message_type in self.fault_stages:
                 reply = fault(msg, reply)
             if reply is not None:
                 out.append(reply)

@@ -1,0 +1,105 @@
+"""The node's half of masking secure aggregation, carried over Flower messages.
+
+The protocol state (this epoch's private keys, the shares the node holds, which slots it used)
+lives in the node's Flower ``context.state`` — kept by the SuperNode between messages, never sent
+to the server. What leaves the node: public keys, share bundles encrypted for each neighbour, the
+masked vector ``[w, w·loss, w·(θ_local − θ_global)]`` and, once per round, the shares the protocol
+allows. Per-node metrics other than training time are not sent in this mode: they are part of the
+secure sum or stay on the node.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import TYPE_CHECKING
+
+import numpy as np
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+from quorumfl.aggregation.errors import SecureAggregationError
+from quorumfl.aggregation.secagg import NodeEpoch, flatten, weighted_payload
+
+from .secure_wire import (
+    MASKED,
+    SECAGG,
+    decode_announcement,
+    decode_directory,
+    decode_mask_request,
+    decode_unmask_request,
+    encode_advertisement,
+    encode_bundles,
+    encode_masked,
+    encode_unmask_reply,
+)
+from .wire import METRICS, NODE
+
+if TYPE_CHECKING:
+    from .steps import LocalTraining
+
+__all__ = ["advertise", "masked_train_reply", "share", "unmask"]
+
+_STATE = "secagg-epoch"
+
+
+def _load(context: Context) -> NodeEpoch:
+    if _STATE not in context.state.config_records:
+        raise SecureAggregationError(
+            "this node holds no secure-aggregation keys for the run (it restarted or missed the key setup); "
+            "the server re-keys in a later round", node=str(context.node_id)
+        )
+    data = context.state.config_records[_STATE].get("state")
+    if not isinstance(data, bytes):
+        raise SecureAggregationError("stored secure-aggregation state is unreadable", node=str(context.node_id))
+    return NodeEpoch.from_bytes(data)
+
+
+def _store(context: Context, state: NodeEpoch) -> None:
+    context.state.config_records[_STATE] = ConfigRecord({"state": state.to_bytes()})
+
+
+def _record(msg: Message) -> ConfigRecord:
+    if SECAGG not in msg.content.config_records:
+        raise SecureAggregationError("message has no 'secagg' record")
+    return msg.content.config_records[SECAGG]
+
+
+def advertise(msg: Message, context: Context) -> RecordDict:
+    """Stage 1: fresh keys for a new epoch (any older epoch's keys are dropped)."""
+    state, ad = NodeEpoch.advertise(decode_announcement(_record(msg)), int(context.node_id))
+    _store(context, state)
+    return RecordDict({SECAGG: encode_advertisement(ad)})
+
+
+def share(msg: Message, context: Context) -> RecordDict:
+    """Stage 2: Shamir shares of this epoch's slot keys and seeds, encrypted per neighbour."""
+    state = _load(context)
+    bundles = state.share(decode_directory(_record(msg), slots=state.params.slots))
+    _store(context, state)
+    return RecordDict({SECAGG: encode_bundles(bundles)})
+
+
+def masked_train_reply(msg: Message, context: Context, local: LocalTraining) -> RecordDict:
+    """The train reply in masked mode: only the masked weighted update and the training time."""
+    state = _load(context)
+    request, max_weight = decode_mask_request(_record(msg), node=int(context.node_id))
+    update = flatten(local.trained) - flatten(local.received)
+    payload = weighted_payload(update, examples=local.num_examples, loss=local.train_loss, max_weight=max_weight)
+    masked = state.mask(request, payload, np.random.default_rng(secrets.randbits(128)))
+    _store(context, state)
+    arrays, config = encode_masked(masked, epoch=request.epoch, slot=request.slot)
+    return RecordDict(
+        {
+            MASKED: arrays,
+            SECAGG: config,
+            METRICS: MetricRecord({"train-seconds": local.metrics["train-seconds"]}),
+            NODE: ConfigRecord({"department": local.department}),
+        }
+    )
+
+
+def unmask(msg: Message, context: Context) -> RecordDict:
+    """Stage 4: the shares this node may reveal for the round's survivors and dropped nodes."""
+    state = _load(context)
+    reply = state.unmask(decode_unmask_request(_record(msg)))
+    _store(context, state)  # what was revealed is recorded before it leaves
+    return RecordDict({SECAGG: encode_unmask_reply(reply)})

@@ -1,0 +1,226 @@
+"""The server's half of masking secure aggregation, carried over Flower messages.
+
+``MaskingSession`` keeps one key epoch across rounds and re-keys (two message round trips:
+advertise, share) only when it must: first round, slots used up, or a selected node outside the
+epoch's cohort (or too few of it left for its threshold). A round is then the train round trip,
+whose replies carry masked vectors added into a running sum, plus one unmask round trip. Each stage
+has its own deadline; a node that misses one is recorded as a round failure at that stage. Fewer
+than t survivors: the unmask request is never sent and the round fails with nothing revealed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from numpy.typing import NDArray
+
+from quorumfl.aggregation.errors import EmptyAggregationError, QuorumError, SecureAggregationError
+from quorumfl.aggregation.secagg import (
+    CoordinatorEpoch,
+    MaskingParams,
+    flatten,
+    read_payload,
+    resolve_threshold,
+    unflatten,
+)
+from quorumfl.client.secure_wire import (
+    ADVERTISE,
+    MASKED,
+    SECAGG,
+    SHARE,
+    UNMASK,
+    decode_advertisement,
+    decode_bundles,
+    decode_masked,
+    decode_unmask_reply,
+    encode_announcement,
+    encode_directory,
+    encode_mask_request,
+    encode_unmask_request,
+)
+from quorumfl.client.wire import ARRAYS, CONFIG, METRICS, NODE, TrainConfig, to_array_record
+
+from .config import RunConfig
+from .phase import TrainPhase
+
+__all__ = ["MaskingSession"]
+
+log = logging.getLogger(__name__)
+Arrays = dict[str, NDArray[np.generic]]
+Failures = dict[int, tuple[str, str]]
+# (messages, failures to fill, stage name, timeout seconds) -> good replies by node
+Exchange = Callable[[list[Message], Failures, str, float], list[tuple[int, Message]]]
+
+
+def _secagg(reply: Message) -> ConfigRecord:
+    if SECAGG not in reply.content.config_records:
+        raise SecureAggregationError("reply has no 'secagg' record")
+    return reply.content.config_records[SECAGG]
+
+
+def _department(content: RecordDict) -> str | None:
+    if NODE not in content.config_records:
+        return None
+    value = content.config_records[NODE].get("department")
+    return value if isinstance(value, str) and value else None
+
+
+class MaskingSession:
+    """Masked rounds of one run against a Flower Grid (through the Federation's exchange)."""
+
+    def __init__(self, config: RunConfig, exchange: Exchange, *, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.config = config
+        self.exchange = exchange
+        self.clock = clock
+        self.epoch: CoordinatorEpoch | None = None
+        self.epochs_started = 0
+
+    def _message(self, kind: str, node: int, record: ConfigRecord) -> Message:
+        return Message(content=RecordDict({SECAGG: record}), dst_node_id=node, message_type=kind)
+
+    def _needs_new_epoch(self, selected: Sequence[int]) -> bool:
+        epoch = self.epoch
+        return (
+            epoch is None
+            or epoch.slots_left < 1
+            or not set(selected) <= set(epoch.ready)
+            or len(selected) < epoch.params.threshold
+        )
+
+    def _setup(self, cohort: Sequence[int], failures: Failures) -> CoordinatorEpoch:
+        """Key epoch: advertise, then share (two round trips). Raises when fewer than t finish."""
+        self.epoch = None
+        config = self.config
+        params = MaskingParams(
+            threshold=resolve_threshold(config.secagg_threshold, len(cohort)),
+            slots=config.secagg_epoch_rounds,
+            modulus_bits=config.secagg_modulus_bits,
+            clip=config.secagg_clip,
+        )
+        epoch = CoordinatorEpoch(cohort, params)
+        record = encode_announcement(epoch.announcement())
+        timeout = config.secagg_stage_timeout
+        replies = self.exchange([self._message(ADVERTISE, n, record) for n in epoch.cohort], failures,
+                                "secagg-advertise", timeout)
+        for node, reply in replies:
+            try:
+                epoch.receive_advertisement(decode_advertisement(_secagg(reply), node=node))
+            except SecureAggregationError as exc:
+                failures[node] = ("secagg-advertise", str(exc))
+        directories = epoch.directories()
+        messages = [self._message(SHARE, n, encode_directory(d)) for n, d in directories.items()]
+        sharers: list[int] = []
+        for node, reply in self.exchange(messages, failures, "secagg-share", timeout):
+            try:
+                epoch.receive_bundles(node, decode_bundles(_secagg(reply), node=node))
+            except SecureAggregationError as exc:
+                failures[node] = ("secagg-share", str(exc))
+            else:
+                sharers.append(node)
+        epoch.close_setup(sharers)
+        self.epoch = epoch
+        self.epochs_started += 1
+        log.info("secure aggregation: key epoch %s ready with %s of %s nodes (t=%s, %s slots)",
+                 self.epochs_started, len(epoch.ready), len(cohort), params.threshold, params.slots)
+        return epoch
+
+    def round(
+        self,
+        arrays: Arrays,
+        configs: dict[int, TrainConfig],
+        failures: Failures,
+        timings: dict[str, float],
+    ) -> TrainPhase:
+        """One masked round for the selected nodes (the keys of ``configs``)."""
+        selected = sorted(configs)
+        try:
+            start = self.clock()
+            epoch = self.epoch
+            if epoch is None or self._needs_new_epoch(selected):
+                epoch = self._setup(selected, failures)
+            timings["secagg-setup"] = self.clock() - start
+            return self._masked_round(epoch, arrays, configs, failures, timings)
+        except QuorumError as exc:
+            log.warning("secure aggregation: %s", exc)
+            return TrainPhase(arrays=None, error=f"secure aggregation: {exc}")
+
+    def _masked_round(
+        self,
+        epoch: CoordinatorEpoch,
+        arrays: Arrays,
+        configs: dict[int, TrainConfig],
+        failures: Failures,
+        timings: dict[str, float],
+    ) -> TrainPhase:
+        config = self.config
+        participants = [n for n in sorted(configs) if n in epoch.ready]
+        base = flatten(arrays)
+        rnd = epoch.start_round([participants], length=2 + base.shape[0])
+        model_record = to_array_record(arrays)
+        messages = [
+            Message(
+                content=RecordDict(
+                    {
+                        ARRAYS: model_record,
+                        CONFIG: configs[n].to_record(),
+                        SECAGG: encode_mask_request(epoch.mask_request(n, rnd), max_weight=config.secagg_max_weight),
+                    }
+                ),
+                dst_node_id=n,
+                message_type=MessageType.TRAIN,
+            )
+            for n in participants
+        ]
+        result = TrainPhase(arrays=None)
+        start = self.clock()
+        for node, reply in self.exchange(messages, failures, "train", config.round_timeout):
+            try:
+                content = reply.content
+                if MASKED not in content.array_records:
+                    raise SecureAggregationError("reply has no 'masked' record")
+                vector, epoch_id, slot = decode_masked(content.array_records[MASKED], _secagg(reply))
+                if epoch_id != epoch.epoch or slot != rnd.slot:
+                    raise SecureAggregationError(f"masked input is for another epoch or slot ({slot})")
+                rnd.add_masked(node, vector)
+            except SecureAggregationError as exc:
+                failures[node] = ("train", str(exc))
+                continue
+            metrics = content.metric_records.get(METRICS)
+            seconds = metrics.get("train-seconds") if metrics is not None else None
+            if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+                result.node_metrics[node] = {"train-seconds": float(seconds)}
+            result.departments[node] = _department(content)
+        timings["train"] = self.clock() - start
+
+        start = self.clock()
+        request, _ = rnd.unmask_request()  # raises (and reveals nothing) below the quorum
+        survivors = [n for alive, _ in request.groups for n in alive]
+        record = encode_unmask_request(request)
+        replies = self.exchange([self._message(UNMASK, n, record) for n in survivors], failures, "secagg-unmask",
+                                config.secagg_stage_timeout)
+        for node, reply in replies:
+            try:
+                rnd.add_unmask(decode_unmask_reply(_secagg(reply), node=node))
+            except SecureAggregationError as exc:
+                failures[node] = ("secagg-unmask", str(exc))
+        (group,) = rnd.result()
+        timings["secagg-unmask"] = self.clock() - start
+        if group.total is None:
+            raise SecureAggregationError(f"the masked sum could not be unmasked: {group.error}")
+        fp = epoch.params.fixed_point(len(epoch.members))
+        try:
+            mean = read_payload(group.total, min_weight=100 * fp.error_bound)
+        except EmptyAggregationError as exc:
+            raise SecureAggregationError(str(exc)) from exc
+        result.arrays = unflatten(base + mean.update, arrays)
+        result.accepted = list(group.survivors)
+        result.total_examples = mean.total_weight * config.secagg_max_weight
+        result.train_loss = mean.train_loss
+        log.info("secure aggregation: slot %s summed %s of %s masked inputs (%s dropped)",
+                 rnd.slot, len(group.survivors), len(participants), len(group.dropped))
+        return result
+
