@@ -61,8 +61,9 @@ def app_pyproject() -> bytes:
     return tomli_w.dumps(manifest).encode()
 
 
-def build_fab() -> Fab:
-    fab_bytes, _ = build_fab_from_files({"pyproject.toml": app_pyproject()})
+def build_fab(files: Mapping[str, bytes] | None = None) -> Fab:
+    """A Flower app bundle: QuorumFL's manifest, or the given files (``pyproject.toml`` + code)."""
+    fab_bytes, _ = build_fab_from_files(dict(files) if files is not None else {"pyproject.toml": app_pyproject()})
     return Fab(hashlib.sha256(fab_bytes).hexdigest(), fab_bytes, {})
 
 
@@ -106,9 +107,10 @@ class Control:
         finally:
             client.close()
 
-    def start_run(self, overrides: Mapping[str, Any]) -> int:
+    def start_run(self, overrides: Mapping[str, Any], *, fab: Fab | None = None) -> int:
+        """Submit a run of the QuorumFL app (or of ``fab``, another Flower app bundle)."""
         request = StartRunRequest(
-            fab=fab_to_proto(build_fab()),
+            fab=fab_to_proto(fab or build_fab()),
             override_config=user_config_to_proto(dict(overrides)),
             federation="",
         )

@@ -1,0 +1,143 @@
+"""What secure aggregation costs per round: plaintext vs QuorumFL masking vs Flower's SecAgg+.
+
+One invocation, one federation (SuperLink + N SuperNodes as processes on 127.0.0.1, Flower's
+deployment engine), one model (``mlp-wide``, ~1.1M parameters, on digits, IID split), one local
+epoch per round, then three runs one after the other on the same nodes:
+
+1. QuorumFL, plaintext FedAvg;
+2. QuorumFL, ``secure-aggregation = "masking"`` (t = 0.6·N; key setup once, in round 1);
+3. Flower's ``SecAggPlusWorkflow`` on the legacy API (``flower_secaggplus_app.py``), complete graph,
+   reconstruction threshold 0.6·N, the same model, data and local training.
+
+Per-round wall time is the median over rounds. For QuorumFL it is the round's recorded phases
+(key setup if any, train round trip, unmask round trip, aggregation, evaluation, storing); for Flower
+it is the fit workflow (its four stages plus aggregation). The key setup of QuorumFL's first round is
+reported on its own (``masked_setup_s``); with ≥ 3 rounds the median is a round without it.
+
+    python benchmarks/secagg.py                 # 10 nodes, 4 rounds each, ~1.1M params
+    python benchmarks/secagg.py --smoke         # 3 nodes, 2 rounds each, small MLP
+    python benchmarks/secagg.py --json          # last line: one JSON object
+
+Keys: plain_round_s, masked_round_s, flower_secaggplus_round_s, masked_over_plain,
+overhead_ratio = (flower − plain) / (masked − plain), masked_setup_s, plus sizes and peak RSS.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+from _common import parser as make_parser
+from _common import peak_rss_mb, report
+from quorumfl.client.data import prepare_partitions
+from quorumfl.client.models import build_model
+from quorumfl.server.control import build_fab
+from quorumfl.server.local import LocalFederation, local_federation
+from quorumfl.server.services import follow_run
+from quorumfl.server.state.database import connect
+from quorumfl.server.state.repository import Repository, RoundStatus
+
+HERE = Path(__file__).resolve().parent
+
+
+def _flower_fab(defaults: dict[str, Any]) -> Any:
+    manifest = {
+        "build-system": {"requires": ["setuptools"], "build-backend": "setuptools.build_meta"},
+        "project": {"name": "flower-secaggplus-baseline", "version": "1.0.0", "dependencies": []},
+        "tool": {"flwr": {"app": {
+            "publisher": "quorumfl",
+            "components": {"serverapp": "flower_secaggplus_app:server", "clientapp": "flower_secaggplus_app:client"},
+            "config": defaults,
+        }}},
+    }
+    return build_fab({
+        "pyproject.toml": tomli_w.dumps(manifest).encode(),
+        "flower_secaggplus_app.py": (HERE / "flower_secaggplus_app.py").read_bytes(),
+    })
+
+
+def _quorumfl_rounds(federation: LocalFederation, repo: Repository, overrides: dict[str, Any]) -> list[dict[str, float]]:
+    flower_run_id = federation.control.start_run(overrides)
+    run = follow_run(repo, flower_run_id, timeout=3600, alive=lambda: federation.alive(flower_run_id))
+    if run.status != "completed" or any(r.status != RoundStatus.COMPLETED for r in run.rounds):
+        raise SystemExit(f"run ended {run.status}: {run.error}; rounds {[(r.number, r.status, r.error) for r in run.rounds]}")
+    return [dict(r.timings) for r in run.rounds]
+
+
+def _flower_rounds(federation: LocalFederation, config: dict[str, Any], timings: Path) -> list[float]:
+    flower_run_id = federation.control.start_run({}, fab=_flower_fab(config))
+    deadline = time.monotonic() + 3600
+    while not federation.control.run_finished(flower_run_id):
+        if time.monotonic() > deadline:
+            raise SystemExit("Flower's SecAgg+ run did not finish within an hour")
+        time.sleep(1.0)
+    rounds = [json.loads(line)["round_s"] for line in timings.read_text().splitlines()] if timings.exists() else []
+    if len(rounds) != int(config["num-rounds"]):
+        raise SystemExit(f"Flower's SecAgg+ run finished {len(rounds)} of {config['num-rounds']} rounds\n"
+                         f"{federation.logs(60)}")
+    return rounds
+
+
+def _round_s(timings: dict[str, float]) -> float:
+    return sum(v for k, v in timings.items() if k != "local_train_max")
+
+
+def main() -> None:
+    parser = make_parser(__doc__ or "")
+    parser.add_argument("--nodes", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--model", default="mlp-wide")
+    args = parser.parse_args()
+    nodes, rounds, model = (3, 2, "mlp") if args.smoke else (args.nodes, args.rounds, args.model)
+    params = sum(p.numel() for p in build_model(model, (1, 8, 8), 10).parameters())
+    common = {"model": model, "num-rounds": rounds, "local-epochs": 1, "batch-size": 32, "learning-rate": 0.05,
+              "seed": 0}
+
+    with tempfile.TemporaryDirectory(prefix="quorumfl-bench-") as tmp:
+        home = Path(tmp)
+        db_url = f"sqlite:///{home / 'state.db'}"
+        repo = Repository(connect(db_url, migrate=True))
+        parts = prepare_partitions(home / "data", [f"dept-{i:02d}" for i in range(nodes)], method="iid", seed=0)
+        ours = {**common, "strategy": "fedavg", "min-nodes": 2, "start-from": "fresh", "state-url": db_url,
+                "model-dir": str(home / "models"), "round-timeout": 900.0}
+        with local_federation(home, parts, db_url=db_url) as federation:
+            plain = _quorumfl_rounds(federation, repo, {**ours, "secure-aggregation": "none"})
+            masked = _quorumfl_rounds(federation, repo, {**ours, "secure-aggregation": "masking",
+                                                         "secagg-threshold": 0.6})
+            timings_file = home / "flower-rounds.jsonl"
+            flower = _flower_rounds(federation, {**common, "num-nodes": nodes, "threshold": 0.6,
+                                                 "stage-timeout": 900.0, "timings-file": str(timings_file)},
+                                    timings_file)
+
+    plain_s = statistics.median(_round_s(t) for t in plain)
+    masked_s = statistics.median(_round_s(t) for t in masked)
+    flower_s = statistics.median(flower)
+    report(
+        {
+            "nodes": nodes,
+            "rounds": rounds,
+            "model": model,
+            "params": params,
+            "plain_round_s": plain_s,
+            "masked_round_s": masked_s,
+            "flower_secaggplus_round_s": flower_s,
+            "masked_over_plain": masked_s / plain_s,
+            "overhead_ratio": (flower_s - plain_s) / (masked_s - plain_s) if masked_s > plain_s else float("inf"),
+            "masked_setup_s": masked[0].get("secagg-setup", 0.0),
+            "masked_unmask_s": statistics.median(t.get("secagg-unmask", 0.0) for t in masked),
+            "plain_rounds_s": [round(_round_s(t), 2) for t in plain],
+            "masked_rounds_s": [round(_round_s(t), 2) for t in masked],
+            "flower_rounds_s": [round(s, 2) for s in flower],
+            "bench_peak_rss_mb": peak_rss_mb(),
+        },
+        as_json=args.json,
+    )
+
+
+if __name__ == "__main__":
+    main()
