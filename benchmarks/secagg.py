@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
+
 from _common import parser as make_parser
 from _common import peak_rss_mb, report
 from quorumfl.client.data import prepare_partitions

@@ -60,6 +60,7 @@ DEFAULTS: dict[str, Any] = {
     "secagg-modulus-bits": 32,
     "secagg-epoch-rounds": 10,
     "secagg-stage-timeout": 120.0,
+    "secagg-unmask-spare": 1,
 }
 
 
@@ -89,6 +90,7 @@ class RunConfig:
     secagg_modulus_bits: int
     secagg_epoch_rounds: int
     secagg_stage_timeout: float
+    secagg_unmask_spare: int
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
@@ -163,6 +165,7 @@ class RunConfig:
             secagg_modulus_bits=number("secagg-modulus-bits", int, low=32, high=64),
             secagg_epoch_rounds=number("secagg-epoch-rounds", int, low=1, high=10_000),
             secagg_stage_timeout=number("secagg-stage-timeout", float, low=0.0, open_low=True),
+            secagg_unmask_spare=number("secagg-unmask-spare", int, low=0, high=10_000),
         )
         if config.secagg_modulus_bits not in (32, 64):
             problems.append(f"secagg-modulus-bits must be 32 or 64, got {config.secagg_modulus_bits}")

@@ -38,6 +38,14 @@ class LocalFederation:
     def logs(self, lines: int = 30) -> str:
         return "\n".join(f"--- {c.name} ({c.log})\n{self.group.tail(c, lines)}" for c in self.group.children)
 
+    def add_node(self, name: str, data_path: Path) -> Child:
+        """Start one more SuperNode (e.g. a department's node again after it crashed)."""
+        child = self.group.start(
+            name, supernode_command(superlink=self.address, port=free_port(), data_path=data_path, department=name)
+        )
+        self.nodes[name] = child
+        return child
+
     def alive(self, flower_run_id: int) -> bool:
         """The SuperLink runs and has not yet marked the run finished."""
         return self.link.process.poll() is None and not self.control.run_finished(flower_run_id)

@@ -47,6 +47,9 @@ def flower_env(home: Path, *, db_url: str | None = None) -> dict[str, str]:
             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
             "QUORUMFL_HOME": str(home),
             "PYTHONUNBUFFERED": "1",
+            # Flower's SuperExec looks for new app tasks once a second by default; every message
+            # round trip pays up to that wait again.
+            "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": os.environ.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.25"),
             # Flower starts its helpers (flower-superexec, flwr-serverapp, flwr-clientapp) by name.
             "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
         }

@@ -45,6 +45,7 @@ from .strategies import FedAvg, build_strategy
 __all__ = ["Federation", "ReplyError", "parse_train_reply"]
 
 log = logging.getLogger(__name__)
+REPLY_POLL_SECONDS = 0.25  # how often the ServerApp asks the SuperLink for replies
 Arrays = dict[str, NDArray[np.generic]]
 
 
@@ -176,8 +177,19 @@ class Federation:
         writes for an unreachable node carries the SuperLink's own id as its source.
         """
         expected = {int(m.metadata.dst_node_id) for m in messages}
-        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
-        destination = {m.metadata.message_id: int(m.metadata.dst_node_id) for m in messages}
+        message_ids = list(self.grid.push_messages(messages))
+        destination = {mid: int(m.metadata.dst_node_id) for mid, m in zip(message_ids, messages, strict=True)}
+        # Grid.send_and_receive sleeps 3 s between pulls; every round trip would pay up to that again.
+        replies: list[Message] = []
+        waiting = set(message_ids)
+        deadline = self.clock() + timeout
+        while waiting:
+            pulled = list(self.grid.pull_messages(list(waiting)))
+            replies.extend(pulled)
+            waiting.difference_update(r.metadata.reply_to_message_id for r in pulled)
+            if not waiting or self.clock() >= deadline:
+                break
+            time.sleep(REPLY_POLL_SECONDS)
         good: list[tuple[int, Message]] = []
         for reply in replies:
             node = destination.get(reply.metadata.reply_to_message_id)

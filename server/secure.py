@@ -200,13 +200,24 @@ class MaskingSession:
         request, _ = rnd.unmask_request()  # raises (and reveals nothing) below the quorum
         survivors = [n for alive, _ in request.groups for n in alive]
         record = encode_unmask_request(request)
-        replies = self.exchange([self._message(UNMASK, n, record) for n in survivors], failures, "secagg-unmask",
-                                config.secagg_stage_timeout)
-        for node, reply in replies:
-            try:
-                rnd.add_unmask(decode_unmask_reply(_secagg(reply), node=node))
-            except SecureAggregationError as exc:
-                failures[node] = ("secagg-unmask", str(exc))
+        # With the complete graph any t survivors hold every needed share: ask t + spare of them
+        # (rotating with the slot) and the rest only if too few answer. Every survivor gets the same
+        # request, so asking again reveals nothing new.
+        first = survivors
+        if epoch.complete:
+            turn = rnd.slot % len(survivors)
+            rotated = survivors[turn:] + survivors[:turn]
+            first = rotated[: epoch.params.threshold + config.secagg_unmask_spare]
+        for ask in (first, [n for n in survivors if n not in first]):
+            if not ask or rnd.can_unmask():
+                break
+            replies = self.exchange([self._message(UNMASK, n, record) for n in ask], failures, "secagg-unmask",
+                                    config.secagg_stage_timeout)
+            for node, reply in replies:
+                try:
+                    rnd.add_unmask(decode_unmask_reply(_secagg(reply), node=node))
+                except SecureAggregationError as exc:
+                    failures[node] = ("secagg-unmask", str(exc))
         (group,) = rnd.result()
         timings["secagg-unmask"] = self.clock() - start
         if group.total is None:

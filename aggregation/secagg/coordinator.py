@@ -82,6 +82,11 @@ class CoordinatorEpoch:
             out[node] = KeyDirectory(self.epoch, members, self.graph_seed, {p: self.ads[p] for p in near})
         return out
 
+    @property
+    def complete(self) -> bool:
+        """Every member holds a share of every other member's secrets (the complete graph)."""
+        return len(self.members) <= self.params.complete_up_to
+
     def neighbours(self, node: int) -> list[int]:
         return [self.members[j] for j in sorted(self.graph[self.members.index(node)])]
 
@@ -217,15 +222,32 @@ class MaskedRound:
             raise SecureAggregationError("a share is not a field element", node=str(reply.node))
         self.shares[reply.node] = reply
 
-    def _secret(self, owner: int, *, key: bool) -> bytes:
+    def _points(self, owner: int, *, key: bool) -> tuple[dict[int, int], int]:
         members = self.epoch.members
         holders = [*self.epoch.neighbours(owner), owner]
         t = share_threshold(self.epoch.params.threshold, len(members), len(holders))
-        points = {
-            members.index(h) + 1: (self.shares[h].key_shares if key else self.shares[h].seed_shares)[owner]
-            for h in holders
-            if h in self.shares and owner in (self.shares[h].key_shares if key else self.shares[h].seed_shares)
-        }
+        points: dict[int, int] = {}
+        for h in holders:
+            reply = self.shares.get(h)
+            if reply is not None:
+                held = reply.key_shares if key else reply.seed_shares
+                if owner in held:
+                    points[members.index(h) + 1] = held[owner]
+        return points, t
+
+    def can_unmask(self) -> bool:
+        """Enough shares arrived to rebuild every secret the unmask request names."""
+        if self.request is None:
+            return False
+        return all(
+            len(points) >= t
+            for alive, gone in self.request.groups
+            for owner, key in [*((u, False) for u in alive), *((u, True) for u in gone)]
+            for points, t in [self._points(owner, key=key)]
+        )
+
+    def _secret(self, owner: int, *, key: bool) -> bytes:
+        points, t = self._points(owner, key=key)
         if len(points) < t:
             raise QuorumNotMetError(f"only {len(points)} of the {t} shares needed for node {owner} arrived")
         return reconstruct_secret(points, threshold=t, length=KEY_BYTES)

@@ -29,7 +29,12 @@ Fault = Callable[[Message, Message], Message | None]  # (request, honest reply) 
 
 
 class LoopbackGrid(Grid):
-    """Delivers each message to an in-process node: the real handlers, then an optional fault."""
+    """Delivers each message to an in-process node: the real ClientApp, then an optional fault.
+
+    ``push_messages`` runs the nodes at once; ``pull_messages`` hands out their replies. A silent
+    node's reply never comes, so tests that plant one use a short round timeout. ``drop`` lets a
+    test lose replies of one push (a node that died after receiving its message).
+    """
 
     def __init__(
         self, nodes: dict[int, Context], faults: dict[int, Fault] | None = None, *, fault_stages: tuple[str, ...] = ("train",)
@@ -37,13 +42,15 @@ class LoopbackGrid(Grid):
         self.nodes = nodes
         self.faults = faults or {}
         self.fault_stages = fault_stages
+        self.drop: Callable[[list[Message], list[Message]], list[Message]] = lambda _sent, replies: replies
         self.sent: list[Message] = []
         self.replies: list[Message] = []
+        self._pending: dict[str, Message] = {}
 
     def get_node_ids(self) -> Iterable[int]:
         return list(self.nodes)
 
-    # The loop only uses get_node_ids and send_and_receive; the rest of Grid is out of scope here.
+    # The loop only uses get_node_ids, push_messages and pull_messages; the rest of Grid is out of scope.
     def set_run(self, run: object) -> None:
         raise AssertionError("not used by the federation loop")
 
@@ -54,15 +61,13 @@ class LoopbackGrid(Grid):
     def create_message(self, *args: object, **kwargs: object) -> Message:
         raise AssertionError("not used by the federation loop")
 
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        raise AssertionError("not used by the federation loop")
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        raise AssertionError("not used by the federation loop")
-
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        out = []
-        for msg in messages:
+        raise AssertionError("not used by the federation loop")
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        batch = list(messages)
+        out: list[Message] = []
+        for msg in batch:
             msg.metadata.__dict__["_message_id"] = f"m{len(self.sent)}"  # the SuperLink assigns ids
             self.sent.append(msg)
             node = msg.metadata.dst_node_id
@@ -75,8 +80,13 @@ class LoopbackGrid(Grid):
                 reply = fault(msg, reply)
             if reply is not None:
                 out.append(reply)
+        out = self.drop(batch, out)
         self.replies.extend(out)
-        return out
+        self._pending.update({r.metadata.reply_to_message_id: r for r in out})
+        return [m.metadata.message_id for m in batch]
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return [self._pending.pop(mid) for mid in list(message_ids) if mid in self._pending]
 
 
 def _with_arrays(
@@ -142,7 +152,7 @@ def test_bad_nodes_are_left_out_and_recorded(tmp_path: Path, federation_parts: d
     ids = list(contexts)
     faults: dict[int, Fault] = {ids[3]: nan_update, ids[4]: wrong_shape, ids[5]: error_reply, ids[6]: silent}
     grid = LoopbackGrid(contexts, faults)
-    federation, repo = _federation(tmp_path, grid)
+    federation, repo = _federation(tmp_path, grid, **{"round-timeout": 1.0})
 
     run_id = federation.run()
 
@@ -222,7 +232,7 @@ def test_too_few_valid_updates_fails_the_round_not_the_model(tmp_path: Path, fed
     contexts = _contexts(dict(list(federation_parts.items())[:3]))
     ids = list(contexts)
     grid = LoopbackGrid(contexts, {ids[1]: nan_update, ids[2]: silent})
-    federation, repo = _federation(tmp_path, grid, **{"num-rounds": 1})
+    federation, repo = _federation(tmp_path, grid, **{"num-rounds": 1, "round-timeout": 1.0})
     with pytest.raises(Exception, match="none of the 1 round"):
         federation.run()
     [run] = repo.list_runs()

@@ -56,7 +56,24 @@ def test_masked_rounds_equal_plaintext_fedavg(tmp_path: Path, six_parts: dict[st
     # The server never received a plaintext update, and keys were set up once for both rounds.
     assert all(ARRAYS not in r.content.array_records for r in grid.replies if not r.has_error())
     kinds = [m.metadata.message_type for m in grid.sent]
-    assert kinds.count(ADVERTISE) == 6 and kinds.count(SHARE) == 6 and kinds.count(UNMASK) == 12
+    assert kinds.count(ADVERTISE) == 6 and kinds.count(SHARE) == 6 and kinds.count(UNMASK) == 10  # t + 1 = 5 survivors per round
+
+
+def _dropping(grid: LoopbackGrid, stage: str, nodes: set[int], *, pushes: set[int] | None = None) -> None:
+    """Lose the replies of ``nodes`` to messages of type ``stage`` (in the listed push numbers only)."""
+    count = {"n": 0}
+
+    def drop(sent: list[Message], replies: list[Message]) -> list[Message]:
+        if sent and sent[0].metadata.message_type == stage:
+            count["n"] += 1
+            if pushes is None or count["n"] in pushes:
+                return [r for r in replies if r.metadata.src_node_id not in nodes]
+        return replies
+
+    grid.drop = drop
+
+
+SHORT = {"round-timeout": 1.0, "secagg-stage-timeout": 1.0}
 
 
 def test_dropouts_up_to_n_minus_t_at_train_and_unmask_still_give_a_round(
@@ -64,24 +81,31 @@ def test_dropouts_up_to_n_minus_t_at_train_and_unmask_still_give_a_round(
 ) -> None:
     contexts = _contexts(six_parts)
     ids = list(contexts)
-    # t = 4 of 6: one node silent at the masked-input stage, one failing at the unmask stage.
-    grid = LoopbackGrid(contexts, fault_stages=("train", UNMASK))
-    grid.faults = {ids[0]: silent}
-    original = grid.send_and_receive
-
-    def send_and_receive(messages: list[Message], *, timeout: float | None = None) -> list[Message]:
-        # Node 1 answers the train message honestly and fails only at the unmask stage.
-        grid.faults = {ids[1]: error_reply} if messages[0].metadata.message_type == UNMASK else {ids[0]: silent}
-        return list(original(messages, timeout=timeout))
-
-    grid.send_and_receive = send_and_receive  # type: ignore[method-assign]
-    federation, repo = _federation(tmp_path, grid, **{**SECURE, "num-rounds": 1})
+    # t = 4 of 6: node 0 never sends its masked input; node 1 sends it, but its unmask reply is lost.
+    grid = LoopbackGrid(contexts, {ids[0]: silent})
+    _dropping(grid, UNMASK, {ids[1]})
+    federation, repo = _federation(tmp_path, grid, **{**SECURE, **SHORT, "num-rounds": 1})
     run = repo.get_run(federation.run())
     [rnd] = run.rounds
     assert rnd.status == RoundStatus.COMPLETED
-    assert sorted(rnd.participants) == ids[1:]  # node 1 sent its masked input; its unmask reply is not needed
+    assert sorted(rnd.participants) == ids[1:]  # node 1's masked input is in the sum; its shares were not needed
     stages = {f.node_id: f.stage for f in rnd.failures}
     assert stages == {ids[0]: "train", ids[1]: "secagg-unmask"}
+
+
+def test_unmask_asks_t_plus_spare_survivors_then_the_rest_if_too_few_answer(
+    tmp_path: Path, six_parts: dict[str, Path]
+) -> None:
+    contexts = _contexts(six_parts)
+    ids = list(contexts)
+    grid = LoopbackGrid(contexts)
+    _dropping(grid, UNMASK, {ids[0], ids[1]})  # 2 of the 5 first asked (t + 1) never answer: 3 < t = 4
+    federation, repo = _federation(tmp_path, grid, **{**SECURE, **SHORT, "num-rounds": 1})
+    run = repo.get_run(federation.run())
+    [rnd] = run.rounds
+    assert rnd.status == RoundStatus.COMPLETED and len(rnd.participants) == 6
+    asked = [m.metadata.dst_node_id for m in grid.sent if m.metadata.message_type == UNMASK]
+    assert asked == ids[:5] + [ids[5]]
 
 
 def test_too_many_dropouts_fail_the_round_cleanly_and_the_next_round_completes(
@@ -90,24 +114,13 @@ def test_too_many_dropouts_fail_the_round_cleanly_and_the_next_round_completes(
     contexts = _contexts(six_parts)
     ids = list(contexts)
     grid = LoopbackGrid(contexts)
-    sent_rounds: list[int] = []
-    original = grid.send_and_receive
-
-    def send_and_receive(messages: list[Message], *, timeout: float | None = None) -> list[Message]:
-        replies = list(original(messages, timeout=timeout))
-        if messages and messages[0].metadata.message_type == "train":
-            sent_rounds.append(len(messages))
-            if len(sent_rounds) == 1:  # round 1: n − t + 1 = 3 of 6 masked inputs never arrive
-                replies = [r for r in replies if r.metadata.src_node_id not in ids[:3]]
-        return replies
-
-    grid.send_and_receive = send_and_receive  # type: ignore[method-assign]
-    federation, repo = _federation(tmp_path, grid, **{**SECURE, "num-rounds": 2})
+    _dropping(grid, "train", set(ids[:3]), pushes={1})  # round 1: n − t + 1 = 3 of 6 masked inputs never arrive
+    federation, repo = _federation(tmp_path, grid, **{**SECURE, **SHORT, "num-rounds": 2})
     run = repo.get_run(federation.run())
 
     first, second = run.rounds
     assert first.status == RoundStatus.FAILED and "quorum" in (first.error or "")
     assert second.status == RoundStatus.COMPLETED and len(second.participants) == 6
     assert [v.round for v in repo.list_model_versions(run_id=run.id)] == [2]
-    # Round 1 never asked anyone to unmask; round 2 asked its 6 survivors.
-    assert [m.metadata.message_type for m in grid.sent].count(UNMASK) == 6
+    # Round 1 never asked anyone to unmask; round 2 asked t + 1 = 5 survivors.
+    assert [m.metadata.message_type for m in grid.sent].count(UNMASK) == 5
