@@ -2,12 +2,15 @@
 
 One invocation, one federation (SuperLink + N SuperNodes as processes on 127.0.0.1, Flower's
 deployment engine), one model (``mlp-wide``, ~1.1M parameters, on digits, IID split), one local
-epoch per round, then three runs one after the other on the same nodes:
+epoch per round, then four runs one after the other on the same nodes:
 
 1. QuorumFL, plaintext FedAvg;
 2. QuorumFL, ``secure-aggregation = "masking"`` (t = 0.6·N; key setup once, in round 1);
 3. Flower's ``SecAggPlusWorkflow`` on the legacy API (``flower_secaggplus_app.py``), complete graph,
-   reconstruction threshold 0.6·N, the same model, data and local training.
+   reconstruction threshold 0.6·N, the same model, data and local training, with torch imported only
+   for training (as QuorumFL's ClientApp does) — the strongest baseline;
+4. the same Flower app written the usual way, torch imported at module load
+   (``flower_secaggplus_eager.py``), so each of its stage messages pays for the import.
 
 Per-round wall time is the median over rounds. For QuorumFL it is the round's recorded phases
 (key setup if any, train round trip, unmask round trip, aggregation, evaluation, storing); for Flower
@@ -18,8 +21,9 @@ reported on its own (``masked_setup_s``); with ≥ 3 rounds the median is a roun
     python benchmarks/secagg.py --smoke         # 3 nodes, 2 rounds each, small MLP
     python benchmarks/secagg.py --json          # last line: one JSON object
 
-Keys: plain_round_s, masked_round_s, flower_secaggplus_round_s, masked_over_plain,
-overhead_ratio = (flower − plain) / (masked − plain), masked_setup_s, plus sizes and peak RSS.
+Keys: plain_round_s, masked_round_s, flower_secaggplus_round_s (run 3), masked_over_plain,
+overhead_ratio = (flower − plain) / (masked − plain); flower_secaggplus_eager_round_s and
+overhead_ratio_eager for run 4; masked_setup_s, masked_unmask_s, per-round lists, peak RSS.
 """
 
 from __future__ import annotations
@@ -46,19 +50,20 @@ from quorumfl.server.state.repository import Repository, RoundStatus
 HERE = Path(__file__).resolve().parent
 
 
-def _flower_fab(defaults: dict[str, Any]) -> Any:
+def _flower_fab(defaults: dict[str, Any], *, module: str) -> Any:
     manifest = {
         "build-system": {"requires": ["setuptools"], "build-backend": "setuptools.build_meta"},
         "project": {"name": "flower-secaggplus-baseline", "version": "1.0.0", "dependencies": []},
         "tool": {"flwr": {"app": {
             "publisher": "quorumfl",
-            "components": {"serverapp": "flower_secaggplus_app:server", "clientapp": "flower_secaggplus_app:client"},
+            "components": {"serverapp": f"{module}:server", "clientapp": f"{module}:client"},
             "config": defaults,
         }}},
     }
     return build_fab({
         "pyproject.toml": tomli_w.dumps(manifest).encode(),
         "flower_secaggplus_app.py": (HERE / "flower_secaggplus_app.py").read_bytes(),
+        "flower_secaggplus_eager.py": (HERE / "flower_secaggplus_eager.py").read_bytes(),
     })
 
 
@@ -70,8 +75,9 @@ def _quorumfl_rounds(federation: LocalFederation, repo: Repository, overrides: d
     return [dict(r.timings) for r in run.rounds]
 
 
-def _flower_rounds(federation: LocalFederation, config: dict[str, Any], timings: Path) -> list[float]:
-    flower_run_id = federation.control.start_run({}, fab=_flower_fab(config))
+def _flower_rounds(federation: LocalFederation, config: dict[str, Any], timings: Path, *, module: str) -> list[float]:
+    flower_run_id = federation.control.start_run({}, fab=_flower_fab({**config, "timings-file": str(timings)},
+                                                                      module=module))
     deadline = time.monotonic() + 3600
     while not federation.control.run_finished(flower_run_id):
         if time.monotonic() > deadline:
@@ -110,14 +116,14 @@ def main() -> None:
             plain = _quorumfl_rounds(federation, repo, {**ours, "secure-aggregation": "none"})
             masked = _quorumfl_rounds(federation, repo, {**ours, "secure-aggregation": "masking",
                                                          "secagg-threshold": 0.6})
-            timings_file = home / "flower-rounds.jsonl"
-            flower = _flower_rounds(federation, {**common, "num-nodes": nodes, "threshold": 0.6,
-                                                 "stage-timeout": 900.0, "timings-file": str(timings_file)},
-                                    timings_file)
+            baseline = {**common, "num-nodes": nodes, "threshold": 0.6, "stage-timeout": 900.0}
+            flower = _flower_rounds(federation, baseline, home / "flower-lazy.jsonl", module="flower_secaggplus_app")
+            eager = _flower_rounds(federation, baseline, home / "flower-eager.jsonl", module="flower_secaggplus_eager")
 
     plain_s = statistics.median(_round_s(t) for t in plain)
     masked_s = statistics.median(_round_s(t) for t in masked)
     flower_s = statistics.median(flower)
+    eager_s = statistics.median(eager)
     report(
         {
             "nodes": nodes,
@@ -129,11 +135,14 @@ def main() -> None:
             "flower_secaggplus_round_s": flower_s,
             "masked_over_plain": masked_s / plain_s,
             "overhead_ratio": (flower_s - plain_s) / (masked_s - plain_s) if masked_s > plain_s else float("inf"),
+            "flower_secaggplus_eager_round_s": eager_s,
+            "overhead_ratio_eager": (eager_s - plain_s) / (masked_s - plain_s) if masked_s > plain_s else float("inf"),
             "masked_setup_s": masked[0].get("secagg-setup", 0.0),
             "masked_unmask_s": statistics.median(t.get("secagg-unmask", 0.0) for t in masked),
             "plain_rounds_s": [round(_round_s(t), 2) for t in plain],
             "masked_rounds_s": [round(_round_s(t), 2) for t in masked],
             "flower_rounds_s": [round(s, 2) for s in flower],
+            "flower_eager_rounds_s": [round(s, 2) for s in eager],
             "bench_peak_rss_mb": peak_rss_mb(),
         },
         as_json=args.json,

@@ -1,6 +1,7 @@
 """The demo federation: a real SuperLink and one SuperNode per department as separate processes on
 127.0.0.1 (Flower's deployment engine), digits split Dirichlet(α) across named departments, a FedProx
-run submitted through the Control API and followed in the state DB.
+run submitted through the Control API and followed in the state DB. Updates are combined by masking
+secure aggregation unless told otherwise.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class DemoSettings:
     seed: int = 0
     strategy: str = "fedprox"
     proximal_mu: float = 0.1
+    secure_aggregation: str = "masking"
     timeout: float = 900.0
 
 
@@ -66,6 +68,7 @@ def run_demo(
         overrides: dict[str, Any] = {
             "strategy": settings.strategy,
             "proximal-mu": settings.proximal_mu,
+            "secure-aggregation": settings.secure_aggregation,
             "num-rounds": settings.rounds,
             "seed": settings.seed,
             "start-from": "fresh",

@@ -35,3 +35,11 @@ def test_round_overhead_smoke() -> None:
     figures = _run("round_overhead.py")
     assert {"round_s", "train_s", "transport_s", "aggregate_s", "server_peak_rss_mb"} <= set(figures)
     assert float(figures["round_s"]) >= float(figures["aggregate_s"]) >= 0  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_secagg_smoke() -> None:
+    figures = _run("secagg.py")
+    keys = {"plain_round_s", "masked_round_s", "flower_secaggplus_round_s", "masked_over_plain", "overhead_ratio"}
+    assert keys <= set(figures)
+    assert all(float(figures[k]) > 0 for k in ("plain_round_s", "masked_round_s", "flower_secaggplus_round_s"))  # type: ignore[arg-type]

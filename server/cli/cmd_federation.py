@@ -13,6 +13,7 @@ from quorumfl.aggregation.errors import FederationError
 from quorumfl.client.data import prepare_partitions, read_partition
 from quorumfl.client.data.datasets import FASHION_MNIST_DIR
 
+from ..config import SecureMode
 from ..demo import DemoSettings, run_demo
 from ..processes import (
     Child,
@@ -43,6 +44,9 @@ def demo(
     strategy: Annotated[str, typer.Option(help="fedprox or fedavg.")] = "fedprox",
     mu: Annotated[float, typer.Option(help="FedProx proximal coefficient μ.")] = 0.1,
     seed: Annotated[int, typer.Option(help="Seed for the split, the model and the sampling.")] = 0,
+    secure_aggregation: Annotated[
+        SecureMode, typer.Option(help="masking: the server sees only the sum of a quorum's updates; none: plaintext.")
+    ] = SecureMode.MASKING,
 ) -> None:
     """Run a real local federation: SuperLink + one SuperNode per department on 127.0.0.1."""
     state = settings(ctx)
@@ -52,7 +56,8 @@ def demo(
     with progress:
         run = run_demo(
             DemoSettings(home=state.home, departments=departments, rounds=rounds, alpha=alpha, seed=seed,
-                         strategy=strategy, proximal_mu=mu, db_url=state.db_url),
+                         strategy=strategy, proximal_mu=mu, secure_aggregation=secure_aggregation.value,
+                         db_url=state.db_url),
             repo,
             on_status=lambda msg: progress.console.print(f"[dim]{msg}[/dim]"),
             on_round=round_reporter(repo, progress, task),
