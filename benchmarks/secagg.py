@@ -17,7 +17,7 @@ Per-round wall time is the median over rounds. For QuorumFL it is the round's re
 it is the fit workflow (its four stages plus aggregation). The key setup of QuorumFL's first round is
 reported on its own (``masked_setup_s``); with ≥ 3 rounds the median is a round without it.
 
-    python benchmarks/secagg.py                 # 10 nodes, 4 rounds each, ~1.1M params
+    python benchmarks/secagg.py                 # 10 nodes, 5 rounds each, ~1.1M params
     python benchmarks/secagg.py --smoke         # 3 nodes, 2 rounds each, small MLP
     python benchmarks/secagg.py --json          # last line: one JSON object
 
@@ -97,7 +97,7 @@ def _round_s(timings: dict[str, float]) -> float:
 def main() -> None:
     parser = make_parser(__doc__ or "")
     parser.add_argument("--nodes", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--model", default="mlp-wide")
     args = parser.parse_args()
     nodes, rounds, model = (3, 2, "mlp") if args.smoke else (args.nodes, args.rounds, args.model)
