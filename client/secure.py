@@ -21,6 +21,7 @@ from quorumfl.aggregation.secagg import NodeEpoch, flatten, weighted_payload
 
 from .secure_wire import (
     MASKED,
+    MISSING_KEYS,
     SECAGG,
     decode_announcement,
     decode_directory,
@@ -44,8 +45,8 @@ _STATE = "secagg-epoch"
 def _load(context: Context) -> NodeEpoch:
     if _STATE not in context.state.config_records:
         raise SecureAggregationError(
-            "this node holds no secure-aggregation keys for the run (it restarted or missed the key setup); "
-            "the server re-keys in a later round", node=str(context.node_id)
+            f"this node {MISSING_KEYS} for the run (it restarted or missed the key set-up); "
+            "the server re-keys in the next round", node=str(context.node_id)
         )
     data = context.state.config_records[_STATE].get("state")
     if not isinstance(data, bytes):

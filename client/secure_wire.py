@@ -32,6 +32,7 @@ from quorumfl.aggregation.secagg.shamir import share_from_bytes, share_to_bytes
 __all__ = [
     "ADVERTISE",
     "MASKED",
+    "MISSING_KEYS",
     "SECAGG",
     "SHARE",
     "UNMASK",
@@ -53,6 +54,8 @@ __all__ = [
     "encode_unmask_request",
 ]
 
+# A node that lost its epoch state says so with this phrase; the server then re-keys next round.
+MISSING_KEYS = "holds no secure-aggregation keys"
 SECAGG = "secagg"
 MASKED = "masked"
 ADVERTISE = "query.secagg_advertise"

@@ -1,8 +1,9 @@
 """The server's half of masking secure aggregation, carried over Flower messages.
 
 ``MaskingSession`` keeps one key epoch across rounds and re-keys (two message round trips:
-advertise, share) only when it must: first round, slots used up, or a selected node outside the
-epoch's cohort (or too few of it left for its threshold). A round is then the train round trip,
+advertise, share) only when it must: first round, slots used up, a selected node outside the
+epoch's cohort (or too few of it left for its threshold), or a node that lost its keys (a restarted
+SuperNode says so in its error reply). A round is then the train round trip,
 whose replies carry masked vectors added into a running sum, plus one unmask round trip. Each stage
 has its own deadline; a node that misses one is recorded as a round failure at that stage. Fewer
 than t survivors: the unmask request is never sent and the round fails with nothing revealed.
@@ -30,6 +31,7 @@ from quorumfl.aggregation.secagg import (
 from quorumfl.client.secure_wire import (
     ADVERTISE,
     MASKED,
+    MISSING_KEYS,
     SECAGG,
     SHARE,
     UNMASK,
@@ -78,6 +80,7 @@ class MaskingSession:
         self.clock = clock
         self.epoch: CoordinatorEpoch | None = None
         self.epochs_started = 0
+        self.stale = False  # a participant lost its keys: re-key before the next round
 
     def _message(self, kind: str, node: int, record: ConfigRecord) -> Message:
         return Message(content=RecordDict({SECAGG: record}), dst_node_id=node, message_type=kind)
@@ -86,6 +89,7 @@ class MaskingSession:
         epoch = self.epoch
         return (
             epoch is None
+            or self.stale
             or epoch.slots_left < 1
             or not set(selected) <= set(epoch.ready)
             or len(selected) < epoch.params.threshold
@@ -123,6 +127,7 @@ class MaskingSession:
                 sharers.append(node)
         epoch.close_setup(sharers)
         self.epoch = epoch
+        self.stale = False
         self.epochs_started += 1
         log.info("secure aggregation: key epoch %s ready with %s of %s nodes (t=%s, %s slots)",
                  self.epochs_started, len(epoch.ready), len(cohort), params.threshold, params.slots)
@@ -195,6 +200,8 @@ class MaskingSession:
                 result.node_metrics[node] = {"train-seconds": float(seconds)}
             result.departments[node] = _department(content)
         timings["train"] = self.clock() - start
+        self.stale = any(stage == "train" and MISSING_KEYS in reason
+                         for node, (stage, reason) in failures.items() if node in participants)
 
         start = self.clock()
         request, _ = rnd.unmask_request()  # raises (and reveals nothing) below the quorum

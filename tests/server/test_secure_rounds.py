@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Message
+from flwr.app import Message, RecordDict
 
 from quorumfl.client.data import prepare_partitions
 from quorumfl.client.secure_wire import ADVERTISE, SHARE, UNMASK
@@ -124,3 +124,45 @@ def test_too_many_dropouts_fail_the_round_cleanly_and_the_next_round_completes(
     assert [v.round for v in repo.list_model_versions(run_id=run.id)] == [2]
     # Round 1 never asked anyone to unmask; round 2 asked t + 1 = 5 survivors.
     assert [m.metadata.message_type for m in grid.sent].count(UNMASK) == 5
+
+
+def test_a_node_that_lost_its_keys_fails_one_round_and_the_next_round_re_keys(
+    tmp_path: Path, six_parts: dict[str, Path]
+) -> None:
+    contexts = _contexts(six_parts)
+    ids = list(contexts)
+    grid = LoopbackGrid(contexts)
+    pushes = {"train": 0}
+
+    def forget(sent: list[Message], replies: list[Message]) -> list[Message]:
+        if sent and sent[0].metadata.message_type == "train":
+            pushes["train"] += 1
+            if pushes["train"] == 1:  # after round 1, node 0's SuperNode restarts and loses its state
+                contexts[ids[0]].state = RecordDict()
+        return replies
+
+    grid.drop = forget
+    federation, repo = _federation(tmp_path, grid, **{**SECURE, **SHORT, "num-rounds": 3})
+    run = repo.get_run(federation.run())
+    r1, r2, r3 = run.rounds
+    assert [len(r.participants) for r in (r1, r2, r3)] == [6, 5, 6]
+    [failure] = r2.failures
+    assert failure.node_id == ids[0] and "holds no secure-aggregation keys" in failure.reason
+    assert [m.metadata.message_type for m in grid.sent].count(ADVERTISE) == 12  # re-keyed for round 3
+
+
+@pytest.mark.parametrize("stage", [ADVERTISE, SHARE])
+def test_a_node_lost_during_key_set_up_is_left_out_and_joins_after_re_keying(
+    tmp_path: Path, six_parts: dict[str, Path], stage: str
+) -> None:
+    contexts = _contexts(six_parts)
+    ids = list(contexts)
+    grid = LoopbackGrid(contexts)
+    _dropping(grid, stage, {ids[0]}, pushes={1})  # only the first key set-up loses node 0
+    federation, repo = _federation(tmp_path, grid, **{**SECURE, **SHORT, "num-rounds": 2})
+    run = repo.get_run(federation.run())
+    r1, r2 = run.rounds
+    assert r1.status == RoundStatus.COMPLETED and sorted(r1.participants) == ids[1:]
+    assert {(f.node_id, f.stage) for f in r1.failures} == {(ids[0], stage.replace("query.", "").replace("_", "-"))}
+    # Round 2 selects node 0 again, which is outside the epoch: a new key set-up takes it in.
+    assert r2.status == RoundStatus.COMPLETED and len(r2.participants) == 6
