@@ -77,7 +77,9 @@ def run_demo(
             "model-dir": str(home / "models"),
         }
         flower_run_id = federation.control.start_run(overrides)
-        on_status(f"run submitted (Flower run {flower_run_id})")
+        how = ("masking secure aggregation: the server sees only the sum of the departments' updates"
+               if settings.secure_aggregation == "masking" else "plaintext aggregation")
+        on_status(f"run submitted (Flower run {flower_run_id}); {how}")
         run = follow_run(
             repo, flower_run_id, timeout=settings.timeout, on_round=on_round,
             alive=lambda: federation.alive(flower_run_id),
