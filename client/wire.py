@@ -15,12 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from numpy.typing import NDArray
 
 from quorumfl.aggregation.errors import ConfigError
 
-__all__ = ["ARRAYS", "CONFIG", "METRICS", "NODE", "TrainConfig", "from_array_record", "to_array_record"]
+__all__ = [
+    "ARRAYS", "CONFIG", "METRICS", "NODE", "TrainConfig", "department_of", "from_array_record", "to_array_record",
+]
 
 ARRAYS = "arrays"
 CONFIG = "config"
@@ -82,3 +84,11 @@ def to_array_record(arrays: dict[str, NDArray[np.generic]]) -> ArrayRecord:
 
 def from_array_record(record: ArrayRecord) -> dict[str, NDArray[np.generic]]:
     return {k: v.numpy() for k, v in record.items()}
+
+
+def department_of(content: RecordDict) -> str | None:
+    """The department name a node put in its reply's ``node`` record, if any."""
+    if NODE not in content.config_records:
+        return None
+    value = content.config_records[NODE].get("department")
+    return value if isinstance(value, str) and value else None

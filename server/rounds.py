@@ -29,8 +29,8 @@ from quorumfl.client.wire import (
     ARRAYS,
     CONFIG,
     METRICS,
-    NODE,
     TrainConfig,
+    department_of,
     from_array_record,
     to_array_record,
 )
@@ -61,12 +61,6 @@ class TrainReply:
     metrics: dict[str, float]
 
 
-def _department(content: RecordDict) -> str | None:
-    if NODE not in content.config_records:
-        return None
-    value = content.config_records[NODE].get("department")
-    return value if isinstance(value, str) and value else None
-
 
 def parse_train_reply(node_id: int, reply: Message) -> TrainReply:
     """Check a train reply's structure; the arrays themselves are checked by the aggregator."""
@@ -87,7 +81,7 @@ def parse_train_reply(node_id: int, reply: Message) -> TrainReply:
     except Exception as exc:  # a malformed record from a remote node must not stop the round
         raise ReplyError(f"reply arrays cannot be decoded ({exc})") from exc
     update = NodeUpdate(node=str(node_id), arrays=arrays, weight=examples)
-    return TrainReply(node_id, _department(content), update, metrics)
+    return TrainReply(node_id, department_of(content), update, metrics)
 
 
 @dataclass
@@ -387,7 +381,7 @@ class Federation:
                 for k, v in content.metric_records[METRICS].items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
             }
-            self.repo.touch_node(node, department=_department(content))
+            self.repo.touch_node(node, department=department_of(content))
             self.repo.add_metrics(run_id, self.config.num_rounds, values, node_id=node)
         for node, (stage, reason) in outcome.failures.items():
             if self._last_round_id is not None:

@@ -44,7 +44,14 @@ from quorumfl.client.secure_wire import (
     encode_mask_request,
     encode_unmask_request,
 )
-from quorumfl.client.wire import ARRAYS, CONFIG, METRICS, NODE, TrainConfig, to_array_record
+from quorumfl.client.wire import (
+    ARRAYS,
+    CONFIG,
+    METRICS,
+    TrainConfig,
+    department_of,
+    to_array_record,
+)
 
 from .config import RunConfig
 from .phase import TrainPhase
@@ -63,12 +70,6 @@ def _secagg(reply: Message) -> ConfigRecord:
         raise SecureAggregationError("reply has no 'secagg' record")
     return reply.content.config_records[SECAGG]
 
-
-def _department(content: RecordDict) -> str | None:
-    if NODE not in content.config_records:
-        return None
-    value = content.config_records[NODE].get("department")
-    return value if isinstance(value, str) and value else None
 
 
 class MaskingSession:
@@ -198,7 +199,7 @@ class MaskingSession:
             seconds = metrics.get("train-seconds") if metrics is not None else None
             if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
                 result.node_metrics[node] = {"train-seconds": float(seconds)}
-            result.departments[node] = _department(content)
+            result.departments[node] = department_of(content)
         timings["train"] = self.clock() - start
         self.stale = any(stage == "train" and MISSING_KEYS in reason
                          for node, (stage, reason) in failures.items() if node in participants)
