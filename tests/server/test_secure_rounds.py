@@ -18,14 +18,12 @@ from quorumfl.client.wire import ARRAYS
 from quorumfl.server.model_store import ModelStore
 from quorumfl.server.state.repository import RoundStatus, RunStatus
 
-from .test_rounds import (  # noqa: F401  (task_identity is an autouse fixture)
-    Fault,
+from .test_rounds import (
     LoopbackGrid,
     _contexts,
     _federation,
-    error_reply,
     silent,
-    task_identity,
+    task_identity,  # noqa: F401  (an autouse fixture)
 )
 
 SECURE = {"secure-aggregation": "masking", "secagg-threshold": 0.6}
