@@ -1,0 +1,298 @@
+"""Dealer-free key ceremony for threshold CKKS (semi-honest, commit-then-reveal), and the key share it leaves.
+
+Three stages, each one message round trip, for members m_1..m_n (party index x_i = i):
+
+1. ``commit``: party i samples s_i with SEAL's KeyGenerator and e_i with SEAL's encryption of zero
+   at the key level (c0 + c1·s_i = −e_i), computes its public share b_i = −e_i − a·s_i for the
+   common uniform a (expanded from the announcement's seed), and sends only H(b_i) and an X25519
+   key for share transport.
+2. ``reveal``: given every commitment, it reveals b_i and sends each member p an encrypted Shamir
+   share f_i(x_p) of s_i — one degree t−1 polynomial per RNS prime and NTT coordinate.
+3. ``finish``: given the revealers R, their b_j and the bundles addressed to it, it checks every
+   H(b_j) against the commitment, sums its shares σ_p = Σ_{j∈R} f_j(x_p) (a share of s = Σ s_j)
+   and computes the joint public key pk = (Σ_{j∈R} b_j, a).
+
+Commitments before reveal stop a late party from choosing b_i as a function of the others'
+(e.g. to cancel them and plant a key it knows). Without a dealer nobody ever holds s; any t of
+the σ_p rebuild it, t − 1 reveal nothing (Shamir). Not covered (semi-honest model): a party that
+sends inconsistent shares (that would need verifiable secret sharing).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ..errors import ConfigError, SecureAggregationError
+from ..secagg.streams import decrypt_bundle, encrypt_bundle, new_private_key, public_key
+from .params import CkksParams
+from .rns import add_mod, mul_mod, shamir_shares, sub_mod
+from .seal import Seal
+
+__all__ = [
+    "Announcement",
+    "CeremonyCoordinator",
+    "Commitment",
+    "KeyParty",
+    "KeyShare",
+    "Reveal",
+    "expand_uniform",
+    "public_key_id",
+]
+
+U64 = NDArray[np.uint64]
+
+
+def expand_uniform(seed: bytes, primes: Sequence[int], degree: int) -> U64:
+    """The common polynomial a: uniform residues ``[prime, coeff]`` from SHAKE-256(seed), by rejection."""
+    out = np.empty((len(primes), degree), dtype=np.uint64)
+    for j, q in enumerate(primes):
+        mask = np.uint64((1 << int(q).bit_length()) - 1)
+        got: list[U64] = []
+        have, counter = 0, 0
+        while have < degree:
+            stream = hashlib.shake_256(seed + j.to_bytes(2, "big") + counter.to_bytes(4, "big")).digest(8 * (degree + 256))
+            draw = np.frombuffer(stream, dtype="<u8").astype(np.uint64) & mask
+            keep = draw[draw < np.uint64(q)]
+            got.append(keep)
+            have += keep.size
+            counter += 1
+        out[j] = np.concatenate(got)[:degree]
+    return out
+
+
+def _digest(ceremony: bytes, index: int, b: U64) -> bytes:
+    return hashlib.sha256(b"quorumfl/ckks/commit" + ceremony + index.to_bytes(4, "big") + b.astype("<u8").tobytes()).digest()
+
+
+def public_key_id(public_key: bytes) -> str:
+    """The key's name everywhere (files, manifests, the CLI): the first 16 bytes of SHA-256, hex."""
+    return hashlib.sha256(public_key).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Announcement:
+    """What the server fixes for a ceremony: who, t of n, parameters, the seed of a."""
+
+    ceremony: bytes
+    members: tuple[int, ...]
+    threshold: int
+    params: CkksParams
+    seed: bytes
+
+    def __post_init__(self) -> None:
+        problems = []
+        if len(self.ceremony) != 16 or len(self.seed) != 32:
+            problems.append("ceremony id must be 16 bytes and seed 32 bytes")
+        if len(set(self.members)) != len(self.members) or list(self.members) != sorted(self.members):
+            problems.append("ceremony members must be distinct and sorted")
+        if not (len(self.members) // 2 + 1 <= self.threshold <= len(self.members)) or self.threshold < 2:
+            problems.append(
+                f"threshold {self.threshold} must be a majority of the {len(self.members)} members and at least 2"
+            )
+        if problems:
+            raise ConfigError(problems)
+
+    @classmethod
+    def new(cls, members: Sequence[int], threshold: int, params: CkksParams) -> Announcement:
+        return cls(os.urandom(16), tuple(sorted(members)), threshold, params, os.urandom(32))
+
+    def index(self, node: int) -> int:
+        if node not in self.members:
+            raise SecureAggregationError(f"node {node} is not a member of this key ceremony")
+        return self.members.index(node) + 1
+
+
+@dataclass(frozen=True)
+class Commitment:
+    node: int
+    digest: bytes
+    transport_key: bytes  # X25519 public key for share bundles
+
+
+@dataclass(frozen=True)
+class Reveal:
+    node: int
+    b: U64  # public share, key level [prime, coeff]
+    bundles: dict[int, bytes]  # recipient node -> encrypted share
+
+
+@dataclass(frozen=True)
+class KeyShare:
+    """What a member keeps: its share σ of the joint secret (key level), the public key, the members."""
+
+    key_id: str
+    ceremony: bytes
+    node: int
+    index: int
+    members: tuple[int, ...]  # indices are positions + 1 (decryptors are named by node id)
+    holders: tuple[int, ...]  # members that finished the ceremony (can decrypt)
+    threshold: int
+    params: CkksParams
+    public_key: bytes
+    share: U64
+
+
+@dataclass
+class KeyParty:
+    """One member's ceremony state between stages (secret: keep it on the node)."""
+
+    announcement: Announcement
+    node: int
+    secret: U64
+    b: U64
+    transport_private: bytes
+    commitments: dict[int, Commitment] = field(default_factory=dict)
+    own_share: U64 | None = None
+
+    @classmethod
+    def commit(cls, announcement: Announcement, node: int) -> tuple[KeyParty, Commitment]:
+        index = announcement.index(node)
+        seal = Seal.of(announcement.params)
+        key_primes = seal.primes
+        secret_key, secret = seal.new_secret()
+        zero = seal.zero_encryption(secret_key)  # c0 + c1·s = −e
+        a = expand_uniform(announcement.seed, key_primes, announcement.params.poly_degree)
+        c0, c1 = zero.polys[0], zero.polys[1]
+        b = add_mod(c0, mul_mod(sub_mod(c1, a, key_primes), secret, key_primes), key_primes)  # −e − a·s
+        private = new_private_key()
+        party = cls(announcement, node, secret, b, private)
+        return party, Commitment(node, _digest(announcement.ceremony, index, b), public_key(private))
+
+    def reveal(self, commitments: Mapping[int, Commitment]) -> Reveal:
+        """Stage 2: reveal b and send each committed member its encrypted share of s_i."""
+        ann = self.announcement
+        if self.node not in commitments or commitments[self.node].digest != _digest(ann.ceremony, ann.index(self.node), self.b):
+            raise SecureAggregationError("the directory does not carry this node's own commitment")
+        if len(commitments) < ann.threshold:
+            raise SecureAggregationError(f"only {len(commitments)} members committed; {ann.threshold} are needed")
+        for node in commitments:
+            ann.index(node)
+        self.commitments = dict(commitments)
+        seal = Seal.of(ann.params)
+        recipients = sorted(commitments)
+        shares = shamir_shares(self.secret, [ann.index(n) for n in recipients], ann.threshold, seal.primes)
+        bundles: dict[int, bytes] = {}
+        for node, share in zip(recipients, shares, strict=True):
+            if node == self.node:
+                self.own_share = share
+                continue
+            bundles[node] = encrypt_bundle(
+                share.astype("<u8").tobytes(), private=self.transport_private,
+                peer_public=commitments[node].transport_key, epoch=ann.ceremony, sender=self.node, recipient=node,
+            )
+        return Reveal(self.node, self.b, bundles)
+
+    def finish(self, revealers: Mapping[int, U64], bundles: Mapping[int, bytes]) -> KeyShare:
+        """Stage 3: check reveals against commitments, sum shares, build the joint public key."""
+        ann = self.announcement
+        if self.own_share is None or self.node not in revealers:
+            raise SecureAggregationError("this node did not reveal in this ceremony; it cannot hold a share")
+        if len(revealers) < ann.threshold:
+            raise SecureAggregationError(f"only {len(revealers)} members revealed; {ann.threshold} are needed")
+        seal = Seal.of(ann.params)
+        primes = seal.primes
+        shape = (len(primes), ann.params.poly_degree)
+        total_b = np.zeros(shape, dtype=np.uint64)
+        share = self.own_share.copy()
+        for node in sorted(revealers):
+            if node not in self.commitments:
+                raise SecureAggregationError(f"node {node} revealed without having committed")
+            b = revealers[node]
+            if b.shape != shape or bool(np.any(b >= np.asarray(primes, dtype=np.uint64)[:, None])):
+                raise SecureAggregationError(f"public share of node {node} is malformed")
+            expected = self.commitments[node].digest
+            if not hmac.compare_digest(_digest(ann.ceremony, ann.index(node), b), expected):
+                raise SecureAggregationError(f"public share of node {node} does not match its commitment")
+            total_b = add_mod(total_b, b, primes)
+            if node == self.node:
+                continue
+            if node not in bundles:
+                raise SecureAggregationError(f"no share bundle from node {node}, which revealed")
+            raw = decrypt_bundle(
+                bundles[node], private=self.transport_private, peer_public=self.commitments[node].transport_key,
+                epoch=ann.ceremony, sender=node, recipient=self.node,
+            )
+            if len(raw) != 8 * shape[0] * shape[1]:
+                raise SecureAggregationError(f"share from node {node} has the wrong size")
+            part = np.frombuffer(raw, dtype="<u8").astype(np.uint64).reshape(shape)
+            if bool(np.any(part >= np.asarray(primes, dtype=np.uint64)[:, None])):
+                raise SecureAggregationError(f"share from node {node} is not reduced")
+            share = add_mod(share, part, primes)
+        a = expand_uniform(ann.seed, primes, ann.params.poly_degree)
+        pk = seal.public_key(total_b, a)
+        return KeyShare(
+            key_id=public_key_id(pk), ceremony=ann.ceremony, node=self.node, index=ann.index(self.node),
+            members=ann.members, holders=tuple(sorted(revealers)), threshold=ann.threshold, params=ann.params,
+            public_key=pk, share=share,
+        )
+
+
+class CeremonyCoordinator:
+    """The server's side: routes commitments, reveals and bundles; computes the same public key; holds no secret."""
+
+    def __init__(self, announcement: Announcement) -> None:
+        self.announcement = announcement
+        self.commitments: dict[int, Commitment] = {}
+        self.reveals: dict[int, Reveal] = {}
+        self.confirmed: list[int] = []
+        self.public_key: bytes | None = None
+
+    def add_commitment(self, commitment: Commitment) -> None:
+        self.announcement.index(commitment.node)
+        if len(commitment.digest) != 32 or len(commitment.transport_key) != 32:
+            raise SecureAggregationError(f"commitment of node {commitment.node} is malformed")
+        self.commitments[commitment.node] = commitment
+
+    def directory(self) -> dict[int, Commitment]:
+        if len(self.commitments) < self.announcement.threshold:
+            raise SecureAggregationError(
+                f"only {len(self.commitments)} of {len(self.announcement.members)} members committed; "
+                f"the key needs {self.announcement.threshold}"
+            )
+        return dict(self.commitments)
+
+    def add_reveal(self, reveal: Reveal) -> None:
+        ann = self.announcement
+        commitment = self.commitments.get(reveal.node)
+        if commitment is None:
+            raise SecureAggregationError(f"node {reveal.node} revealed without committing")
+        if not hmac.compare_digest(_digest(ann.ceremony, ann.index(reveal.node), reveal.b), commitment.digest):
+            raise SecureAggregationError(f"public share of node {reveal.node} does not match its commitment")
+        if set(reveal.bundles) != set(self.commitments) - {reveal.node}:
+            raise SecureAggregationError(f"node {reveal.node} did not send a share to every committed member")
+        self.reveals[reveal.node] = reveal
+
+    def finish_request(self) -> tuple[dict[int, U64], dict[int, dict[int, bytes]]]:
+        """For stage 3: every revealer's b, and per recipient the bundles addressed to it. Fixes pk."""
+        ann = self.announcement
+        if len(self.reveals) < ann.threshold:
+            raise SecureAggregationError(f"only {len(self.reveals)} members revealed; the key needs {ann.threshold}")
+        seal = Seal.of(ann.params)
+        total = np.zeros((len(seal.primes), ann.params.poly_degree), dtype=np.uint64)
+        for reveal in self.reveals.values():
+            total = add_mod(total, reveal.b, seal.primes)
+        self.public_key = seal.public_key(total, expand_uniform(ann.seed, seal.primes, ann.params.poly_degree))
+        reveals = {node: r.b for node, r in self.reveals.items()}
+        inbox = {node: {s: r.bundles[node] for s, r in self.reveals.items() if node in r.bundles} for node in self.reveals}
+        return reveals, inbox
+
+    def confirm(self, node: int, key_id: str) -> None:
+        if self.public_key is None:
+            raise SecureAggregationError("confirmation before the public key was fixed")
+        if not hmac.compare_digest(key_id, public_key_id(self.public_key)):
+            raise SecureAggregationError(f"node {node} computed a different public key")
+        if node in self.reveals and node not in self.confirmed:
+            self.confirmed.append(node)
+
+    @property
+    def key_id(self) -> str:
+        if self.public_key is None:
+            raise SecureAggregationError("the ceremony has not fixed its public key yet")
+        return public_key_id(self.public_key)

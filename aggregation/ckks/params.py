@@ -1,0 +1,152 @@
+"""Threshold-CKKS parameter sets: checked against SEAL's 128-bit limits, the smudging bound and a precision target.
+
+Only additions are ever done homomorphically (FedAvg needs no multiplication, relinearisation or
+rotation), so the coefficient chain only has to hold the scaled sum plus the decryptors' flooding
+noise. Decisions, each checked by ``check``:
+
+- security: total coefficient bits ≤ SEAL's ``CoeffModulus.MaxBitCount(N, tc128)``;
+- flooding (smudging): every partial decryption adds uniform noise in [−B, B) with
+  log2 B = κ + log2 N + log2 β(n), β(n) = 2^6·n a bound on the aggregate's own noise (about 2^8–2^9
+  measured for 10 fresh encryptions), so the published decryption hides that noise, and with it
+  the key, up to statistical distance 2^−κ (Li–Micciancio IND-CPA-D);
+- capacity: |Σ values|·Δ + t·B must stay below half the modulus the ciphertexts travel at;
+- precision: 6σ of the decryption error, σ = (B/√3)·√t·√(N/2)/Δ, must be ≤ the precision target.
+
+Ciphertexts are switched down to the fewest primes that still hold the capacity ("send level"), so a
+longer chain costs nothing on the wire.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+__all__ = ["CkksParams", "MAX_COEFF_BITS"]
+
+# SEAL CoeffModulus.MaxBitCount(N, sec_level_type.tc128): special prime included.
+MAX_COEFF_BITS = {4096: 109, 8192: 218, 16384: 438, 32768: 881}
+NOISE_BITS_PER_NODE = 6  # log2 of the per-contributor bound on the aggregate's own noise β(n) = 2^6·n
+SIGMAS = 6.0  # the precision target is checked at 6 standard deviations
+
+
+@dataclass(frozen=True)
+class CkksParams:
+    """One CKKS parameter set. ``coeff_bits[-1]`` is SEAL's special (key-level only) prime."""
+
+    poly_degree: int = 8192
+    coeff_bits: tuple[int, ...] = (60, 60, 60)
+    scale_bits: int = 96
+    smudging_bits: int = 40
+    precision: float = 1e-5
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.poly_degree not in MAX_COEFF_BITS:
+            problems.append(f"poly-degree {self.poly_degree} must be one of {sorted(MAX_COEFF_BITS)}")
+        if len(self.coeff_bits) < 2 or not all(isinstance(b, int) and 20 <= b <= 60 for b in self.coeff_bits):
+            problems.append(f"coeff-bits {self.coeff_bits} must be ≥ 2 prime sizes between 20 and 60 bits")
+        elif self.poly_degree in MAX_COEFF_BITS and sum(self.coeff_bits) > MAX_COEFF_BITS[self.poly_degree]:
+            problems.append(
+                f"coeff-bits sum to {sum(self.coeff_bits)} bits, above the 128-bit-security limit "
+                f"{MAX_COEFF_BITS[self.poly_degree]} for N={self.poly_degree}; use fewer primes or a larger N"
+            )
+        if not 20 <= self.scale_bits <= 120:
+            problems.append(f"scale-bits {self.scale_bits} must be between 20 and 120")
+        if self.smudging_bits < 40:
+            problems.append(f"smudging-bits {self.smudging_bits} is below 40: decryptions would leak key material")
+        if not (self.precision > 0 and math.isfinite(self.precision)):
+            problems.append(f"precision {self.precision} must be a positive number")
+        if problems:
+            raise ConfigError(problems)
+
+    @property
+    def slots(self) -> int:
+        return self.poly_degree // 2
+
+    @property
+    def data_bits(self) -> tuple[int, ...]:
+        """Prime sizes of a fresh ciphertext (all but the special prime)."""
+        return self.coeff_bits[:-1]
+
+    def chunks(self, length: int) -> int:
+        """Ciphertexts needed for a vector of ``length`` values."""
+        return max(1, -(-length // self.slots))
+
+    def flood_bits(self, contributors: int) -> int:
+        """log2 of the flooding bound B for an aggregate of ``contributors`` fresh encryptions."""
+        beta = NOISE_BITS_PER_NODE + math.log2(max(contributors, 1))
+        return math.ceil(self.smudging_bits + math.log2(self.poly_degree) + beta)
+
+    def error_std(self, threshold: int, contributors: int) -> float:
+        """Predicted std of one decrypted slot's error: (B/√3)·√t·√(N/2)/Δ (flooding dominates)."""
+        flood = 2.0 ** self.flood_bits(contributors)
+        return flood / math.sqrt(3.0) * math.sqrt(threshold) * math.sqrt(self.poly_degree / 2) / 2.0**self.scale_bits
+
+    def needed_bits(self, threshold: int, contributors: int, value_bound: float) -> float:
+        """Bits the modulus needs for a sum of ``contributors`` values within ±value_bound, plus flooding."""
+        message = contributors * value_bound * 2.0**self.scale_bits
+        noise = threshold * 2.0 ** self.flood_bits(contributors) * 2  # t floods plus the aggregate's own noise
+        return math.log2(message + noise) + 2  # sign bit and a factor-2 margin
+
+    def send_primes(self, threshold: int, contributors: int, value_bound: float) -> int:
+        """How many data primes ciphertexts keep on the wire (the rest are switched away)."""
+        needed = self.needed_bits(threshold, contributors, value_bound)
+        total = 0
+        for count, bits in enumerate(self.data_bits, start=1):
+            total += bits - 1  # SEAL's primes are a little below 2^bits
+            if total >= needed:
+                return count
+        raise ConfigError([
+            f"{sum(self.data_bits)} data bits cannot hold {needed:.0f} bits (sum of {contributors} values "
+            f"within ±{value_bound:g} at scale 2^{self.scale_bits} plus flooding 2^{self.flood_bits(contributors)}); "
+            "add a prime, lower the scale or the clip"
+        ])
+
+    def check(self, *, threshold: int, contributors: int, value_bound: float) -> None:
+        """Raise ``ConfigError`` listing every way this set fails for ``threshold``-of-``contributors``."""
+        problems = []
+        if not 1 <= threshold <= contributors:
+            problems.append(f"threshold {threshold} must be between 1 and the {contributors} contributors")
+        if not (value_bound > 0 and math.isfinite(value_bound)):
+            problems.append(f"value bound {value_bound} must be a positive number")
+        if problems:
+            raise ConfigError(problems)
+        try:
+            self.send_primes(threshold, contributors, value_bound)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+        predicted = SIGMAS * self.error_std(threshold, contributors)
+        if predicted > self.precision:
+            problems.append(
+                f"predicted error {predicted:.2g} (6σ) exceeds the precision target {self.precision:g}; "
+                f"raise scale-bits (now {self.scale_bits})"
+            )
+        if problems:
+            raise ConfigError(problems)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "poly_degree": self.poly_degree,
+            "coeff_bits": list(self.coeff_bits),
+            "scale_bits": self.scale_bits,
+            "smudging_bits": self.smudging_bits,
+            "precision": self.precision,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> CkksParams:
+        try:
+            bits = data["coeff_bits"]
+            if not isinstance(bits, list):
+                raise TypeError("coeff_bits must be a list")
+            return cls(
+                poly_degree=int(data["poly_degree"]),  # type: ignore[call-overload]
+                coeff_bits=tuple(int(b) for b in bits),
+                scale_bits=int(data["scale_bits"]),  # type: ignore[call-overload]
+                smudging_bits=int(data["smudging_bits"]),  # type: ignore[call-overload]
+                precision=float(data["precision"]),  # type: ignore[arg-type]
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError([f"CKKS parameters are malformed ({exc})"]) from exc

@@ -1,0 +1,161 @@
+"""Arithmetic modulo SEAL's RNS primes with numpy: uniform sampling, small-multiplier products,
+Shamir sharing per prime and coordinate, Lagrange coefficients, flooding noise.
+
+Values are uint64 arrays shaped ``[prime, coefficient]`` (or with leading batch axes). numpy has
+no 128-bit product, so ``mul_small`` reduces ``a·k mod q`` for ``k < 2^40`` with a float64
+quotient estimate and one exact correction in wrapping 64-bit arithmetic; products with full-size
+field elements (Lagrange coefficients) use Python integers, which only happens once per key
+ceremony or decryption on one key-sized array. Randomness comes from ``os.urandom`` (never
+numpy's PCG64), with rejection sampling so residues are exactly uniform.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ..errors import SecureAggregationError
+
+__all__ = [
+    "add_mod",
+    "flooding_noise",
+    "lagrange_at_zero",
+    "mul_scalar",
+    "mul_small",
+    "shamir_shares",
+    "sub_mod",
+    "uniform_mod",
+]
+
+U64 = NDArray[np.uint64]
+SMALL = 1 << 40
+
+
+def _q(primes: Sequence[int], a: U64) -> U64:
+    """The primes shaped to broadcast along the prime axis (second to last) of ``a``."""
+    if a.ndim < 2 or a.shape[-2] != len(primes):
+        raise ValueError(f"array of shape {a.shape} has no axis of {len(primes)} primes before the last")
+    return np.asarray(primes, dtype=np.uint64).reshape(-1, 1)
+
+
+def uniform_mod(primes: Sequence[int], shape: tuple[int, ...]) -> U64:
+    """Uniform residues, ``shape[0] == len(primes)``; rejection sampling from ``os.urandom``."""
+    if shape[0] != len(primes):
+        raise ValueError(f"first axis {shape[0]} must match the {len(primes)} primes")
+    out = np.empty(shape, dtype=np.uint64)
+    for j, q in enumerate(primes):
+        need = int(np.prod(shape[1:]))
+        mask = np.uint64((1 << int(q).bit_length()) - 1)
+        got: list[U64] = []
+        have = 0
+        while have < need:
+            draw = np.frombuffer(os.urandom(8 * (need - have + 64)), dtype=np.uint64) & mask
+            keep = draw[draw < np.uint64(q)]
+            got.append(keep)
+            have += keep.size
+        out[j] = np.concatenate(got)[:need].reshape(shape[1:])
+    return out
+
+
+def add_mod(a: U64, b: U64, primes: Sequence[int]) -> U64:
+    """(a + b) mod q along the prime axis (inputs reduced, primes < 2^63, so no overflow)."""
+    q = _q(primes, a)
+    s = a + b
+    return np.where(s >= q, s - q, s)
+
+
+def sub_mod(a: U64, b: U64, primes: Sequence[int]) -> U64:
+    q = _q(primes, a)
+    return np.where(a >= b, a - b, a + (q - b))
+
+
+def mul_small(a: U64, k: int, q: int) -> U64:
+    """(a·k) mod q for residues ``a`` < q < 2^62 and 0 ≤ k < 2^40.
+
+    The quotient ⌊a·k/q⌋ < 2^40 is estimated in float64 (error far below 1), the remainder is
+    computed modulo 2^64 — exact because the true remainder of the estimate lies in (−q, 2q) —
+    and corrected once.
+    """
+    if not 0 <= k < SMALL:
+        raise ValueError(f"multiplier {k} is not below 2^40")
+    quotient = np.floor(a.astype(np.float64) * (float(k) / float(q))).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        r = (a * np.uint64(k) - quotient * np.uint64(q)).view(np.int64)
+    r = np.where(r < 0, r + np.int64(q), r)
+    r = np.where(r >= np.int64(q), r - np.int64(q), r)
+    return r.astype(np.uint64)
+
+
+def mul_scalar(a: U64, scalars: Sequence[int], primes: Sequence[int]) -> U64:
+    """(a[j]·scalars[j]) mod primes[j] with full-size scalars (Python integers; key-sized arrays only)."""
+    out = np.empty_like(a)
+    for j, (c, q) in enumerate(zip(scalars, primes, strict=True)):
+        prod = (a[j].astype(object) * (int(c) % int(q))) % int(q)
+        out[j] = prod.astype(np.uint64)
+    return out
+
+
+def mul_mod(a: U64, b: U64, primes: Sequence[int]) -> U64:
+    """Element-wise (a·b) mod q per prime with Python integers (key-level arrays only)."""
+    out = np.empty_like(a)
+    for j, q in enumerate(primes):
+        out[j] = ((a[j].astype(object) * b[j].astype(object)) % int(q)).astype(np.uint64)
+    return out
+
+
+def shamir_shares(secret: U64, points: Sequence[int], threshold: int, primes: Sequence[int]) -> list[U64]:
+    """Shares f(x) of every residue of ``secret`` ([prime, coeff]) for each x in ``points``.
+
+    f has degree threshold − 1, constant term the secret and uniform other coefficients, one
+    polynomial per prime and coordinate. Points are small distinct positive integers (party
+    indices), so Horner's rule needs only ``mul_small``.
+    """
+    if threshold < 1 or len(set(points)) != len(points) or not all(0 < x < SMALL for x in points):
+        raise SecureAggregationError(f"Shamir points {list(points)} must be distinct, positive and small")
+    coeffs = [uniform_mod(primes, secret.shape) for _ in range(threshold - 1)]
+    shares = []
+    for x in points:
+        acc = np.zeros_like(secret)
+        for c in reversed(coeffs):
+            acc = add_mod(np.stack([mul_small(acc[j], x, q) for j, q in enumerate(primes)]), c, primes)
+        acc = add_mod(np.stack([mul_small(acc[j], x, q) for j, q in enumerate(primes)]), secret, primes)
+        shares.append(acc)
+    return shares
+
+
+def lagrange_at_zero(party: int, subset: Sequence[int], q: int) -> int:
+    """λ_party(subset) = Π_{j≠party} j / (j − party) mod q."""
+    if party not in subset or len(set(subset)) != len(subset):
+        raise SecureAggregationError(f"party {party} is not in the decrypting subset {list(subset)}")
+    num, den = 1, 1
+    for j in subset:
+        if j != party:
+            num = num * j % q
+            den = den * (j - party) % q
+    return num * pow(den, -1, q) % q
+
+
+def flooding_noise(bits: int, primes: Sequence[int], shape: tuple[int, ...]) -> U64:
+    """Integers uniform in [−2^bits, 2^bits), as residues ``[..., prime, coeff]``-shaped per ``shape``.
+
+    ``shape`` is (batch, len(primes), N). Each integer is h·2^32 + l with h uniform in
+    [−2^(bits−32), 2^(bits−32)) and l uniform in [0, 2^32); supports 33 ≤ bits ≤ 94.
+    """
+    if not 33 <= bits <= 94:
+        raise SecureAggregationError(f"flooding bound 2^{bits} is outside the supported 2^33..2^94")
+    count = int(np.prod(shape)) // len(primes)
+    high_bits = bits - 32
+    hi_raw = np.frombuffer(os.urandom(8 * count), dtype=np.uint64) & np.uint64((1 << (high_bits + 1)) - 1)
+    hi = hi_raw.view(np.int64) - np.int64(1 << high_bits)  # uniform in [−2^hb, 2^hb)
+    lo = np.frombuffer(os.urandom(4 * count), dtype=np.uint32).astype(np.uint64)
+    batch, _, degree = shape
+    out = np.empty(shape, dtype=np.uint64)
+    for j, q in enumerate(primes):
+        hi_mod = np.mod(hi, np.int64(q)).astype(np.uint64)
+        value = mul_small(hi_mod, 1 << 32, int(q)) + lo % np.uint64(q)
+        value = np.where(value >= np.uint64(q), value - np.uint64(q), value)
+        out[:, j, :] = value.reshape(batch, degree)
+    return out
