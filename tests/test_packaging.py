@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -18,14 +19,17 @@ def test_wheel_installs_and_migrates(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert install.returncode == 0, install.stderr
+    # -S: no .pth files, so the editable install of the source tree cannot fill in what the wheel lacks
     script = (
-        "import quorumfl.server, quorumfl.client.app, quorumfl.server.cli.main;"
+        "import quorumfl.server, quorumfl.client.app, quorumfl.server.cli.main, quorumfl.server.app;"
+        "import quorumfl.aggregation.secagg, quorumfl.aggregation.ckks;"
         "from quorumfl.server.state.database import connect;"
         f"connect('sqlite:///{tmp_path / 'w.db'}', migrate=True);"
         "print(quorumfl.server.__file__)"
     )
     check = subprocess.run(
-        [sys.executable, "-c", script], env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"},
+        [sys.executable, "-S", "-c", script],
+        env={"PYTHONPATH": f"{target}:{sysconfig.get_paths()['purelib']}", "PATH": "/usr/bin:/bin"},
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert check.returncode == 0, check.stderr

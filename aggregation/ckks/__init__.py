@@ -16,9 +16,24 @@ advance; flooding noise of 2^κ times the aggregate's noise hides the key in pub
 t colluding members (or t − 1 plus the server) can decrypt anything; fewer learn nothing.
 """
 
-from .keys import Announcement, CeremonyCoordinator, Commitment, KeyParty, KeyShare, Reveal, public_key_id
+from .keys import (
+    Announcement,
+    CeremonyCoordinator,
+    Commitment,
+    KeyParty,
+    KeyShare,
+    Reveal,
+    public_key_id,
+)
 from .params import CkksParams
-from .threshold import CiphertextSum, Manifest, check_request, combine, encrypt_vector, partial_decrypt
+from .threshold import (
+    CiphertextSum,
+    Manifest,
+    check_request,
+    combine,
+    encrypt_vector,
+    partial_decrypt,
+)
 
 __all__ = [
     "Announcement",

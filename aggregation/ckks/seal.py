@@ -76,9 +76,9 @@ class Seal:
         self.levels: dict[int, ParmsId] = {}
         data = self.context.first_context_data()
         while data is not None:
-            self.levels[len(data.parms().coeff_modulus())] = tuple(data.parms_id())  # type: ignore[assignment]
+            self.levels[len(data.parms().coeff_modulus())] = tuple(data.parms_id())
             data = data.next_context_data()
-        self.key_level: ParmsId = tuple(self.context.key_parms_id())  # type: ignore[assignment]
+        self.key_level: ParmsId = tuple(self.context.key_parms_id())
         probe = sealapi.Ciphertext(self.context)
         self.version = stream_version(self.save(probe))
 

@@ -1,0 +1,402 @@
+"""Threshold CKKS against references: numpy's sum, SEAL's own Decryptor with Σ s_i, the error formula."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+import struct
+
+import numpy as np
+import pytest
+import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tenseal import sealapi
+
+from quorumfl.aggregation.ckks import (
+    Announcement,
+    CeremonyCoordinator,
+    CiphertextSum,
+    CkksParams,
+    KeyParty,
+    KeyShare,
+    Manifest,
+    combine,
+    encrypt_vector,
+    partial_decrypt,
+)
+from quorumfl.aggregation.ckks.keys import Reveal
+from quorumfl.aggregation.ckks.rns import (
+    add_mod,
+    flooding_noise,
+    lagrange_at_zero,
+    mul_scalar,
+    mul_small,
+    shamir_shares,
+    uniform_mod,
+)
+from quorumfl.aggregation.ckks.seal import Seal
+from quorumfl.aggregation.ckks.streams import (
+    CiphertextData,
+    build_ciphertext,
+    build_plaintext,
+    parse_ciphertext,
+    parse_plaintext,
+)
+from quorumfl.aggregation.ckks.threshold import _unflooded
+from quorumfl.aggregation.errors import ConfigError, QuorumNotMetError, SecureAggregationError
+
+PARAMS = CkksParams()
+MEMBERS = tuple(2**63 + 101 * i for i in range(10))  # Flower-sized ids
+T = 6
+LENGTH = 9000  # three ciphertexts of 4096 slots, the last one partly filled
+SOME = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                        HealthCheck.function_scoped_fixture])
+
+
+@dataclasses.dataclass
+class Ceremony:
+    parties: dict[int, KeyParty]
+    shares: dict[int, KeyShare]
+    public_key: bytes
+    key_id: str
+
+
+def run_ceremony(members: tuple[int, ...] = MEMBERS, threshold: int = T, params: CkksParams = PARAMS) -> Ceremony:
+    ann = Announcement.new(members, threshold, params)
+    coordinator = CeremonyCoordinator(ann)
+    parties = {}
+    for node in members:
+        party, commitment = KeyParty.commit(ann, node)
+        parties[node] = party
+        coordinator.add_commitment(commitment)
+    directory = coordinator.directory()
+    for node in members:
+        coordinator.add_reveal(parties[node].reveal(directory))
+    reveals, inbox = coordinator.finish_request()
+    shares = {node: parties[node].finish(reveals, inbox[node]) for node in members}
+    for node, share in shares.items():
+        coordinator.confirm(node, share.key_id)
+    assert coordinator.public_key is not None
+    return Ceremony(parties, shares, coordinator.public_key, coordinator.key_id)
+
+
+@pytest.fixture(scope="module")
+def ceremony() -> Ceremony:
+    return run_ceremony()
+
+
+@dataclasses.dataclass
+class Round:
+    values: dict[int, np.ndarray]
+    total: CiphertextSum
+    primes: int
+
+
+@pytest.fixture(scope="module")
+def encrypted(ceremony: Ceremony) -> Round:
+    rng = np.random.default_rng(7)
+    values = {n: rng.normal(0.0, 0.01, LENGTH) for n in MEMBERS}
+    primes = PARAMS.send_primes(T, len(MEMBERS), 8.0)
+    total = CiphertextSum(PARAMS, length=LENGTH, primes=primes)
+    for node in MEMBERS:
+        total.add(node, encrypt_vector(PARAMS, ceremony.public_key, values[node], primes=primes))
+    return Round(values, total, primes)
+
+
+def secret_sum(ceremony: Ceremony) -> np.ndarray:
+    seal = Seal.of(PARAMS)
+    total = np.zeros_like(next(iter(ceremony.parties.values())).secret)
+    for party in ceremony.parties.values():
+        total = add_mod(total, party.secret, seal.primes)
+    return np.asarray(total, dtype=np.uint64)
+
+
+def manifest(ceremony: Ceremony, rnd: Round, subset: tuple[int, ...], *, round_number: int = 1) -> Manifest:
+    return rnd.total.manifest(key_id=ceremony.key_id, round=round_number, group=0, subset=subset)
+
+
+# ---- decryption against references ----------------------------------------------------------------
+@SOME
+@given(st.sets(st.sampled_from(MEMBERS), min_size=T, max_size=T))
+def test_any_t_subset_decrypts_within_the_documented_bound(ceremony: Ceremony, encrypted: Round, subset: set[int]) -> None:
+    m = manifest(ceremony, encrypted, tuple(sorted(subset)))
+    partials = {n: partial_decrypt(ceremony.shares[n], m, encrypted.total.c1, set()) for n in m.subset}
+    result = combine(PARAMS, encrypted.total.c0, partials, m)
+    reference = np.sum(np.stack(list(encrypted.values.values())), axis=0)
+    bound = 6 * PARAMS.error_std(T, len(MEMBERS))  # the bound the README and params.check quote
+    assert np.max(np.abs(result - reference)) <= bound
+
+
+def test_without_flooding_the_threshold_result_equals_seals_decryptor_with_the_summed_key(
+    ceremony: Ceremony, encrypted: Round
+) -> None:
+    seal = Seal.of(PARAMS)
+    m = manifest(ceremony, encrypted, MEMBERS[2:8])
+    total = encrypted.total.c0.copy()
+    for node in m.subset:
+        total = add_mod(total, _unflooded(ceremony.shares[node], m, encrypted.total.c1), seal.primes_at(encrypted.primes))
+    threshold = seal.decode(total, LENGTH)
+    reference = seal.decrypt_reference(seal.secret_from(secret_sum(ceremony)), encrypted.total.total, LENGTH)
+    assert np.array_equal(threshold, reference)
+
+
+def test_measured_error_matches_the_formula_within_30_percent(ceremony: Ceremony, encrypted: Round) -> None:
+    m = manifest(ceremony, encrypted, MEMBERS[:T])
+    partials = {n: partial_decrypt(ceremony.shares[n], m, encrypted.total.c1, set()) for n in m.subset}
+    error = combine(PARAMS, encrypted.total.c0, partials, m) - np.sum(np.stack(list(encrypted.values.values())), axis=0)
+    predicted = PARAMS.error_std(T, len(MEMBERS))
+    assert abs(float(np.std(error)) / predicted - 1.0) < 0.30
+
+
+def test_t_minus_one_shares_give_garbage(ceremony: Ceremony, encrypted: Round) -> None:
+    seal = Seal.of(PARAMS)
+    subset = MEMBERS[: T - 1]
+    m = dataclasses.replace(manifest(ceremony, encrypted, MEMBERS[:T]), subset=subset)
+    total = encrypted.total.c0.copy()
+    for node in subset:  # what t − 1 colluders could compute: Lagrange over their own indices
+        total = add_mod(total, _unflooded(ceremony.shares[node], m, encrypted.total.c1), seal.primes_at(encrypted.primes))
+    garbage = seal.decode(total, LENGTH)
+    assert np.median(np.abs(garbage)) > 1e6
+
+
+def test_dkg_public_key_decrypts_with_the_sum_of_the_members_secrets(ceremony: Ceremony) -> None:
+    seal = Seal.of(PARAMS)
+    values = np.linspace(-3.0, 3.0, 5000)
+    polys = encrypt_vector(PARAMS, ceremony.public_key, values, primes=2)
+    decrypted = seal.decrypt_reference(seal.secret_from(secret_sum(ceremony)), polys, values.shape[0])
+    assert np.max(np.abs(decrypted - values)) < 1e-9
+    wrong = seal.decrypt_reference(seal.secret_from(ceremony.parties[MEMBERS[0]].secret), polys, values.shape[0])
+    assert np.median(np.abs(wrong - values)) > 1e6
+
+
+def test_key_shares_reconstruct_the_secret_from_any_t_and_not_from_t_minus_one(ceremony: Ceremony) -> None:
+    seal = Seal.of(PARAMS)
+    secret = secret_sum(ceremony)
+    for subset in (MEMBERS[:T], MEMBERS[4:], MEMBERS[::2] + MEMBERS[1:2]):
+        indices = [MEMBERS.index(n) + 1 for n in subset]
+        total = np.zeros_like(secret)
+        for node in subset:
+            lambdas = [lagrange_at_zero(MEMBERS.index(node) + 1, indices, q) for q in seal.primes]
+            total = add_mod(total, mul_scalar(ceremony.shares[node].share, lambdas, seal.primes), seal.primes)
+        assert np.array_equal(total, secret)
+    indices = [MEMBERS.index(n) + 1 for n in MEMBERS[: T - 1]]
+    short = np.zeros_like(secret)
+    for node in MEMBERS[: T - 1]:
+        lambdas = [lagrange_at_zero(MEMBERS.index(node) + 1, indices, q) for q in seal.primes]
+        short = add_mod(short, mul_scalar(ceremony.shares[node].share, lambdas, seal.primes), seal.primes)
+    assert np.mean(short == secret) < 1e-3
+
+
+def test_ciphertext_sum_equals_seals_homomorphic_addition(ceremony: Ceremony) -> None:
+    seal = Seal.of(PARAMS)
+    a = encrypt_vector(PARAMS, ceremony.public_key, np.ones(100), primes=2)
+    b = encrypt_vector(PARAMS, ceremony.public_key, np.full(100, 2.0), primes=2)
+    total = CiphertextSum(PARAMS, length=100, primes=2)
+    total.add(1, a)
+    total.add(2, b)
+    scale = 2.0**PARAMS.scale_bits
+
+    def load(polys: np.ndarray) -> sealapi.Ciphertext:
+        data = CiphertextData(seal.levels[2], True, scale, polys)
+        return seal.load(sealapi.Ciphertext, build_ciphertext(data, version=seal.version))
+
+    ct_a, ct_b = load(a[0]), load(b[0])
+    seal.evaluator.add_inplace(ct_a, ct_b)
+    assert np.array_equal(parse_ciphertext(seal.save(ct_a)).polys, total.total[0])
+
+
+# ---- refusal rules -----------------------------------------------------------------------------------
+def test_a_node_refuses_every_request_the_rules_forbid(ceremony: Ceremony, encrypted: Round) -> None:
+    share = ceremony.shares[MEMBERS[0]]
+    good = manifest(ceremony, encrypted, MEMBERS[:T], round_number=5)
+    c1 = encrypted.total.c1
+    cases = {
+        "few contributors": dataclasses.replace(good, contributors=MEMBERS[: T - 1]),
+        "small subset": dataclasses.replace(good, subset=MEMBERS[: T - 1]),
+        "not in subset": dataclasses.replace(good, subset=MEMBERS[1: T + 1]),
+        "other key": dataclasses.replace(good, key_id="0" * 32),
+        "wrong digest": dataclasses.replace(good, digest="f" * 64),
+        "unknown decryptor": dataclasses.replace(good, subset=(*MEMBERS[: T - 1], 12345)),
+    }
+    for name, bad in cases.items():
+        with pytest.raises(SecureAggregationError):
+            partial_decrypt(share, bad, c1, set())
+        print("refused:", name)
+    asked: set[tuple[int, int]] = set()
+    partial_decrypt(share, good, c1, asked)
+    asked.add((good.round, good.group))
+    with pytest.raises(SecureAggregationError, match="already decrypted"):
+        partial_decrypt(share, good, c1, asked)  # the same aggregate again
+    with pytest.raises(SecureAggregationError, match="already decrypted"):  # same round, other contributors
+        partial_decrypt(share, dataclasses.replace(good, contributors=MEMBERS[:8]), c1, asked)
+
+
+def test_combine_without_every_decryptor_reveals_nothing(ceremony: Ceremony, encrypted: Round) -> None:
+    m = manifest(ceremony, encrypted, MEMBERS[:T])
+    partials = {n: partial_decrypt(ceremony.shares[n], m, encrypted.total.c1, set()) for n in m.subset[:-1]}
+    with pytest.raises(QuorumNotMetError):
+        combine(PARAMS, encrypted.total.c0, partials, m)
+
+
+def test_the_sum_refuses_malformed_ciphertexts_whole(ceremony: Ceremony) -> None:
+    total = CiphertextSum(PARAMS, length=100, primes=2)
+    good = encrypt_vector(PARAMS, ceremony.public_key, np.ones(100), primes=2)
+    unreduced = good.copy()
+    unreduced[0, 0, 0, 0] = np.uint64(2**64 - 1)
+    for bad in (good[:, :1], unreduced, good.astype(np.int64)):
+        with pytest.raises(SecureAggregationError):
+            total.add(1, bad)
+    assert not total.contributors and not total.total.any()
+    total.add(1, good)
+    with pytest.raises(SecureAggregationError, match="already contributed"):
+        total.add(1, good)
+
+
+# ---- the ceremony ---------------------------------------------------------------------------------------
+def test_a_reveal_that_does_not_match_its_commitment_is_refused() -> None:
+    members = MEMBERS[:4]
+    ann = Announcement.new(members, 3, PARAMS)
+    coordinator = CeremonyCoordinator(ann)
+    parties = {}
+    for node in members:
+        parties[node], commitment = KeyParty.commit(ann, node)
+        coordinator.add_commitment(commitment)
+    directory = coordinator.directory()
+    reveal = parties[members[0]].reveal(directory)
+    forged = Reveal(reveal.node, uniform_mod(Seal.of(PARAMS).primes, reveal.b.shape), reveal.bundles)
+    with pytest.raises(SecureAggregationError, match="commitment"):
+        coordinator.add_reveal(forged)
+    others = {n: parties[n].reveal(directory) for n in members[1:]}
+    reveals = {members[0]: forged.b, **{n: r.b for n, r in others.items()}}
+    inbox = {s: r.bundles[members[1]] for s, r in [(members[0], reveal), *others.items()] if members[1] in r.bundles}
+    with pytest.raises(SecureAggregationError, match="commitment"):
+        parties[members[1]].finish(reveals, inbox)
+
+
+def test_a_ceremony_where_one_member_never_reveals_still_yields_a_working_key() -> None:
+    members = MEMBERS[:5]
+    ann = Announcement.new(members, 3, PARAMS)
+    coordinator = CeremonyCoordinator(ann)
+    parties = {}
+    for node in members:
+        parties[node], commitment = KeyParty.commit(ann, node)
+        coordinator.add_commitment(commitment)
+    directory = coordinator.directory()
+    for node in members[:-1]:  # the last member goes silent after committing
+        coordinator.add_reveal(parties[node].reveal(directory))
+    reveals, inbox = coordinator.finish_request()
+    shares = {n: parties[n].finish(reveals, inbox[n]) for n in members[:-1]}
+    assert coordinator.public_key is not None
+    values = np.arange(50, dtype=np.float64) / 10
+    total = CiphertextSum(PARAMS, length=50, primes=2)
+    for node in members[:3]:
+        total.add(node, encrypt_vector(PARAMS, coordinator.public_key, values, primes=2))
+    m = total.manifest(key_id=coordinator.key_id, round=1, group=0, subset=members[1:4])
+    partials = {n: partial_decrypt(shares[n], m, total.c1, set()) for n in m.subset}
+    assert np.max(np.abs(combine(PARAMS, total.c0, partials, m) - 3 * values)) < 1e-6
+    with pytest.raises(SecureAggregationError, match="hold no share"):
+        partial_decrypt(shares[members[0]], dataclasses.replace(m, subset=(*members[:2], members[-1])), total.c1, set())
+
+
+# ---- parameters --------------------------------------------------------------------------------------------
+def test_parameter_sets_outside_128_bit_security_or_smudging_are_refused_with_every_problem() -> None:
+    with pytest.raises(ConfigError) as info:
+        CkksParams(poly_degree=8192, coeff_bits=(60, 60, 60, 60), smudging_bits=20)
+    assert len(info.value.problems) == 2
+    assert "218" in str(info.value) and "smudging" in str(info.value)
+    with pytest.raises(ConfigError, match="precision"):
+        CkksParams(scale_bits=70).check(threshold=6, contributors=10, value_bound=8.0)
+    with pytest.raises(ConfigError, match="cannot hold"):
+        CkksParams(scale_bits=118).check(threshold=6, contributors=10, value_bound=8.0)
+    PARAMS.check(threshold=6, contributors=10, value_bound=8.0)
+
+
+def test_a_longer_chain_is_switched_down_to_the_primes_the_sum_needs() -> None:
+    params = CkksParams(poly_degree=16384, coeff_bits=(60, 60, 60, 60, 60))
+    assert params.send_primes(6, 10, 8.0) == 2
+    ceremony = run_ceremony(MEMBERS[:3], 2, params)
+    values = np.linspace(-1, 1, 300)
+    total = CiphertextSum(params, length=300, primes=2)
+    for node in MEMBERS[:3]:
+        total.add(node, encrypt_vector(params, ceremony.public_key, values, primes=2))
+    m = total.manifest(key_id=ceremony.key_id, round=1, group=0, subset=MEMBERS[:2])
+    partials = {n: partial_decrypt(ceremony.shares[n], m, total.c1, set()) for n in m.subset}
+    assert np.max(np.abs(combine(params, total.c0, partials, m) - 3 * values)) < 1e-6
+
+
+# ---- streams and arithmetic ----------------------------------------------------------------------------------
+def _uncompressed(raw: bytes) -> bytes:
+    magic, size, major, minor, _, reserved, _ = struct.unpack_from("<HBBBBHQ", raw)
+    body = zstandard.ZstdDecompressor().decompress(raw[16:], max_output_size=1 << 30)
+    return struct.pack("<HBBBBHQ", magic, size, major, minor, 0, reserved, 16 + len(body)) + body
+
+
+def test_streams_round_trip_bit_for_bit(ceremony: Ceremony) -> None:
+    seal = Seal.of(PARAMS)
+    secret, _ = seal.new_secret()
+    ct = sealapi.Ciphertext(seal.context)
+    sealapi.Encryptor(seal.context, secret).encrypt_zero_symmetric(ct)
+    plain = sealapi.Plaintext()
+    seal.encoder.encode([0.5] * 10, list(seal.levels[2]), 2.0**40, plain)
+    for obj, parse, build in (
+        (ct, parse_ciphertext, build_ciphertext),
+        (seal.load(sealapi.PublicKey, ceremony.public_key), parse_ciphertext, build_ciphertext),
+        (secret, lambda raw: parse_plaintext(raw, degree=8192), build_plaintext),
+        (plain, lambda raw: parse_plaintext(raw, degree=8192), build_plaintext),
+    ):
+        raw = seal.save(obj)
+        rebuilt = build(parse(raw), version=seal.version)
+        assert rebuilt == _uncompressed(raw)
+        assert seal.save(seal.load(type(obj), rebuilt)) is not None
+        assert build(parse(rebuilt), version=seal.version) == rebuilt
+
+
+def test_streams_refuse_truncated_or_foreign_bytes(ceremony: Ceremony) -> None:
+    for bad in (b"", b"\x00" * 40, ceremony.public_key[:-8], b"\xa1\x5e" + ceremony.public_key[2:]):
+        with pytest.raises(SecureAggregationError):
+            parse_ciphertext(bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, Seal.of(PARAMS).primes[0] - 1), st.integers(0, 2**40 - 1))
+def test_mul_small_matches_python_integers(a: int, k: int) -> None:
+    q = Seal.of(PARAMS).primes[0]
+    values = np.array([a, q - 1, 0, a // 3], dtype=np.uint64)
+    expected = [(int(v) * k) % q for v in values]
+    assert mul_small(values, k, q).tolist() == expected
+
+
+def test_shamir_shares_of_a_residue_array_interpolate_back() -> None:
+    primes = Seal.of(PARAMS).primes
+    secret = uniform_mod(primes, (len(primes), 64))
+    shares = shamir_shares(secret, [1, 2, 3, 4, 5], 3, primes)
+    indices = [2, 4, 5]
+    total = np.zeros_like(secret)
+    for x in indices:
+        lambdas = [lagrange_at_zero(x, indices, q) for q in primes]
+        total = add_mod(total, mul_scalar(shares[x - 1], lambdas, primes), primes)
+    assert np.array_equal(total, secret)
+
+
+def test_flooding_noise_is_centred_in_its_bound() -> None:
+    primes = Seal.of(PARAMS).primes[:2]
+    noise = flooding_noise(63, primes, (2, 2, 8192))
+    q0, q1 = primes
+    big = q0 * q1
+    inverse = pow(q0, -1, q1)
+    # lift the residue pair back to one integer by CRT, then to (−Q/2, Q/2)
+    lifted = [
+        r0 + q0 * (((r1 - r0) * inverse) % q1)
+        for r0, r1 in zip(noise[:, 0].ravel().tolist(), noise[:, 1].ravel().tolist(), strict=True)
+    ]
+    signed = np.array([v - big if v > big // 2 else v for v in lifted], dtype=object)
+    assert all(-(2**63) <= v < 2**63 for v in signed)
+    spread = np.std(signed.astype(float))
+    assert abs(spread / (2**63 / np.sqrt(3)) - 1) < 0.05
+
+
+def test_seal_scratch_files_are_private() -> None:
+    seal = Seal.of(PARAMS)
+    assert stat.S_IMODE(os.stat(seal._scratch).st_mode) == 0o700
