@@ -5,8 +5,10 @@ The node's partition directory comes from its node config (``data-path``), its n
 partition is read per message (it is small and local). torch is imported only by the handlers
 that need it (``steps``), so the secure-aggregation stages start fast.
 
-Handlers: ``train`` (plaintext reply, or a masked one when the request carries ``secagg``),
-``evaluate``, and the masking stages ``query.secagg_advertise|secagg_share|secagg_unmask``.
+Handlers: ``train`` (plaintext reply, a masked one when the request carries ``secagg``, an
+encrypted one when it carries ``ckks``), ``evaluate``, the masking stages
+``query.secagg_advertise|secagg_share|secagg_unmask`` and the threshold-CKKS stages
+``query.ckks_commit|ckks_reveal|ckks_finish|ckks_decrypt``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from __future__ import annotations
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from . import secure
+from . import ckks, secure
+from .ckks_wire import CKKS
 from .secure_wire import SECAGG
 from .wire import ARRAYS, METRICS, NODE, to_array_record
 
@@ -30,6 +33,8 @@ def train_handler(msg: Message, context: Context) -> Message:
     local = train_received(msg, context)
     if SECAGG in msg.content.config_records:
         return Message(content=secure.masked_train_reply(msg, context, local), reply_to=msg)
+    if CKKS in msg.content.config_records:
+        return Message(content=ckks.encrypted_train_reply(msg, context, local), reply_to=msg)
     content = RecordDict(
         {
             ARRAYS: to_array_record(local.trained),
@@ -67,3 +72,23 @@ def secagg_share(msg: Message, context: Context) -> Message:
 @app.query("secagg_unmask")
 def secagg_unmask(msg: Message, context: Context) -> Message:
     return Message(content=secure.unmask(msg, context), reply_to=msg)
+
+
+@app.query("ckks_commit")
+def ckks_commit(msg: Message, context: Context) -> Message:
+    return Message(content=ckks.commit(msg, context), reply_to=msg)
+
+
+@app.query("ckks_reveal")
+def ckks_reveal(msg: Message, context: Context) -> Message:
+    return Message(content=ckks.reveal(msg, context), reply_to=msg)
+
+
+@app.query("ckks_finish")
+def ckks_finish(msg: Message, context: Context) -> Message:
+    return Message(content=ckks.finish(msg, context), reply_to=msg)
+
+
+@app.query("ckks_decrypt")
+def ckks_decrypt(msg: Message, context: Context) -> Message:
+    return Message(content=ckks.decrypt(msg, context), reply_to=msg)

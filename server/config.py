@@ -15,6 +15,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from quorumfl.aggregation.ckks import CkksParams
 from quorumfl.aggregation.errors import ConfigError
 
 __all__ = ["DEFAULTS", "RunConfig", "SecureMode", "StartFrom", "StrategyName", "load_run_config_file"]
@@ -28,6 +29,7 @@ class StrategyName(StrEnum):
 class SecureMode(StrEnum):
     NONE = "none"  # plaintext updates (the server sees each department's update)
     MASKING = "masking"  # threshold secure aggregation by masking (quorumfl.aggregation.secagg)
+    CKKS = "ckks"  # threshold homomorphic encryption: t-of-n CKKS decryption (quorumfl.aggregation.ckks)
 
 
 class StartFrom(StrEnum):
@@ -61,6 +63,7 @@ DEFAULTS: dict[str, Any] = {
     "secagg-epoch-rounds": 10,
     "secagg-stage-timeout": 120.0,
     "secagg-unmask-spare": 1,
+    "ckks-poly-degree": 8192,
 }
 
 
@@ -91,6 +94,7 @@ class RunConfig:
     secagg_epoch_rounds: int
     secagg_stage_timeout: float
     secagg_unmask_spare: int
+    ckks_poly_degree: int
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
@@ -166,6 +170,7 @@ class RunConfig:
             secagg_epoch_rounds=number("secagg-epoch-rounds", int, low=1, high=10_000),
             secagg_stage_timeout=number("secagg-stage-timeout", float, low=0.0, open_low=True),
             secagg_unmask_spare=number("secagg-unmask-spare", int, low=0, high=10_000),
+            ckks_poly_degree=number("ckks-poly-degree", int, low=8192, high=32768),
         )
         if config.secagg_modulus_bits not in (32, 64):
             problems.append(f"secagg-modulus-bits must be 32 or 64, got {config.secagg_modulus_bits}")
@@ -173,6 +178,8 @@ class RunConfig:
             problems.append(
                 f"secagg-threshold must be a fraction in (0.5, 1) or a whole number of nodes, got {config.secagg_threshold}"
             )
+        if config.ckks_poly_degree not in (8192, 16384, 32768):
+            problems.append(f"ckks-poly-degree must be 8192, 16384 or 32768, got {config.ckks_poly_degree}")
         if config.secagg_threshold == 1.0:
             problems.append("secagg-threshold 1 is not a majority; write a fraction in (0.5, 1) or a node count >= 2")
         if problems:
@@ -182,6 +189,10 @@ class RunConfig:
     def resolved(self) -> dict[str, Any]:
         """Kebab-case mapping of every setting, as stored with the run."""
         return {k.replace("_", "-"): (v.value if isinstance(v, StrEnum) else v) for k, v in asdict(self).items()}
+
+    def ckks_params(self) -> CkksParams:
+        """The threshold-CKKS parameter set: N from the config, a (60, 60, 60)-bit chain, Δ = 2^96."""
+        return CkksParams(poly_degree=self.ckks_poly_degree)
 
     def data_path(self) -> Path | None:
         return Path(self.data_dir).expanduser() if self.data_dir else None

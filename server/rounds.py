@@ -11,7 +11,7 @@ import logging
 import math
 import resource
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ from quorumfl.client.wire import (
     to_array_record,
 )
 
+from .ckks import AuditTrail, CkksSession
 from .config import RunConfig, SecureMode, StartFrom
 from .model_store import ModelStore
 from .phase import TrainPhase
@@ -123,6 +124,7 @@ class Federation:
             seed=config.seed,
         )
         self._last_round_id: int | None = None
+        self.ckks: CkksSession | None = None
 
     # ---- helpers ----------------------------------------------------------------------------
     def _initial(self, test: Dataset) -> tuple[str, Arrays, int | None]:
@@ -211,6 +213,9 @@ class Federation:
             strategy=config.strategy.value,
             num_rounds=config.num_rounds,
         )
+        if config.secure_aggregation is SecureMode.CKKS:
+            self.ckks = CkksSession(config, self._exchange, run_id=self.flower_run_id or 0,
+                                    audit=_RepoAudit(self, run.id), clock=self.clock)
         try:
             _, test = holdout_split(config.dataset, seed=config.seed, data_dir=config.data_path())
             arch, arrays, parent = self._initial(test)
@@ -264,7 +269,9 @@ class Federation:
         timings: dict[str, float] = {}
 
         configs = self.strategy.configure_train(number, selected, self._base)
-        if self.secure is not None:
+        if self.ckks is not None:
+            phase = self.ckks.round(number, available, arrays, configs, outcome.failures, timings)
+        elif self.secure is not None:
             phase = self.secure.round(arrays, configs, outcome.failures, timings)
         else:
             phase = self._plaintext_phase(arrays, configs, outcome, timings)
@@ -389,3 +396,30 @@ class Federation:
             log.warning("final evaluation: node %s failed: %s", node, reason)
 
 
+
+
+class _RepoAudit(AuditTrail):
+    """Key ceremonies and decryptions of a run, recorded in the state DB as they happen."""
+
+    def __init__(self, federation: Federation, run_id: int) -> None:
+        self.federation = federation
+        self.repo = federation.repo
+        self.run_id = run_id
+
+    def ceremony_requested(self) -> bool:
+        return self.repo.ceremony_requested(self.run_id)
+
+    def ceremony_started(self, members: Sequence[int], threshold: int, params: dict[str, object]) -> int:
+        return self.repo.start_ceremony(self.run_id, members=members, threshold=threshold, params=params)
+
+    def ceremony_finished(self, ceremony: int, *, key_id: str | None, holders: Sequence[int], error: str | None) -> None:
+        self.repo.finish_ceremony(ceremony, key_id=key_id, holders=holders, error=error)
+
+    def decryption_started(self, *, key_id: str, contributors: Sequence[int], decryptors: Sequence[int]) -> int:
+        round_id = self.federation._last_round_id
+        if round_id is None:
+            raise FederationError("a decryption outside a round")
+        return self.repo.add_decryption(round_id, key_id=key_id, contributors=contributors, decryptors=decryptors)
+
+    def decryption_finished(self, decryption: int, *, error: str | None) -> None:
+        self.repo.finish_decryption(decryption, error=error)

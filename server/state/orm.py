@@ -1,4 +1,5 @@
-"""SQLAlchemy 2 typed ORM: runs, rounds, round failures, nodes, metrics, model versions, heads.
+"""SQLAlchemy 2 typed ORM: runs, rounds, round failures, nodes, metrics, model versions, heads,
+key ceremonies and threshold decryptions (the audit trail of who could decrypt what).
 
 The schema is created and changed only by the Alembic migrations in ``migrations/``; a test checks
 that the migrations and these classes agree.
@@ -28,6 +29,8 @@ from sqlalchemy.types import TypeDecorator
 
 __all__ = [
     "Base",
+    "Decryption",
+    "KeyCeremony",
     "Metric",
     "ModelHead",
     "ModelVersion",
@@ -173,3 +176,37 @@ class ModelHead(Base):
     architecture: Mapped[str] = mapped_column(String(128), primary_key=True)
     version_id: Mapped[int] = mapped_column(ForeignKey("model_versions.id"))
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class KeyCeremony(Base):
+    """A threshold-CKKS key ceremony of a run: requested by the admin or started by the server."""
+
+    __tablename__ = "key_ceremonies"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    status: Mapped[str] = mapped_column(String(16))  # requested | running | complete | failed
+    key_id: Mapped[str | None] = mapped_column(String(32))
+    threshold: Mapped[int | None] = mapped_column(Integer)
+    members: Mapped[list[int]] = mapped_column(JSON)
+    holders: Mapped[list[int]] = mapped_column(JSON)
+    params: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    error: Mapped[str | None] = mapped_column(Text)
+    requested_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Decryption(Base):
+    """One threshold decryption of a round's aggregate: the key, the contributors, the subset S."""
+
+    __tablename__ = "decryptions"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    round_id: Mapped[int] = mapped_column(ForeignKey("rounds.id", ondelete="CASCADE"), index=True)
+    key_id: Mapped[str] = mapped_column(String(32))
+    contributors: Mapped[list[int]] = mapped_column(JSON)
+    decryptors: Mapped[list[int]] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16))  # requested | complete | failed
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -1,0 +1,137 @@
+"""The node's half of threshold CKKS, carried over Flower messages.
+
+Key material lives in the node's key store (``privacy.keystore``): a directory given by the node
+config ``key-dir`` (default ``$QUORUMFL_HOME/node-keys/<node id>``), never sent anywhere. What
+leaves the node: a commitment and a transport key, its public share b_i and Shamir shares
+encrypted for each member, its encrypted update, and partial decryptions of aggregates whose
+manifest passes every refusal rule. The refusal ledger is written to disk before a partial
+decryption is returned, so a restarted node still refuses a repeat.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+from quorumfl.aggregation.ckks import KeyParty, check_request, encrypt_vector, partial_decrypt
+from quorumfl.aggregation.ckks.seal import Seal
+from quorumfl.aggregation.errors import NotFoundError, SecureAggregationError
+from quorumfl.aggregation.secagg import flatten, weighted_payload
+from quorumfl.privacy.keystore import KeyStore, StoredKey
+
+from .ckks_wire import (
+    ARRAYS,
+    CKKS,
+    ENCRYPTED,
+    decode_announcement,
+    decode_decrypt_request,
+    decode_directory,
+    decode_finish,
+    decode_train_request,
+    encode_commitment,
+    encode_encrypted,
+    encode_partial,
+    encode_reveal,
+)
+from .wire import METRICS, NODE
+
+if TYPE_CHECKING:
+    from .steps import LocalTraining
+
+__all__ = ["commit", "decrypt", "encrypted_train_reply", "finish", "key_store", "reveal"]
+
+
+def key_store(context: Context) -> KeyStore:
+    configured = context.node_config.get("key-dir")
+    if isinstance(configured, str) and configured:
+        return KeyStore(Path(configured).expanduser())
+    home = Path(os.environ.get("QUORUMFL_HOME") or Path.home() / ".quorumfl").expanduser()
+    return KeyStore(home / "node-keys" / str(context.node_id))
+
+
+def _config(msg: Message) -> ConfigRecord:
+    if CKKS not in msg.content.config_records:
+        raise SecureAggregationError("message has no 'ckks' record")
+    return msg.content.config_records[CKKS]
+
+
+def _arrays(msg: Message) -> RecordDict:
+    if ARRAYS not in msg.content.array_records:
+        raise SecureAggregationError(f"message has no '{ARRAYS}' record")
+    return msg.content
+
+
+def commit(msg: Message, context: Context) -> RecordDict:
+    """Ceremony stage 1: a fresh secret, its public share, and only a commitment to it."""
+    announcement, _ = decode_announcement(_config(msg))
+    party, commitment = KeyParty.commit(announcement, int(context.node_id))
+    key_store(context).save_party(party)
+    return RecordDict({CKKS: encode_commitment(commitment, announcement.ceremony)})
+
+
+def reveal(msg: Message, context: Context) -> RecordDict:
+    """Ceremony stage 2: reveal b_i and send every committed member its encrypted share."""
+    ceremony, commitments = decode_directory(_config(msg))
+    store = key_store(context)
+    party = store.load_party(ceremony)
+    result = party.reveal(commitments)
+    store.save_party(party)
+    config, arrays = encode_reveal(result, ceremony)
+    return RecordDict({CKKS: config, ARRAYS: arrays})
+
+
+def finish(msg: Message, context: Context) -> RecordDict:
+    """Ceremony stage 3: check reveals against commitments, keep the summed share, name the key."""
+    content = _arrays(msg)
+    ceremony, reveals, inbox = decode_finish(_config(msg), content.array_records[ARRAYS])
+    store = key_store(context)
+    party = store.load_party(ceremony)
+    share = party.finish(reveals, inbox)
+    store.save_key(StoredKey(share, run_id=int(context.run_id)))
+    store.drop_party(ceremony)
+    return RecordDict({CKKS: ConfigRecord({"ceremony": ceremony, "key_id": share.key_id})})
+
+
+def encrypted_train_reply(msg: Message, context: Context, local: LocalTraining) -> RecordDict:
+    """The train reply in CKKS mode: the weighted, clipped update encrypted under the joint key."""
+    request = decode_train_request(_config(msg))
+    seal = Seal.of(request.params)
+    if request.primes not in seal.levels:
+        raise SecureAggregationError(f"no ciphertext level with {request.primes} primes")
+    store = key_store(context)
+    try:  # a key holder checks the server sent the key of its own ceremony
+        held = store.load_key(request.key_id).share.public_key
+        if not hmac.compare_digest(held, request.public_key):
+            raise SecureAggregationError(f"the public key sent for {request.key_id} is not the one this node holds")
+    except NotFoundError:
+        pass  # not a member of that ceremony: it can still contribute under the public key
+    update = flatten(local.trained) - flatten(local.received)
+    payload = weighted_payload(update, examples=local.num_examples, loss=local.train_loss, max_weight=request.max_weight)
+    payload = np.clip(payload, -request.clip, request.clip)
+    polys = encrypt_vector(request.params, request.public_key, payload, primes=request.primes)
+    arrays, config = encode_encrypted(polys, key_id=request.key_id, round_number=request.round_number)
+    return RecordDict({
+        ENCRYPTED: arrays,
+        CKKS: config,
+        METRICS: MetricRecord({"train-seconds": local.metrics["train-seconds"]}),
+        NODE: ConfigRecord({"department": local.department}),
+    })
+
+
+def decrypt(msg: Message, context: Context) -> RecordDict:
+    """A partial decryption, after every refusal rule and after the ledger entry is on disk."""
+    content = _arrays(msg)
+    manifest, c1 = decode_decrypt_request(_config(msg), content.array_records[ARRAYS])
+    store = key_store(context)
+    stored = store.load_key(manifest.key_id)
+    asked = set(stored.asked)
+    check_request(stored.share, manifest, c1, asked)
+    store.record_asked(manifest.key_id, manifest.round, manifest.group)
+    partial = partial_decrypt(stored.share, manifest, c1, asked)
+    config, arrays = encode_partial(partial, manifest)
+    return RecordDict({CKKS: config, ARRAYS: arrays})

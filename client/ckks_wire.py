@@ -1,0 +1,212 @@
+"""Threshold-CKKS messages as Flower records (both ends use this codec).
+
+Message types: ``query.ckks_commit``, ``query.ckks_reveal``, ``query.ckks_finish`` (the key
+ceremony, one round trip each), ``train`` carrying a ``ckks`` ConfigRecord (the reply carries the
+encrypted payload in the ``encrypted`` ArrayRecord instead of ``arrays``), and
+``query.ckks_decrypt`` (manifest + c1 of the aggregate; the reply carries the partial decryption).
+Node ids travel as 8-byte big-endian strings. Every decoder checks types and shapes and raises
+``SecureAggregationError``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord
+from numpy.typing import NDArray
+
+from quorumfl.aggregation.ckks import Announcement, CkksParams, Commitment, Manifest, Reveal
+from quorumfl.aggregation.errors import ConfigError, SecureAggregationError
+
+from .secure_wire import _get, _ids, _read_ids
+
+__all__ = [
+    "CKKS",
+    "COMMIT",
+    "DECRYPT",
+    "ENCRYPTED",
+    "FINISH",
+    "REVEAL",
+    "TrainRequest",
+    "decode_announcement",
+    "decode_commitment",
+    "decode_decrypt_request",
+    "decode_directory",
+    "decode_encrypted",
+    "decode_finish",
+    "decode_partial",
+    "decode_reveal",
+    "decode_train_request",
+    "encode_announcement",
+    "encode_commitment",
+    "encode_decrypt_request",
+    "encode_directory",
+    "encode_encrypted",
+    "encode_finish",
+    "encode_partial",
+    "encode_reveal",
+    "encode_train_request",
+]
+
+CKKS = "ckks"
+ARRAYS = "ckks-arrays"
+ENCRYPTED = "encrypted"
+COMMIT = "query.ckks_commit"
+REVEAL = "query.ckks_reveal"
+FINISH = "query.ckks_finish"
+DECRYPT = "query.ckks_decrypt"
+U64 = NDArray[np.uint64]
+
+
+def _u64(record: ArrayRecord, key: str, ndim: int) -> U64:
+    if key not in record:
+        raise SecureAggregationError(f"threshold-CKKS record has no array '{key}'")
+    try:
+        values = record[key].numpy()
+    except Exception as exc:  # a malformed array from a remote party
+        raise SecureAggregationError(f"array '{key}' cannot be decoded ({exc})") from exc
+    if values.dtype != np.uint64 or values.ndim != ndim:
+        raise SecureAggregationError(f"array '{key}' must be {ndim}-D uint64, got {values.ndim}-D {values.dtype}")
+    return np.ascontiguousarray(values)
+
+
+# ---- ceremony ---------------------------------------------------------------------------------------
+def encode_announcement(a: Announcement, *, run_id: int) -> ConfigRecord:
+    return ConfigRecord({"ceremony": a.ceremony, "members": _ids(a.members), "threshold": a.threshold,
+                         "params": json.dumps(a.params.to_dict()), "seed": a.seed, "run": run_id})
+
+
+def decode_announcement(record: ConfigRecord) -> tuple[Announcement, int]:
+    try:
+        params = CkksParams.from_dict(json.loads(_get(record, "params", str)))
+        ann = Announcement(_get(record, "ceremony", bytes), _read_ids(record, "members"), _get(record, "threshold", int),
+                           params, _get(record, "seed", bytes))
+    except (ConfigError, ValueError) as exc:
+        raise SecureAggregationError(f"key ceremony announcement is invalid: {exc}") from exc
+    return ann, _get(record, "run", int)
+
+
+def encode_commitment(c: Commitment, ceremony: bytes) -> ConfigRecord:
+    return ConfigRecord({"ceremony": ceremony, "digest": c.digest, "transport": c.transport_key})
+
+
+def decode_commitment(record: ConfigRecord, *, node: int, ceremony: bytes) -> Commitment:
+    if _get(record, "ceremony", bytes) != ceremony:
+        raise SecureAggregationError("commitment is for another ceremony")
+    return Commitment(node, _get(record, "digest", bytes), _get(record, "transport", bytes))
+
+
+def encode_directory(ceremony: bytes, commitments: Mapping[int, Commitment]) -> ConfigRecord:
+    nodes = sorted(commitments)
+    return ConfigRecord({"ceremony": ceremony, "nodes": _ids(nodes),
+                         "digests": [commitments[n].digest for n in nodes],
+                         "transports": [commitments[n].transport_key for n in nodes]})
+
+
+def decode_directory(record: ConfigRecord) -> tuple[bytes, dict[int, Commitment]]:
+    nodes = _read_ids(record, "nodes")
+    digests, transports = _get(record, "digests", list), _get(record, "transports", list)
+    if not len(nodes) == len(digests) == len(transports):
+        raise SecureAggregationError("commitment directory lists differ in length")
+    return _get(record, "ceremony", bytes), {
+        n: Commitment(n, d, k) for n, d, k in zip(nodes, digests, transports, strict=True)
+    }
+
+
+def encode_reveal(r: Reveal, ceremony: bytes) -> tuple[ConfigRecord, ArrayRecord]:
+    recipients = sorted(r.bundles)
+    config = ConfigRecord({"ceremony": ceremony, "recipients": _ids(recipients),
+                           "bundles": [r.bundles[n] for n in recipients]})
+    return config, ArrayRecord({"b": Array(np.ascontiguousarray(r.b))})
+
+
+def decode_reveal(record: ConfigRecord, arrays: ArrayRecord, *, node: int, ceremony: bytes) -> Reveal:
+    if _get(record, "ceremony", bytes) != ceremony:
+        raise SecureAggregationError("reveal is for another ceremony")
+    recipients = _read_ids(record, "recipients")
+    bundles = _get(record, "bundles", list)
+    if len(recipients) != len(bundles):
+        raise SecureAggregationError("reveal lists differ in length")
+    return Reveal(node, _u64(arrays, "b", 2), dict(zip(recipients, bundles, strict=True)))
+
+
+def encode_finish(ceremony: bytes, reveals: Mapping[int, U64], inbox: Mapping[int, bytes]) -> tuple[ConfigRecord, ArrayRecord]:
+    senders = sorted(inbox)
+    config = ConfigRecord({"ceremony": ceremony, "revealers": _ids(sorted(reveals)), "senders": _ids(senders),
+                           "bundles": [inbox[n] for n in senders]})
+    return config, ArrayRecord({f"b-{n}": Array(np.ascontiguousarray(reveals[n])) for n in sorted(reveals)})
+
+
+def decode_finish(record: ConfigRecord, arrays: ArrayRecord) -> tuple[bytes, dict[int, U64], dict[int, bytes]]:
+    revealers = _read_ids(record, "revealers")
+    senders = _read_ids(record, "senders")
+    bundles = _get(record, "bundles", list)
+    if len(senders) != len(bundles):
+        raise SecureAggregationError("finish request lists differ in length")
+    reveals = {n: _u64(arrays, f"b-{n}", 2) for n in revealers}
+    return _get(record, "ceremony", bytes), reveals, dict(zip(senders, bundles, strict=True))
+
+
+# ---- rounds -------------------------------------------------------------------------------------------
+class TrainRequest:
+    """What a node needs to encrypt its update: the key (public key included), level, clip, weight cap."""
+
+    def __init__(self, *, key_id: str, public_key: bytes, params: CkksParams, primes: int, clip: float,
+                 max_weight: float, round_number: int) -> None:
+        self.key_id, self.public_key, self.params = key_id, public_key, params
+        self.primes, self.clip, self.max_weight, self.round_number = primes, clip, max_weight, round_number
+
+
+def encode_train_request(r: TrainRequest) -> ConfigRecord:
+    return ConfigRecord({"key_id": r.key_id, "public_key": r.public_key, "params": json.dumps(r.params.to_dict()),
+                         "primes": r.primes, "clip": r.clip, "max_weight": r.max_weight, "round": r.round_number})
+
+
+def decode_train_request(record: ConfigRecord) -> TrainRequest:
+    try:
+        params = CkksParams.from_dict(json.loads(_get(record, "params", str)))
+    except (ConfigError, ValueError) as exc:
+        raise SecureAggregationError(f"CKKS parameters in the train request are invalid: {exc}") from exc
+    clip, max_weight = _get(record, "clip", float), _get(record, "max_weight", float)
+    if not (clip > 0 and max_weight > 0):
+        raise SecureAggregationError("clip and max_weight must be positive")
+    return TrainRequest(key_id=_get(record, "key_id", str), public_key=_get(record, "public_key", bytes), params=params,
+                        primes=_get(record, "primes", int), clip=clip, max_weight=max_weight,
+                        round_number=_get(record, "round", int))
+
+
+def encode_encrypted(polys: U64, *, key_id: str, round_number: int) -> tuple[ArrayRecord, ConfigRecord]:
+    return ArrayRecord({"ct": Array(np.ascontiguousarray(polys))}), ConfigRecord({"key_id": key_id, "round": round_number})
+
+
+def decode_encrypted(arrays: ArrayRecord, record: ConfigRecord) -> tuple[U64, str, int]:
+    return _u64(arrays, "ct", 4), _get(record, "key_id", str), _get(record, "round", int)
+
+
+def encode_decrypt_request(manifest: Manifest, c1: U64) -> tuple[ConfigRecord, ArrayRecord]:
+    return ConfigRecord({"manifest": json.dumps(manifest.to_dict())}), ArrayRecord({"c1": Array(np.ascontiguousarray(c1))})
+
+
+def decode_decrypt_request(record: ConfigRecord, arrays: ArrayRecord) -> tuple[Manifest, U64]:
+    try:
+        data = json.loads(_get(record, "manifest", str))
+    except ValueError as exc:
+        raise SecureAggregationError("decryption manifest is not JSON") from exc
+    if not isinstance(data, dict):
+        raise SecureAggregationError("decryption manifest must be an object")
+    return Manifest.from_dict(data), _u64(arrays, "c1", 3)
+
+
+def encode_partial(d: U64, manifest: Manifest) -> tuple[ConfigRecord, ArrayRecord]:
+    return (ConfigRecord({"key_id": manifest.key_id, "round": manifest.round, "group": manifest.group}),
+            ArrayRecord({"d": Array(np.ascontiguousarray(d))}))
+
+
+def decode_partial(record: ConfigRecord, arrays: ArrayRecord, manifest: Manifest) -> U64:
+    if (_get(record, "key_id", str), _get(record, "round", int), _get(record, "group", int)) != (
+        manifest.key_id, manifest.round, manifest.group
+    ):
+        raise SecureAggregationError("partial decryption answers another request")
+    return _u64(arrays, "d", 3)

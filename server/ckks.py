@@ -1,0 +1,300 @@
+"""The server's half of threshold CKKS, carried over Flower messages.
+
+``CkksSession`` runs a key ceremony across the connected nodes when the run has no key yet, when
+the admin asked for one (``quorumfl keys ceremony RUN``) or when too few key holders remain;
+three round trips (commit, reveal, finish), once. A round is then exactly two round trips:
+
+1. train — the request carries the public key and the ciphertext level; each reply carries the
+   node's encrypted ``[w, w·loss, w·Δθ]``, added at once into a running ciphertext sum;
+2. decrypt — the server fixes S (t key holders among the contributors, rotating with the round),
+   records the manifest (round, contributors, S) in the state DB, and sends S the aggregate's c1.
+   With every partial decryption of S back it combines and decodes the sum.
+
+The server holds no key material. Fewer than t contributors, or a member of S that does not
+answer, ends the round with nothing decrypted; the global model stays as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from numpy.typing import NDArray
+
+from quorumfl.aggregation.ckks import Announcement, CeremonyCoordinator, CiphertextSum, combine
+from quorumfl.aggregation.errors import (
+    EmptyAggregationError,
+    QuorumError,
+    QuorumNotMetError,
+    SecureAggregationError,
+)
+from quorumfl.aggregation.secagg import flatten, read_payload, resolve_threshold, unflatten
+from quorumfl.client.ckks_wire import ARRAYS as CKKS_ARRAYS
+from quorumfl.client.ckks_wire import (
+    CKKS,
+    COMMIT,
+    DECRYPT,
+    ENCRYPTED,
+    FINISH,
+    REVEAL,
+    TrainRequest,
+    decode_commitment,
+    decode_encrypted,
+    decode_partial,
+    decode_reveal,
+    encode_announcement,
+    encode_decrypt_request,
+    encode_directory,
+    encode_finish,
+    encode_train_request,
+)
+from quorumfl.client.wire import (
+    ARRAYS,
+    CONFIG,
+    METRICS,
+    TrainConfig,
+    department_of,
+    to_array_record,
+)
+
+from .config import RunConfig
+from .phase import TrainPhase
+
+__all__ = ["AuditTrail", "CkksKey", "CkksSession"]
+
+log = logging.getLogger(__name__)
+Arrays = dict[str, NDArray[np.generic]]
+Failures = dict[int, tuple[str, str]]
+Exchange = Callable[[list[Message], Failures, str, float], list[tuple[int, Message]]]
+
+
+@dataclass(frozen=True)
+class CkksKey:
+    key_id: str
+    public_key: bytes
+    threshold: int
+    members: tuple[int, ...]
+    holders: tuple[int, ...]
+
+
+class AuditTrail:
+    """Where the session records ceremonies and decryptions (the state DB in a run; nothing in tests)."""
+
+    def ceremony_requested(self) -> bool:
+        return False
+
+    def ceremony_started(self, members: Sequence[int], threshold: int, params: dict[str, object]) -> int:
+        return 0
+
+    def ceremony_finished(self, ceremony: int, *, key_id: str | None, holders: Sequence[int], error: str | None) -> None:
+        return None
+
+    def decryption_started(self, *, key_id: str, contributors: Sequence[int], decryptors: Sequence[int]) -> int:
+        return 0
+
+    def decryption_finished(self, decryption: int, *, error: str | None) -> None:
+        return None
+
+
+def _reply_config(reply: Message) -> ConfigRecord:
+    if CKKS not in reply.content.config_records:
+        raise SecureAggregationError("reply has no 'ckks' record")
+    return reply.content.config_records[CKKS]
+
+
+class CkksSession:
+    """Threshold-CKKS rounds of one run against a Flower Grid (through the Federation's exchange)."""
+
+    def __init__(self, config: RunConfig, exchange: Exchange, *, run_id: int, audit: AuditTrail | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.config = config
+        self.params = config.ckks_params()
+        self.exchange = exchange
+        self.run_id = run_id
+        self.audit = audit or AuditTrail()
+        self.clock = clock
+        self.key: CkksKey | None = None
+        self.ceremonies = 0
+
+    def _message(self, kind: str, node: int, content: RecordDict) -> Message:
+        return Message(content=content, dst_node_id=node, message_type=kind)
+
+    # ---- key ceremony -------------------------------------------------------------------------------
+    def ceremony(self, nodes: Sequence[int], failures: Failures) -> CkksKey:
+        """Commit, reveal, finish across ``nodes``; raises when fewer than t finish."""
+        self.key = None
+        members = sorted(nodes)
+        threshold = resolve_threshold(self.config.secagg_threshold, len(members))
+        self.params.check(threshold=threshold, contributors=len(members), value_bound=self.config.secagg_clip)
+        ann = Announcement.new(members, threshold, self.params)
+        record_id = self.audit.ceremony_started(members, threshold, self.params.to_dict())
+        coordinator = CeremonyCoordinator(ann)
+        timeout = self.config.secagg_stage_timeout
+        try:
+            announce = encode_announcement(ann, run_id=self.run_id)
+            for node, reply in self.exchange([self._message(COMMIT, n, RecordDict({CKKS: announce})) for n in members],
+                                             failures, "ckks-commit", timeout):
+                try:
+                    coordinator.add_commitment(decode_commitment(_reply_config(reply), node=node, ceremony=ann.ceremony))
+                except SecureAggregationError as exc:
+                    failures[node] = ("ckks-commit", str(exc))
+            directory = encode_directory(ann.ceremony, coordinator.directory())
+            committed = sorted(coordinator.commitments)
+            for node, reply in self.exchange([self._message(REVEAL, n, RecordDict({CKKS: directory})) for n in committed],
+                                             failures, "ckks-reveal", timeout):
+                try:
+                    content = reply.content
+                    if CKKS_ARRAYS not in content.array_records:
+                        raise SecureAggregationError("reveal reply has no arrays")
+                    coordinator.add_reveal(decode_reveal(_reply_config(reply), content.array_records[CKKS_ARRAYS],
+                                                         node=node, ceremony=ann.ceremony))
+                except SecureAggregationError as exc:
+                    failures[node] = ("ckks-reveal", str(exc))
+            reveals, inbox = coordinator.finish_request()
+            messages = []
+            for node in sorted(reveals):
+                config, arrays = encode_finish(ann.ceremony, reveals, inbox[node])
+                messages.append(self._message(FINISH, node, RecordDict({CKKS: config, CKKS_ARRAYS: arrays})))
+            for node, reply in self.exchange(messages, failures, "ckks-finish", timeout):
+                try:
+                    key_id = _reply_config(reply).get("key_id")
+                    if not isinstance(key_id, str):
+                        raise SecureAggregationError("finish reply has no key id")
+                    coordinator.confirm(node, key_id)
+                except SecureAggregationError as exc:
+                    failures[node] = ("ckks-finish", str(exc))
+            if len(coordinator.confirmed) < threshold:
+                raise QuorumNotMetError(
+                    f"only {len(coordinator.confirmed)} of {len(members)} nodes hold a key share; t is {threshold}"
+                )
+        except QuorumError as exc:
+            self.audit.ceremony_finished(record_id, key_id=None, holders=[], error=str(exc))
+            raise
+        assert coordinator.public_key is not None
+        key = CkksKey(coordinator.key_id, coordinator.public_key, threshold, tuple(members),
+                      tuple(sorted(coordinator.confirmed)))
+        self.audit.ceremony_finished(record_id, key_id=key.key_id, holders=key.holders, error=None)
+        self.key = key
+        self.ceremonies += 1
+        log.info("threshold CKKS: key %s with %s of %s holders (t=%s)", key.key_id, len(key.holders), len(members),
+                 threshold)
+        return key
+
+    def _needs_ceremony(self, available: Sequence[int]) -> bool:
+        key = self.key
+        return (
+            key is None
+            or self.audit.ceremony_requested()
+            or len(set(key.holders) & set(available)) < key.threshold
+        )
+
+    # ---- one round ----------------------------------------------------------------------------------------
+    def round(
+        self,
+        number: int,
+        available: Sequence[int],
+        arrays: Arrays,
+        configs: dict[int, TrainConfig],
+        failures: Failures,
+        timings: dict[str, float],
+    ) -> TrainPhase:
+        try:
+            start = self.clock()
+            key = self.key
+            if key is None or self._needs_ceremony(available):
+                key = self.ceremony(available, failures)
+            timings["ckks-ceremony"] = self.clock() - start
+            return self._round(key, number, arrays, configs, failures, timings)
+        except QuorumError as exc:
+            log.warning("threshold CKKS: %s", exc)
+            return TrainPhase(arrays=None, error=f"secure aggregation: {exc}")
+
+    def _round(
+        self,
+        key: CkksKey,
+        number: int,
+        arrays: Arrays,
+        configs: dict[int, TrainConfig],
+        failures: Failures,
+        timings: dict[str, float],
+    ) -> TrainPhase:
+        config = self.config
+        participants = sorted(configs)
+        base = flatten(arrays)
+        length = 2 + base.shape[0]
+        primes = self.params.send_primes(key.threshold, max(len(key.members), len(participants)), config.secagg_clip)
+        request = encode_train_request(TrainRequest(
+            key_id=key.key_id, public_key=key.public_key, params=self.params, primes=primes, clip=config.secagg_clip,
+            max_weight=config.secagg_max_weight, round_number=number,
+        ))
+        model_record = to_array_record(arrays)
+        messages = [
+            Message(content=RecordDict({ARRAYS: model_record, CONFIG: configs[n].to_record(), CKKS: request}),
+                    dst_node_id=n, message_type=MessageType.TRAIN)
+            for n in participants
+        ]
+        total = CiphertextSum(self.params, length=length, primes=primes)
+        result = TrainPhase(arrays=None)
+        start = self.clock()
+        for node, reply in self.exchange(messages, failures, "train", config.round_timeout):
+            try:
+                content = reply.content
+                if ENCRYPTED not in content.array_records:
+                    raise SecureAggregationError("reply has no 'encrypted' record")
+                polys, key_id, round_number = decode_encrypted(content.array_records[ENCRYPTED], _reply_config(reply))
+                if key_id != key.key_id or round_number != number:
+                    raise SecureAggregationError(f"ciphertext is for key {key_id} round {round_number}")
+                total.add(node, polys)
+            except SecureAggregationError as exc:
+                failures[node] = ("train", str(exc))
+                continue
+            metrics = content.metric_records.get(METRICS)
+            seconds = metrics.get("train-seconds") if metrics is not None else None
+            if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+                result.node_metrics[node] = {"train-seconds": float(seconds)}
+            result.departments[node] = department_of(content)
+        timings["train"] = self.clock() - start
+
+        start = self.clock()
+        contributors = sorted(total.contributors)
+        if len(contributors) < key.threshold:
+            raise QuorumNotMetError(
+                f"{len(contributors)} encrypted update(s), fewer than t={key.threshold}; nothing is decrypted"
+            )
+        candidates = [n for n in contributors if n in key.holders]
+        if len(candidates) < key.threshold:
+            raise QuorumNotMetError(f"only {len(candidates)} key holder(s) among the contributors; t is {key.threshold}")
+        turn = number % len(candidates)
+        subset = sorted((candidates[turn:] + candidates[:turn])[: key.threshold])
+        manifest = total.manifest(key_id=key.key_id, round=number, group=0, subset=subset)
+        audit_id = self.audit.decryption_started(key_id=key.key_id, contributors=contributors, decryptors=subset)
+        config_record, c1_record = encode_decrypt_request(manifest, total.c1)
+        content = RecordDict({CKKS: config_record, CKKS_ARRAYS: c1_record})
+        partials = {}
+        for node, reply in self.exchange([self._message(DECRYPT, n, content) for n in subset], failures, "ckks-decrypt",
+                                         config.secagg_stage_timeout):
+            try:
+                if CKKS_ARRAYS not in reply.content.array_records:
+                    raise SecureAggregationError("decryption reply has no arrays")
+                partials[node] = decode_partial(_reply_config(reply), reply.content.array_records[CKKS_ARRAYS], manifest)
+            except SecureAggregationError as exc:
+                failures[node] = ("ckks-decrypt", str(exc))
+        try:
+            vector = combine(self.params, total.c0, partials, manifest)
+            mean = read_payload(vector, min_weight=1e3 * self.params.precision)
+        except (QuorumError, EmptyAggregationError) as exc:
+            self.audit.decryption_finished(audit_id, error=str(exc))
+            raise SecureAggregationError(str(exc)) from exc
+        self.audit.decryption_finished(audit_id, error=None)
+        timings["ckks-decrypt"] = self.clock() - start
+        result.arrays = unflatten(base + mean.update, arrays)
+        result.accepted = contributors
+        result.total_examples = mean.total_weight * config.secagg_max_weight
+        result.train_loss = mean.train_loss
+        log.info("threshold CKKS: round %s summed %s encrypted updates, decrypted by %s of %s holders",
+                 number, len(contributors), len(subset), len(key.holders))
+        return result
