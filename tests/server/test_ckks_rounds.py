@@ -1,0 +1,158 @@
+"""Threshold-CKKS rounds through the federation loop and the real ClientApp handlers (in-process Grid).
+
+The decrypted result is compared with the same run in plaintext mode: same seeds, same data, so
+the only difference allowed is the CKKS error (~1e-8 per coordinate).
+"""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Message
+
+from quorumfl.client.ckks_wire import COMMIT, DECRYPT, FINISH, REVEAL
+from quorumfl.client.data import prepare_partitions
+from quorumfl.client.wire import ARRAYS
+from quorumfl.privacy.keystore import KeyStore
+from quorumfl.server.model_store import ModelStore
+from quorumfl.server.state.repository import RoundStatus, RunStatus
+
+from .test_rounds import (
+    LoopbackGrid,
+    _contexts,
+    _federation,
+    task_identity,  # noqa: F401  (an autouse fixture)
+)
+
+CKKS = {"secure-aggregation": "ckks", "secagg-threshold": 0.6}  # t = 4 of 6
+SHORT = {"round-timeout": 2.0, "secagg-stage-timeout": 2.0}
+
+
+@pytest.fixture
+def six_parts(tmp_path: Path) -> dict[str, Path]:
+    names = ["tax-office", "urban-planning", "public-works", "housing", "transport", "libraries"]
+    return prepare_partitions(tmp_path / "data", names, seed=1, method="dirichlet", alpha=0.5)
+
+
+def _models(repo: object, run_id: int) -> list[dict[str, np.ndarray]]:
+    return [ModelStore.load(v.path, v.sha256) for v in repo.list_model_versions(run_id=run_id)]  # type: ignore[attr-defined]
+
+
+def _kinds(grid: LoopbackGrid) -> list[str]:
+    return [m.metadata.message_type for m in grid.sent]
+
+
+def _drop_replies(grid: LoopbackGrid, stage: str, nodes: set[int], *, pushes: set[int] | None = None) -> None:
+    count = {"n": 0}
+
+    def drop(sent: list[Message], replies: list[Message]) -> list[Message]:
+        if sent and sent[0].metadata.message_type == stage:
+            count["n"] += 1
+            if pushes is None or count["n"] in pushes:
+                return [r for r in replies if r.metadata.src_node_id not in nodes]
+        return replies
+
+    grid.drop = drop
+
+
+def test_ckks_rounds_equal_plaintext_fedavg_and_cost_two_round_trips(
+    tmp_path: Path, six_parts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plain_fed, repo = _federation(tmp_path, LoopbackGrid(_contexts(six_parts)))
+    plain_models = _models(repo, plain_fed.run())
+
+    grid = LoopbackGrid(_contexts(six_parts))
+    fed, repo = _federation(tmp_path, grid, **CKKS)
+    run_id = fed.run()
+
+    assert repo.get_run(run_id).status == RunStatus.COMPLETED
+    for plain, decrypted in zip(plain_models, _models(repo, run_id), strict=True):
+        for key in plain:
+            np.testing.assert_allclose(decrypted[key], plain[key], rtol=0, atol=1e-6)
+    assert all(ARRAYS not in r.content.array_records for r in grid.replies if not r.has_error())
+    kinds = _kinds(grid)
+    # One ceremony (3 trips to 6 nodes); per round: train to 6, decrypt to t = 4.
+    assert [kinds.count(k) for k in (COMMIT, REVEAL, FINISH, DECRYPT, "train")] == [6, 6, 6, 8, 12]
+    [ceremony] = repo.ceremonies(run_id)
+    assert ceremony.status == "complete" and ceremony.threshold == 4 and len(ceremony.holders) == 6
+    decryptions = repo.decryptions(run_id)
+    assert [(n, d.status, len(d.decryptors), len(d.contributors)) for n, d in decryptions] == [
+        (1, "complete", 4, 6), (2, "complete", 4, 6)]
+    assert decryptions[0][1].decryptors != decryptions[1][1].decryptors  # S rotates
+    for node in grid.nodes:
+        store = KeyStore(Path(tmp_path / "home" / "node-keys" / str(node)))
+        [key_id] = store.keys()
+        assert key_id == ceremony.key_id
+        mode = stat.S_IMODE((store.directory / f"key-{key_id}.json").stat().st_mode)
+        assert mode == 0o600
+        asked = store.load_key(key_id).asked
+        assert asked == {(n, 0) for n, d in decryptions if node in d.decryptors}
+
+
+def test_nodes_lost_after_encryption_outside_s_do_not_matter_and_a_lost_decryptor_fails_the_round_cleanly(
+    tmp_path: Path, six_parts: dict[str, Path]
+) -> None:
+    contexts = _contexts(six_parts)
+    grid = LoopbackGrid(contexts)
+    # Round 1: S is 4 of the 6 contributors; one decryptor's answer is lost -> nothing is decrypted.
+    lost: set[int] = set()
+
+    def drop(sent: list[Message], replies: list[Message]) -> list[Message]:
+        if sent and sent[0].metadata.message_type == DECRYPT and not lost:
+            lost.add(int(sent[0].metadata.dst_node_id))
+            return [r for r in replies if r.metadata.src_node_id not in lost]
+        return replies
+
+    grid.drop = drop
+    fed, repo = _federation(tmp_path, grid, **{**CKKS, **SHORT, "num-rounds": 2})
+    run = repo.get_run(fed.run())
+    first, second = run.rounds
+    assert first.status == RoundStatus.FAILED and "did not answer" in (first.error or "")
+    assert {(f.node_id, f.stage) for f in first.failures} == {(next(iter(lost)), "ckks-decrypt")}
+    assert second.status == RoundStatus.COMPLETED and len(second.participants) == 6
+    assert [v.round for v in repo.list_model_versions(run_id=run.id)] == [2]
+    statuses = [d.status for _, d in repo.decryptions(run.id)]
+    assert statuses == ["failed", "complete"]
+
+
+def test_fewer_than_t_contributors_end_the_round_before_any_decryption(
+    tmp_path: Path, six_parts: dict[str, Path]
+) -> None:
+    contexts = _contexts(six_parts)
+    ids = list(contexts)
+    grid = LoopbackGrid(contexts)
+    _drop_replies(grid, "train", set(ids[:3]), pushes={1})  # 3 of 6 encrypted updates lost; t = 4
+    fed, repo = _federation(tmp_path, grid, **{**CKKS, **SHORT, "num-rounds": 2})
+    run = repo.get_run(fed.run())
+    first, second = run.rounds
+    assert first.status == RoundStatus.FAILED and "fewer than t=4" in (first.error or "")
+    assert second.status == RoundStatus.COMPLETED
+    assert _kinds(grid).count(DECRYPT) == 4  # only round 2 asked anyone to decrypt
+
+
+def test_an_admin_requested_ceremony_re_keys_before_the_next_round(
+    tmp_path: Path, six_parts: dict[str, Path]
+) -> None:
+    contexts = _contexts(six_parts)
+    grid = LoopbackGrid(contexts)
+    fed, repo = _federation(tmp_path, grid, **{**CKKS, "num-rounds": 2})
+    trains = {"n": 0}
+
+    def request(sent: list[Message], replies: list[Message]) -> list[Message]:
+        if sent and sent[0].metadata.message_type == "train":
+            trains["n"] += 1
+            if trains["n"] == 1:
+                [run] = repo.list_runs()[-1:]
+                repo.request_ceremony(run.id)  # what 'quorumfl keys ceremony RUN' does
+        return replies
+
+    grid.drop = request
+    run = repo.get_run(fed.run())
+    assert run.status == RunStatus.COMPLETED
+    first, second = repo.ceremonies(run.id)
+    assert first.status == second.status == "complete" and first.key_id != second.key_id
+    assert [d.key_id for _, d in repo.decryptions(run.id)] == [first.key_id, second.key_id]
+    assert _kinds(grid).count(COMMIT) == 12
