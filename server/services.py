@@ -115,6 +115,41 @@ def nodes_view(repo: Repository) -> list[dict[str, Any]]:
     ]
 
 
+def keys_view(repo: Repository, ref: int) -> dict[str, Any]:
+    """A run's key ceremonies (who holds shares of which key) and every threshold decryption."""
+    departments = {n.node_id: n.department for n in repo.list_nodes()}
+
+    def named(ids: list[int]) -> list[str]:
+        return [departments.get(i) or str(i) for i in ids]
+
+    run = repo.get_run(ref)
+    ceremonies = [
+        {
+            "ceremony": c.id,
+            "status": c.status,
+            "key_id": c.key_id,
+            "threshold": f"{c.threshold} of {len(c.members)}" if c.threshold else None,
+            "holders": named(c.holders),
+            "requested_at": _iso(c.requested_at),
+            "finished_at": _iso(c.finished_at),
+            "error": c.error,
+        }
+        for c in repo.ceremonies(run.id)
+    ]
+    decryptions = [
+        {
+            "round": number,
+            "status": d.status,
+            "key_id": d.key_id,
+            "contributors": len(d.contributors),
+            "decryptors": named(d.decryptors),
+            "error": d.error,
+        }
+        for number, d in repo.decryptions(run.id)
+    ]
+    return {"run": run.id, "ceremonies": ceremonies, "decryptions": decryptions}
+
+
 def model_view(version: ModelVersion, heads: dict[str, int]) -> dict[str, Any]:
     return {
         "version": version.id,

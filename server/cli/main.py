@@ -18,6 +18,7 @@ from quorumfl.aggregation.errors import QuorumError
 from ..processes import terminate_on_signals
 from ..state.database import default_home, default_url
 from .cmd_federation import data_app, db_app, demo, node_app, server_app
+from .cmd_keys import keys_app
 from .cmd_runs import rounds_app, runs_app
 from .cmd_state import models_app, nodes_app
 from .context import Settings
@@ -41,6 +42,7 @@ app.add_typer(nodes_app, name="nodes")
 app.add_typer(models_app, name="models")
 app.add_typer(data_app, name="data")
 app.add_typer(db_app, name="db")
+app.add_typer(keys_app, name="keys")
 
 
 @app.callback()

@@ -15,7 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
-from quorumfl.aggregation.errors import NotFoundError, StateError
+from quorumfl.aggregation.errors import ConfigError, NotFoundError, StateError
 
 from .orm import (
     Decryption,
@@ -221,9 +221,9 @@ class Repository:
         """Ask the server of a running run for a fresh key ceremony before its next round."""
         run = self.get_run(run_ref)
         if run.status != RunStatus.RUNNING:
-            raise StateError(f"run {run.id} is {run.status}; a ceremony can only be requested for a running run")
+            raise ConfigError(f"run {run.id} is {run.status}; a key ceremony can only be requested for a running run")
         if run.config.get("secure-aggregation") != "ckks":
-            raise StateError(f"run {run.id} does not use secure-aggregation = \"ckks\"; it has no keys")
+            raise ConfigError(f"run {run.id} does not use secure-aggregation = \"ckks\"; it has no keys to renew")
 
         def op(s: Session) -> KeyCeremony:
             pending = s.scalar(select(KeyCeremony).where(

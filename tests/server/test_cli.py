@@ -130,3 +130,31 @@ def test_data_split_and_node_start_errors(tmp_path: Path) -> None:
     assert node.returncode == 4 and "does not exist" in node.stderr
     unknown = quorumfl("data", "split", "--out", str(tmp_path / "p2"), "--departments", "a", "--dataset", "cifar")
     assert unknown.returncode == 3 and "unknown dataset 'cifar'" in unknown.stderr
+
+
+def test_keys_status_and_ceremony(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    repo = Repository(connect(url, migrate=True))
+    run = repo.create_run(flower_run_id=2**63 + 12, config={"secure-aggregation": "ckks"}, strategy="fedavg", num_rounds=2)
+    repo.touch_node(7, department="tax-office")
+    ceremony = repo.start_ceremony(run.id, members=[7, 8, 9], threshold=2, params={"poly_degree": 8192})
+    repo.finish_ceremony(ceremony, key_id="ab" * 16, holders=[7, 8, 9])
+    rnd = repo.start_round(run.id, 1, [7, 8, 9])
+    decryption = repo.add_decryption(rnd.id, key_id="ab" * 16, contributors=[7, 8, 9], decryptors=[7, 9])
+    repo.finish_decryption(decryption)
+
+    shown = quorumfl("keys", "status", str(run.id), "--format", "json", db=url)
+    assert shown.returncode == 0, shown.stderr
+    view = json.loads(shown.stdout)
+    assert view["ceremonies"][0]["threshold"] == "2 of 3" and view["ceremonies"][0]["holders"] == ["tax-office", "8", "9"]
+    assert view["decryptions"] == [{"round": 1, "status": "complete", "key_id": "ab" * 16, "contributors": 3,
+                                    "decryptors": ["tax-office", "9"], "error": None}]
+    assert "Threshold decryptions" in quorumfl("keys", "status", str(run.id), db=url).stdout
+
+    requested = quorumfl("keys", "ceremony", str(run.id), db=url)
+    assert requested.returncode == 0 and "requested" in requested.stdout
+    assert repo.ceremony_requested(run.id)
+    repo.finish_run(run.id, RunStatus.COMPLETED)
+    refused = quorumfl("keys", "ceremony", str(run.id), db=url)
+    assert refused.returncode == 3 and "running run" in refused.stderr
+    assert quorumfl("keys", "status", "999", db=url).returncode == 5
