@@ -69,7 +69,8 @@ __all__ = ["AuditTrail", "CkksKey", "CkksSession"]
 log = logging.getLogger(__name__)
 Arrays = dict[str, NDArray[np.generic]]
 Failures = dict[int, tuple[str, str]]
-Exchange = Callable[[list[Message], Failures, str, float], list[tuple[int, Message]]]
+# (messages, failures to fill, stage name, timeout seconds[, consume each good reply]) -> good replies
+Exchange = Callable[..., list[tuple[int, Message]]]
 
 
 @dataclass(frozen=True)
@@ -239,8 +240,8 @@ class CkksSession:
         ]
         total = CiphertextSum(self.params, length=length, primes=primes)
         result = TrainPhase(arrays=None)
-        start = self.clock()
-        for node, reply in self.exchange(messages, failures, "train", config.round_timeout):
+
+        def add(node: int, reply: Message) -> None:  # each reply joins the running sum as it arrives
             try:
                 content = reply.content
                 if ENCRYPTED not in content.array_records:
@@ -251,12 +252,15 @@ class CkksSession:
                 total.add(node, polys)
             except SecureAggregationError as exc:
                 failures[node] = ("train", str(exc))
-                continue
+                return
             metrics = content.metric_records.get(METRICS)
             seconds = metrics.get("train-seconds") if metrics is not None else None
             if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
                 result.node_metrics[node] = {"train-seconds": float(seconds)}
             result.departments[node] = department_of(content)
+
+        start = self.clock()
+        self.exchange(messages, failures, "train", config.round_timeout, add)
         timings["train"] = self.clock() - start
 
         start = self.clock()

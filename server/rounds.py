@@ -165,40 +165,52 @@ class Federation:
         ]
 
     def _exchange(
-        self, messages: list[Message], failures: dict[int, tuple[str, str]], stage: str, timeout: float
+        self,
+        messages: list[Message],
+        failures: dict[int, tuple[str, str]],
+        stage: str,
+        timeout: float,
+        consume: Callable[[int, Message], None] | None = None,
     ) -> list[tuple[int, Message]]:
         """Send, wait up to ``timeout`` seconds, and record error replies and missing nodes.
 
         Replies are matched to requests by ``reply_to_message_id``: an error reply that the SuperLink
-        writes for an unreachable node carries the SuperLink's own id as its source.
+        writes for an unreachable node carries the SuperLink's own id as its source. With ``consume``
+        each good reply is handed over as soon as it is pulled and not kept (a running sum then
+        holds one aggregate, not every node's reply); without it the good replies are returned.
         """
         expected = {int(m.metadata.dst_node_id) for m in messages}
         message_ids = list(self.grid.push_messages(messages))
         destination = {mid: int(m.metadata.dst_node_id) for mid, m in zip(message_ids, messages, strict=True)}
-        # Grid.send_and_receive sleeps 3 s between pulls; every round trip would pay up to that again.
-        replies: list[Message] = []
-        waiting = set(message_ids)
-        deadline = self.clock() + timeout
-        while waiting:
-            pulled = list(self.grid.pull_messages(list(waiting)))
-            replies.extend(pulled)
-            waiting.difference_update(r.metadata.reply_to_message_id for r in pulled)
-            if not waiting or self.clock() >= deadline:
-                break
-            time.sleep(REPLY_POLL_SECONDS)
         good: list[tuple[int, Message]] = []
-        for reply in replies:
+
+        def take(reply: Message) -> None:
             node = destination.get(reply.metadata.reply_to_message_id)
             if node is None or node not in expected:
                 log.warning("ignoring a reply that answers no open request (from node %s)", reply.metadata.src_node_id)
-                continue
+                return
             expected.discard(node)
             if reply.has_error():
                 failures[node] = (stage, f"node error {reply.error.code}: {reply.error.reason}")
             elif reply.metadata.src_node_id != node:
                 failures[node] = (stage, f"reply came from node {reply.metadata.src_node_id}, not {node}")
+            elif consume is not None:
+                consume(node, reply)
             else:
                 good.append((node, reply))
+
+        # Grid.send_and_receive sleeps 3 s between pulls; every round trip would pay up to that again.
+        waiting = set(message_ids)
+        deadline = self.clock() + timeout
+        while waiting:
+            pulled = list(self.grid.pull_messages(list(waiting)))
+            for reply in pulled:
+                waiting.discard(reply.metadata.reply_to_message_id)
+                take(reply)
+            del pulled
+            if not waiting or self.clock() >= deadline:
+                break
+            time.sleep(REPLY_POLL_SECONDS)
         for node in expected:
             failures[node] = (stage, f"no reply within the {stage} deadline ({timeout:.0f}s)")
         return good
