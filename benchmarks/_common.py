@@ -1,11 +1,23 @@
-"""Helpers shared by the benchmark scripts: peak RSS, JSON-as-last-line output, a small table."""
+"""Helpers shared by the benchmark scripts: peak RSS, JSON-as-last-line output, a small table, and
+running QuorumFL or a baseline Flower app (its own FAB) on a local federation."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import resource
+import time
+from pathlib import Path
 from typing import Any
+
+import tomli_w
+
+from quorumfl.server.control import build_fab
+from quorumfl.server.local import LocalFederation
+from quorumfl.server.services import follow_run
+from quorumfl.server.state.repository import Repository, RoundStatus
+
+HERE = Path(__file__).resolve().parent
 
 
 def peak_rss_mb(*, children: bool = False) -> float:
@@ -29,3 +41,45 @@ def parser(doc: str) -> argparse.ArgumentParser:
     out.add_argument("--smoke", action="store_true", help="tiny sizes for CI")
     out.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     return out
+
+
+def baseline_fab(name: str, module: str, files: list[str], config: dict[str, Any]) -> Any:
+    """A Flower app bundle of benchmark files (not the QuorumFL package) with ``module:server/client``."""
+    manifest = {
+        "build-system": {"requires": ["setuptools"], "build-backend": "setuptools.build_meta"},
+        "project": {"name": name, "version": "1.0.0", "dependencies": []},
+        "tool": {"flwr": {"app": {
+            "publisher": "quorumfl",
+            "components": {"serverapp": f"{module}:server", "clientapp": f"{module}:client"},
+            "config": config,
+        }}},
+    }
+    return build_fab({"pyproject.toml": tomli_w.dumps(manifest).encode(), **{f: (HERE / f).read_bytes() for f in files}})
+
+
+def quorumfl_rounds(federation: LocalFederation, repo: Repository, overrides: dict[str, Any]) -> list[dict[str, float]]:
+    """Run the QuorumFL app; each round's recorded phase timings. Exits if any round failed."""
+    flower_run_id = federation.control.start_run(overrides)
+    run = follow_run(repo, flower_run_id, timeout=3600, alive=lambda: federation.alive(flower_run_id))
+    if run.status != "completed" or any(r.status != RoundStatus.COMPLETED for r in run.rounds):
+        raise SystemExit(f"run ended {run.status}: {run.error}; rounds {[(r.number, r.status, r.error) for r in run.rounds]}")
+    return [dict(r.timings) for r in run.rounds]
+
+
+def baseline_rounds(federation: LocalFederation, fab: Any, timings: Path, rounds: int) -> list[float]:
+    """Run a baseline app that appends ``{"round_s": …}`` lines to ``timings``; its round times."""
+    flower_run_id = federation.control.start_run({}, fab=fab)
+    deadline = time.monotonic() + 3600
+    while not federation.control.run_finished(flower_run_id):
+        if time.monotonic() > deadline:
+            raise SystemExit("the baseline run did not finish within an hour")
+        time.sleep(1.0)
+    got = [json.loads(line)["round_s"] for line in timings.read_text().splitlines()] if timings.exists() else []
+    if len(got) != rounds:
+        raise SystemExit(f"the baseline run finished {len(got)} of {rounds} rounds\n{federation.logs(60)}")
+    return got
+
+
+def round_seconds(timings: dict[str, float]) -> float:
+    """A QuorumFL round's wall time: its recorded phases (local training runs inside 'train')."""
+    return sum(v for k, v in timings.items() if k != "local_train_max")

@@ -28,70 +28,26 @@ overhead_ratio_eager for run 4; masked_setup_s, masked_unmask_s, per-round lists
 
 from __future__ import annotations
 
-import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
-import tomli_w
-
+from _common import (
+    baseline_fab,
+    baseline_rounds,
+    peak_rss_mb,
+    quorumfl_rounds,
+    report,
+    round_seconds,
+)
 from _common import parser as make_parser
-from _common import peak_rss_mb, report
 from quorumfl.client.data import prepare_partitions
 from quorumfl.client.models import build_model
-from quorumfl.server.control import build_fab
-from quorumfl.server.local import LocalFederation, local_federation
-from quorumfl.server.services import follow_run
+from quorumfl.server.local import local_federation
 from quorumfl.server.state.database import connect
-from quorumfl.server.state.repository import Repository, RoundStatus
+from quorumfl.server.state.repository import Repository
 
-HERE = Path(__file__).resolve().parent
-
-
-def _flower_fab(defaults: dict[str, Any], *, module: str) -> Any:
-    manifest = {
-        "build-system": {"requires": ["setuptools"], "build-backend": "setuptools.build_meta"},
-        "project": {"name": "flower-secaggplus-baseline", "version": "1.0.0", "dependencies": []},
-        "tool": {"flwr": {"app": {
-            "publisher": "quorumfl",
-            "components": {"serverapp": f"{module}:server", "clientapp": f"{module}:client"},
-            "config": defaults,
-        }}},
-    }
-    return build_fab({
-        "pyproject.toml": tomli_w.dumps(manifest).encode(),
-        "flower_secaggplus_app.py": (HERE / "flower_secaggplus_app.py").read_bytes(),
-        "flower_secaggplus_eager.py": (HERE / "flower_secaggplus_eager.py").read_bytes(),
-    })
-
-
-def _quorumfl_rounds(federation: LocalFederation, repo: Repository, overrides: dict[str, Any]) -> list[dict[str, float]]:
-    flower_run_id = federation.control.start_run(overrides)
-    run = follow_run(repo, flower_run_id, timeout=3600, alive=lambda: federation.alive(flower_run_id))
-    if run.status != "completed" or any(r.status != RoundStatus.COMPLETED for r in run.rounds):
-        raise SystemExit(f"run ended {run.status}: {run.error}; rounds {[(r.number, r.status, r.error) for r in run.rounds]}")
-    return [dict(r.timings) for r in run.rounds]
-
-
-def _flower_rounds(federation: LocalFederation, config: dict[str, Any], timings: Path, *, module: str) -> list[float]:
-    flower_run_id = federation.control.start_run({}, fab=_flower_fab({**config, "timings-file": str(timings)},
-                                                                      module=module))
-    deadline = time.monotonic() + 3600
-    while not federation.control.run_finished(flower_run_id):
-        if time.monotonic() > deadline:
-            raise SystemExit("Flower's SecAgg+ run did not finish within an hour")
-        time.sleep(1.0)
-    rounds = [json.loads(line)["round_s"] for line in timings.read_text().splitlines()] if timings.exists() else []
-    if len(rounds) != int(config["num-rounds"]):
-        raise SystemExit(f"Flower's SecAgg+ run finished {len(rounds)} of {config['num-rounds']} rounds\n"
-                         f"{federation.logs(60)}")
-    return rounds
-
-
-def _round_s(timings: dict[str, float]) -> float:
-    return sum(v for k, v in timings.items() if k != "local_train_max")
+FILES = ["flower_secaggplus_app.py", "flower_secaggplus_eager.py"]
 
 
 def main() -> None:
@@ -113,15 +69,19 @@ def main() -> None:
         ours = {**common, "strategy": "fedavg", "min-nodes": 2, "start-from": "fresh", "state-url": db_url,
                 "model-dir": str(home / "models"), "round-timeout": 900.0}
         with local_federation(home, parts, db_url=db_url) as federation:
-            plain = _quorumfl_rounds(federation, repo, {**ours, "secure-aggregation": "none"})
-            masked = _quorumfl_rounds(federation, repo, {**ours, "secure-aggregation": "masking",
-                                                         "secagg-threshold": 0.6})
+            plain = quorumfl_rounds(federation, repo, {**ours, "secure-aggregation": "none"})
+            masked = quorumfl_rounds(federation, repo, {**ours, "secure-aggregation": "masking",
+                                                        "secagg-threshold": 0.6})
             baseline = {**common, "num-nodes": nodes, "threshold": 0.6, "stage-timeout": 900.0}
-            flower = _flower_rounds(federation, baseline, home / "flower-lazy.jsonl", module="flower_secaggplus_app")
-            eager = _flower_rounds(federation, baseline, home / "flower-eager.jsonl", module="flower_secaggplus_eager")
+            flower = baseline_rounds(federation, baseline_fab(
+                "flower-secaggplus-baseline", "flower_secaggplus_app", FILES,
+                {**baseline, "timings-file": str(home / "flower-lazy.jsonl")}), home / "flower-lazy.jsonl", rounds)
+            eager = baseline_rounds(federation, baseline_fab(
+                "flower-secaggplus-baseline", "flower_secaggplus_eager", FILES,
+                {**baseline, "timings-file": str(home / "flower-eager.jsonl")}), home / "flower-eager.jsonl", rounds)
 
-    plain_s = statistics.median(_round_s(t) for t in plain)
-    masked_s = statistics.median(_round_s(t) for t in masked)
+    plain_s = statistics.median(round_seconds(t) for t in plain)
+    masked_s = statistics.median(round_seconds(t) for t in masked)
     flower_s = statistics.median(flower)
     eager_s = statistics.median(eager)
     report(
@@ -139,8 +99,8 @@ def main() -> None:
             "overhead_ratio_eager": (eager_s - plain_s) / (masked_s - plain_s) if masked_s > plain_s else float("inf"),
             "masked_setup_s": masked[0].get("secagg-setup", 0.0),
             "masked_unmask_s": statistics.median(t.get("secagg-unmask", 0.0) for t in masked),
-            "plain_rounds_s": [round(_round_s(t), 2) for t in plain],
-            "masked_rounds_s": [round(_round_s(t), 2) for t in masked],
+            "plain_rounds_s": [round(round_seconds(t), 2) for t in plain],
+            "masked_rounds_s": [round(round_seconds(t), 2) for t in masked],
             "flower_rounds_s": [round(s, 2) for s in flower],
             "flower_eager_rounds_s": [round(s, 2) for s in eager],
             "bench_peak_rss_mb": peak_rss_mb(),

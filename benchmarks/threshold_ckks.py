@@ -1,0 +1,201 @@
+"""What threshold CKKS costs: its cryptography per step, and per round against plaintext and single-key CKKS.
+
+One invocation. First the steps in this process on one core, for a payload the size of the model
+(``mlp-wide``, ~1.1M parameters, + 2) and N nodes with t = 0.6·N: the key ceremony (all N parties
+in memory), one client's encryption (time and bytes on the wire), the server's homomorphic sum of N
+encryptions, one partial decryption, and combining t partial decryptions (with decoding), plus the
+largest error against numpy's sum. TenSEAL's own ``ckks_vector`` encryption of the same payload is
+timed for comparison. Then one federation (SuperLink + N SuperNodes as processes on 127.0.0.1,
+Flower's deployment engine, one local epoch per round) runs three runs one after the other:
+
+1. QuorumFL, plaintext FedAvg;
+2. QuorumFL, ``secure-aggregation = "ckks"`` (t = 0.6·N; the key ceremony happens in round 1);
+3. single-key TenSEAL aggregation as NVIDIA FLARE does it (``single_key_ckks_app.py``): every client
+   holds the secret key, the server adds ciphertexts and sends the encrypted sum back for the clients
+   to decrypt next round (one round trip, no decryption round trip, no threshold).
+
+Per-round wall time is the median over rounds (with ≥ 3 rounds, a round without the ceremony).
+
+    python benchmarks/threshold_ckks.py             # 10 nodes, 5 rounds each, ~1.1M params
+    python benchmarks/threshold_ckks.py --smoke     # 3 nodes, 2 rounds each, small MLP
+    python benchmarks/threshold_ckks.py --json      # last line: one JSON object
+
+Keys: plain_round_s, ckks_round_s, single_key_round_s, ckks_over_plain, ckks_over_single_key,
+encrypt_s_per_client, bytes_per_client, sum_s (all N), partial_decrypt_s, combine_s, max_abs_error,
+ceremony_s (in memory) and ckks_ceremony_round_s (deployed), single_key_encrypt_s, single_key_bytes,
+server peak RSS per mode, per-round lists.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tenseal as ts
+
+from _common import (
+    baseline_fab,
+    baseline_rounds,
+    peak_rss_mb,
+    quorumfl_rounds,
+    report,
+    round_seconds,
+)
+from _common import parser as make_parser
+from quorumfl.aggregation.ckks import (
+    Announcement,
+    CeremonyCoordinator,
+    CiphertextSum,
+    CkksParams,
+    KeyParty,
+    combine,
+    encrypt_vector,
+    partial_decrypt,
+)
+from quorumfl.aggregation.secagg import resolve_threshold
+from quorumfl.client.data import prepare_partitions
+from quorumfl.client.models import build_model
+from quorumfl.server.local import local_federation
+from quorumfl.server.state.database import connect
+from quorumfl.server.state.repository import Repository
+
+
+def _steps(length: int, nodes: int) -> dict[str, float]:
+    """The cryptography of one round, step by step, in this process."""
+    params = CkksParams()
+    members = list(range(1, nodes + 1))
+    t = resolve_threshold(0.6, nodes)
+    start = time.perf_counter()
+    ann = Announcement.new(members, t, params)
+    coordinator = CeremonyCoordinator(ann)
+    parties = {}
+    for m in members:
+        parties[m], commitment = KeyParty.commit(ann, m)
+        coordinator.add_commitment(commitment)
+    directory = coordinator.directory()
+    for m in members:
+        coordinator.add_reveal(parties[m].reveal(directory))
+    reveals, inbox = coordinator.finish_request()
+    shares = {m: parties[m].finish(reveals, inbox[m]) for m in members}
+    ceremony_s = time.perf_counter() - start
+    assert coordinator.public_key is not None
+
+    rng = np.random.default_rng(0)
+    primes = params.send_primes(t, nodes, 8.0)
+    values = [rng.normal(0.0, 0.01, length) for _ in members]
+    encrypted, encrypt_s = [], []
+    for v in values:
+        start = time.perf_counter()
+        encrypted.append(encrypt_vector(params, coordinator.public_key, v, primes=primes))
+        encrypt_s.append(time.perf_counter() - start)
+    total = CiphertextSum(params, length=length, primes=primes)
+    start = time.perf_counter()
+    for m, polys in zip(members, encrypted, strict=True):
+        total.add(m, polys)
+    sum_s = time.perf_counter() - start
+    manifest = total.manifest(key_id=coordinator.key_id, round=1, group=0, subset=members[:t])
+    partials, partial_s = {}, []
+    for m in manifest.subset:
+        start = time.perf_counter()
+        partials[m] = partial_decrypt(shares[m], manifest, total.c1, set())
+        partial_s.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    result = combine(params, total.c0, partials, manifest)
+    combine_s = time.perf_counter() - start
+    error = float(np.max(np.abs(result - np.sum(np.stack(values), axis=0))))
+
+    context = ts.context(ts.SCHEME_TYPE.CKKS, 8192, coeff_mod_bit_sizes=[60, 40, 40])
+    context.global_scale = 2.0**40
+    start = time.perf_counter()
+    single = ts.ckks_vector(context, values[0].tolist()).serialize()
+    single_s = time.perf_counter() - start
+    return {
+        "ceremony_s": ceremony_s,
+        "encrypt_s_per_client": statistics.median(encrypt_s),
+        "bytes_per_client": float(encrypted[0].nbytes),
+        "sum_s": sum_s,
+        "partial_decrypt_s": statistics.median(partial_s),
+        "combine_s": combine_s,
+        "max_abs_error": error,
+        "predicted_error_std": params.error_std(t, nodes),
+        "partial_bytes": float(total.c1.nbytes),
+        "single_key_encrypt_s": single_s,
+        "single_key_bytes": float(len(single)),
+    }
+
+
+def _write_contexts(home: Path) -> tuple[Path, Path]:
+    context = ts.context(ts.SCHEME_TYPE.CKKS, 8192, coeff_mod_bit_sizes=[60, 40, 40])
+    context.global_scale = 2.0**40
+    secret, public = home / "single-key-secret.ctx", home / "single-key-public.ctx"
+    secret.write_bytes(context.serialize(save_secret_key=True))
+    context.make_context_public()
+    public.write_bytes(context.serialize())
+    return secret, public
+
+
+def _server_rss(repo: Repository) -> float:
+    run = repo.list_runs()[-1]
+    return max((m.value for m in repo.metrics(run.id, name="server-peak-rss-mb")), default=float("nan"))
+
+
+def main() -> None:
+    parser = make_parser(__doc__ or "")
+    parser.add_argument("--nodes", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--model", default="mlp-wide")
+    args = parser.parse_args()
+    nodes, rounds, model = (3, 2, "mlp") if args.smoke else (args.nodes, args.rounds, args.model)
+    params = sum(p.numel() for p in build_model(model, (1, 8, 8), 10).parameters())
+    figures: dict[str, Any] = {"nodes": nodes, "rounds": rounds, "model": model, "params": params}
+    figures.update(_steps(params + 2, nodes))
+    common = {"model": model, "num-rounds": rounds, "local-epochs": 1, "batch-size": 32, "learning-rate": 0.05,
+              "seed": 0}
+
+    with tempfile.TemporaryDirectory(prefix="quorumfl-bench-") as tmp:
+        home = Path(tmp)
+        db_url = f"sqlite:///{home / 'state.db'}"
+        repo = Repository(connect(db_url, migrate=True))
+        parts = prepare_partitions(home / "data", [f"dept-{i:02d}" for i in range(nodes)], method="iid", seed=0)
+        ours = {**common, "strategy": "fedavg", "min-nodes": 2, "start-from": "fresh", "state-url": db_url,
+                "model-dir": str(home / "models"), "round-timeout": 900.0}
+        secret, public = _write_contexts(home)
+        with local_federation(home, parts, db_url=db_url) as federation:
+            plain = quorumfl_rounds(federation, repo, {**ours, "secure-aggregation": "none"})
+            plain_rss = _server_rss(repo)
+            ckks = quorumfl_rounds(federation, repo, {**ours, "secure-aggregation": "ckks", "secagg-threshold": 0.6,
+                                                      "secagg-stage-timeout": 900.0})
+            ckks_rss = _server_rss(repo)
+            timings = home / "single-key.jsonl"
+            single = baseline_rounds(federation, baseline_fab(
+                "single-key-ckks-baseline", "single_key_ckks_app", ["single_key_ckks_app.py"],
+                {**common, "num-nodes": nodes, "round-timeout": 900.0, "context-file": str(secret),
+                 "public-context-file": str(public), "timings-file": str(timings)}), timings, rounds)
+
+    plain_s = statistics.median(round_seconds(t) for t in plain)
+    ckks_s = statistics.median(round_seconds(t) for t in ckks)
+    single_s = statistics.median(single)
+    figures.update({
+        "plain_round_s": plain_s,
+        "ckks_round_s": ckks_s,
+        "single_key_round_s": single_s,
+        "ckks_over_plain": ckks_s / plain_s,
+        "ckks_over_single_key": ckks_s / single_s,
+        "ckks_ceremony_round_s": ckks[0].get("ckks-ceremony", 0.0),
+        "ckks_decrypt_trip_s": statistics.median(t.get("ckks-decrypt", 0.0) for t in ckks),
+        "plain_rounds_s": [round(round_seconds(t), 2) for t in plain],
+        "ckks_rounds_s": [round(round_seconds(t), 2) for t in ckks],
+        "single_key_rounds_s": [round(s, 2) for s in single],
+        "plain_server_peak_rss_mb": plain_rss,
+        "ckks_server_peak_rss_mb": ckks_rss,
+        "bench_peak_rss_mb": peak_rss_mb(),
+    })
+    report(figures, as_json=args.json)
+
+
+if __name__ == "__main__":
+    main()

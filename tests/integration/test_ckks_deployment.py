@@ -1,0 +1,98 @@
+"""Threshold CKKS on Flower's deployment engine: SuperLink + 10 SuperNodes, t = 6, ~1.1M parameters.
+
+Round 1: key ceremony across the 10 nodes, then all 10 encrypt and 6 decrypt. Round 2: once the
+server has summed the ciphertexts and fixed its decrypting subset S, the 4 nodes outside S are
+SIGKILLed: their encrypted updates are already in the sum, so the round completes and its model is
+the example-weighted FedAvg of all 10 updates, recomputed here. Round 3: the 6 survivors encrypt;
+once S (necessarily those 6) is fixed, one of them is killed — the fifth lost node: S cannot
+answer, the round ends with nothing decrypted and the model, versions and key files stay as they were.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from quorumfl.client.data import prepare_partitions
+from quorumfl.privacy.keystore import KeyStore
+from quorumfl.server.local import LocalFederation, local_federation
+from quorumfl.server.model_store import ModelStore
+from quorumfl.server.services import follow_run
+from quorumfl.server.state.database import connect
+from quorumfl.server.state.orm import Decryption
+from quorumfl.server.state.repository import Repository, RoundStatus, RunStatus
+
+from .test_secure_deployment import EPOCHS, _expected_fedavg, _kill
+
+DEPARTMENTS = [f"dept-{i:02d}" for i in range(10)]
+
+
+def _decryption(repo: Repository, flower_run_id: int, round_number: int, federation: LocalFederation,
+                timeout: float = 900) -> Decryption:
+    """Wait until the server has fixed S for ``round_number`` (its ciphertexts are summed by then)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            rows = [d for n, d in repo.decryptions(flower_run_id) if n == round_number]
+        except Exception:  # the run row is not written yet
+            rows = []
+        if rows:
+            return rows[0]
+        assert time.monotonic() < deadline, federation.logs()
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_ten_nodes_threshold_ckks_with_killed_nodes(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    db_url = f"sqlite:///{home / 'quorumfl.db'}"
+    repo = Repository(connect(db_url, migrate=True))
+    parts = prepare_partitions(tmp_path / "data", DEPARTMENTS, seed=0, method="iid")
+    with local_federation(home, parts, db_url=db_url) as federation:
+        flower_run_id = federation.control.start_run(
+            {"model": "mlp-wide", "num-rounds": 3, "local-epochs": EPOCHS, "strategy": "fedavg", "min-nodes": 2,
+             "start-from": "fresh", "state-url": db_url, "model-dir": str(home / "models"), "round-timeout": 150.0,
+             "secure-aggregation": "ckks", "secagg-threshold": 6, "secagg-stage-timeout": 90.0}
+        )
+        departments = lambda: {n.node_id: n.department for n in repo.list_nodes()}  # noqa: E731
+        second = _decryption(repo, flower_run_id, 2, federation)
+        names = departments()
+        outside = sorted(names[n] or "" for n in second.contributors if n not in second.decryptors)
+        assert len(outside) == 4
+        _kill(federation, outside)
+        third = _decryption(repo, flower_run_id, 3, federation)
+        victim = departments()[third.decryptors[0]] or ""
+        _kill(federation, [victim])
+        run = follow_run(repo, flower_run_id, timeout=900, alive=lambda: federation.alive(flower_run_id))
+
+    assert run.status == RunStatus.COMPLETED, f"{run.error}\n{federation.logs()}"
+    r1, r2, r3 = run.rounds
+    assert r1.status == RoundStatus.COMPLETED and len(r1.participants) == 10
+    assert r2.status == RoundStatus.COMPLETED and len(r2.participants) == 10  # the killed 4 had encrypted
+    assert r3.status == RoundStatus.FAILED and "did not answer" in (r3.error or "")
+    assert sorted(third.contributors) == sorted(set(second.contributors) - {n for n, d in departments().items()
+                                                                            if d in outside})
+    assert {(f.stage) for f in r3.failures if f.node_id == third.decryptors[0]} == {"ckks-decrypt"}
+    [ceremony] = repo.ceremonies(run.id)
+    assert ceremony.status == "complete" and ceremony.threshold == 6 and len(ceremony.holders) == 10
+    assert [d.status for _, d in repo.decryptions(run.id)] == ["complete", "complete", "failed"]
+    versions = {v.round: v for v in repo.list_model_versions(run_id=run.id)}
+    assert sorted(versions) == [1, 2]  # round 3 left the model as it was
+    head = repo.head_version(versions[2].architecture)
+    assert head is not None and head.id == versions[2].id
+
+    # Round 2's model is the FedAvg of all 10 updates, including the 4 nodes killed after encrypting.
+    expected = _expected_fedavg(ModelStore.load(versions[1].path, versions[1].sha256), parts, DEPARTMENTS, 2)
+    got = ModelStore.load(versions[2].path, versions[2].sha256)
+    for key, value in expected.items():
+        np.testing.assert_allclose(got[key], value, rtol=0, atol=5e-5)
+
+    # Every node's key file is intact; each decryptor's ledger names exactly the rounds it decrypted.
+    for node_id in ceremony.holders:
+        stored = KeyStore(home / "node-keys" / str(node_id)).load_key(ceremony.key_id or "")
+        decrypted = {(n, 0) for n, d in repo.decryptions(run.id) if node_id in d.decryptors and d.status == "complete"}
+        assert decrypted <= stored.asked
