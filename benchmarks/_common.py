@@ -6,15 +6,22 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 
+from quorumfl.client.data import prepare_partitions
+from quorumfl.client.models import build_model
 from quorumfl.server.control import build_fab
-from quorumfl.server.local import LocalFederation
+from quorumfl.server.local import LocalFederation, local_federation
 from quorumfl.server.services import follow_run
+from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository, RoundStatus
 
 HERE = Path(__file__).resolve().parent
@@ -83,3 +90,48 @@ def baseline_rounds(federation: LocalFederation, fab: Any, timings: Path, rounds
 def round_seconds(timings: dict[str, float]) -> float:
     """A QuorumFL round's wall time: its recorded phases (local training runs inside 'train')."""
     return sum(v for k, v in timings.items() if k != "local_train_max")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    nodes: int
+    rounds: int
+    model: str
+    params: int
+    common: dict[str, Any]  # run config shared by QuorumFL and the baselines: model, rounds, local training
+    as_json: bool
+
+
+def sizes(parser: argparse.ArgumentParser) -> Sizes:
+    """Parse --nodes/--rounds/--model (10, 5, mlp-wide; --smoke: 3, 2, mlp) and --json. One local epoch per round."""
+    parser.add_argument("--nodes", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--model", default="mlp-wide")
+    args = parser.parse_args()
+    nodes, rounds, model = (3, 2, "mlp") if args.smoke else (args.nodes, args.rounds, args.model)
+    params = sum(p.numel() for p in build_model(model, (1, 8, 8), 10).parameters())
+    common = {"model": model, "num-rounds": rounds, "local-epochs": 1, "batch-size": 32, "learning-rate": 0.05,
+              "seed": 0}
+    return Sizes(nodes, rounds, model, params, common, bool(args.json))
+
+
+@dataclass(frozen=True)
+class Bench:
+    home: Path
+    repo: Repository
+    federation: LocalFederation
+    ours: dict[str, Any]  # QuorumFL run config: the shared sizes plus FedAvg, fresh start, this bench's DB
+
+
+@contextmanager
+def bench_federation(size: Sizes) -> Iterator[Bench]:
+    """A throw-away home, state DB and IID digits split, and a local federation of ``size.nodes`` SuperNodes."""
+    with tempfile.TemporaryDirectory(prefix="quorumfl-bench-") as tmp:
+        home = Path(tmp)
+        db_url = f"sqlite:///{home / 'state.db'}"
+        repo = Repository(connect(db_url, migrate=True))
+        parts = prepare_partitions(home / "data", [f"dept-{i:02d}" for i in range(size.nodes)], method="iid", seed=0)
+        ours = {**size.common, "strategy": "fedavg", "min-nodes": 2, "start-from": "fresh", "state-url": db_url,
+                "model-dir": str(home / "models"), "round-timeout": 900.0}
+        with local_federation(home, parts, db_url=db_url) as federation:
+            yield Bench(home, repo, federation, ours)

@@ -29,56 +29,37 @@ overhead_ratio_eager for run 4; masked_setup_s, masked_unmask_s, per-round lists
 from __future__ import annotations
 
 import statistics
-import tempfile
-from pathlib import Path
 
 from _common import (
     baseline_fab,
     baseline_rounds,
+    bench_federation,
     peak_rss_mb,
     quorumfl_rounds,
     report,
     round_seconds,
+    sizes,
 )
 from _common import parser as make_parser
-from quorumfl.client.data import prepare_partitions
-from quorumfl.client.models import build_model
-from quorumfl.server.local import local_federation
-from quorumfl.server.state.database import connect
-from quorumfl.server.state.repository import Repository
 
 FILES = ["flower_secaggplus_app.py", "flower_secaggplus_eager.py"]
 
 
 def main() -> None:
     parser = make_parser(__doc__ or "")
-    parser.add_argument("--nodes", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--model", default="mlp-wide")
-    args = parser.parse_args()
-    nodes, rounds, model = (3, 2, "mlp") if args.smoke else (args.nodes, args.rounds, args.model)
-    params = sum(p.numel() for p in build_model(model, (1, 8, 8), 10).parameters())
-    common = {"model": model, "num-rounds": rounds, "local-epochs": 1, "batch-size": 32, "learning-rate": 0.05,
-              "seed": 0}
-
-    with tempfile.TemporaryDirectory(prefix="quorumfl-bench-") as tmp:
-        home = Path(tmp)
-        db_url = f"sqlite:///{home / 'state.db'}"
-        repo = Repository(connect(db_url, migrate=True))
-        parts = prepare_partitions(home / "data", [f"dept-{i:02d}" for i in range(nodes)], method="iid", seed=0)
-        ours = {**common, "strategy": "fedavg", "min-nodes": 2, "start-from": "fresh", "state-url": db_url,
-                "model-dir": str(home / "models"), "round-timeout": 900.0}
-        with local_federation(home, parts, db_url=db_url) as federation:
-            plain = quorumfl_rounds(federation, repo, {**ours, "secure-aggregation": "none"})
-            masked = quorumfl_rounds(federation, repo, {**ours, "secure-aggregation": "masking",
-                                                        "secagg-threshold": 0.6})
-            baseline = {**common, "num-nodes": nodes, "threshold": 0.6, "stage-timeout": 900.0}
-            flower = baseline_rounds(federation, baseline_fab(
-                "flower-secaggplus-baseline", "flower_secaggplus_app", FILES,
-                {**baseline, "timings-file": str(home / "flower-lazy.jsonl")}), home / "flower-lazy.jsonl", rounds)
-            eager = baseline_rounds(federation, baseline_fab(
-                "flower-secaggplus-baseline", "flower_secaggplus_eager", FILES,
-                {**baseline, "timings-file": str(home / "flower-eager.jsonl")}), home / "flower-eager.jsonl", rounds)
+    size = sizes(parser)
+    nodes, rounds = size.nodes, size.rounds
+    with bench_federation(size) as bench:
+        plain = quorumfl_rounds(bench.federation, bench.repo, {**bench.ours, "secure-aggregation": "none"})
+        masked = quorumfl_rounds(bench.federation, bench.repo, {**bench.ours, "secure-aggregation": "masking",
+                                                                "secagg-threshold": 0.6})
+        baseline = {**size.common, "num-nodes": nodes, "threshold": 0.6, "stage-timeout": 900.0}
+        runs = []
+        for module, timings in (("flower_secaggplus_app", bench.home / "flower-lazy.jsonl"),
+                                ("flower_secaggplus_eager", bench.home / "flower-eager.jsonl")):
+            fab = baseline_fab("flower-secaggplus-baseline", module, FILES, {**baseline, "timings-file": str(timings)})
+            runs.append(baseline_rounds(bench.federation, fab, timings, rounds))
+        flower, eager = runs
 
     plain_s = statistics.median(round_seconds(t) for t in plain)
     masked_s = statistics.median(round_seconds(t) for t in masked)
@@ -88,8 +69,8 @@ def main() -> None:
         {
             "nodes": nodes,
             "rounds": rounds,
-            "model": model,
-            "params": params,
+            "model": size.model,
+            "params": size.params,
             "plain_round_s": plain_s,
             "masked_round_s": masked_s,
             "flower_secaggplus_round_s": flower_s,
@@ -105,7 +86,7 @@ def main() -> None:
             "flower_eager_rounds_s": [round(s, 2) for s in eager],
             "bench_peak_rss_mb": peak_rss_mb(),
         },
-        as_json=args.json,
+        as_json=size.as_json,
     )
 
 

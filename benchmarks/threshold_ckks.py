@@ -29,7 +29,6 @@ server peak RSS per mode, per-round lists.
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,27 +39,23 @@ import tenseal as ts
 from _common import (
     baseline_fab,
     baseline_rounds,
+    bench_federation,
     peak_rss_mb,
     quorumfl_rounds,
     report,
     round_seconds,
+    sizes,
 )
 from _common import parser as make_parser
 from quorumfl.aggregation.ckks import (
-    Announcement,
-    CeremonyCoordinator,
     CiphertextSum,
     CkksParams,
-    KeyParty,
+    ceremony_in_one_process,
     combine,
     encrypt_vector,
     partial_decrypt,
 )
 from quorumfl.aggregation.secagg import resolve_threshold
-from quorumfl.client.data import prepare_partitions
-from quorumfl.client.models import build_model
-from quorumfl.server.local import local_federation
-from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository
 
 
@@ -70,17 +65,7 @@ def _steps(length: int, nodes: int) -> dict[str, float]:
     members = list(range(1, nodes + 1))
     t = resolve_threshold(0.6, nodes)
     start = time.perf_counter()
-    ann = Announcement.new(members, t, params)
-    coordinator = CeremonyCoordinator(ann)
-    parties = {}
-    for m in members:
-        parties[m], commitment = KeyParty.commit(ann, m)
-        coordinator.add_commitment(commitment)
-    directory = coordinator.directory()
-    for m in members:
-        coordinator.add_reveal(parties[m].reveal(directory))
-    reveals, inbox = coordinator.finish_request()
-    shares = {m: parties[m].finish(reveals, inbox[m]) for m in members}
+    coordinator, _, shares = ceremony_in_one_process(members, t, params)
     ceremony_s = time.perf_counter() - start
     assert coordinator.public_key is not None
 
@@ -144,37 +129,21 @@ def _server_rss(repo: Repository) -> float:
 
 
 def main() -> None:
-    parser = make_parser(__doc__ or "")
-    parser.add_argument("--nodes", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--model", default="mlp-wide")
-    args = parser.parse_args()
-    nodes, rounds, model = (3, 2, "mlp") if args.smoke else (args.nodes, args.rounds, args.model)
-    params = sum(p.numel() for p in build_model(model, (1, 8, 8), 10).parameters())
-    figures: dict[str, Any] = {"nodes": nodes, "rounds": rounds, "model": model, "params": params}
-    figures.update(_steps(params + 2, nodes))
-    common = {"model": model, "num-rounds": rounds, "local-epochs": 1, "batch-size": 32, "learning-rate": 0.05,
-              "seed": 0}
-
-    with tempfile.TemporaryDirectory(prefix="quorumfl-bench-") as tmp:
-        home = Path(tmp)
-        db_url = f"sqlite:///{home / 'state.db'}"
-        repo = Repository(connect(db_url, migrate=True))
-        parts = prepare_partitions(home / "data", [f"dept-{i:02d}" for i in range(nodes)], method="iid", seed=0)
-        ours = {**common, "strategy": "fedavg", "min-nodes": 2, "start-from": "fresh", "state-url": db_url,
-                "model-dir": str(home / "models"), "round-timeout": 900.0}
-        secret, public = _write_contexts(home)
-        with local_federation(home, parts, db_url=db_url) as federation:
-            plain = quorumfl_rounds(federation, repo, {**ours, "secure-aggregation": "none"})
-            plain_rss = _server_rss(repo)
-            ckks = quorumfl_rounds(federation, repo, {**ours, "secure-aggregation": "ckks", "secagg-threshold": 0.6,
-                                                      "secagg-stage-timeout": 900.0})
-            ckks_rss = _server_rss(repo)
-            timings = home / "single-key.jsonl"
-            single = baseline_rounds(federation, baseline_fab(
-                "single-key-ckks-baseline", "single_key_ckks_app", ["single_key_ckks_app.py"],
-                {**common, "num-nodes": nodes, "round-timeout": 900.0, "context-file": str(secret),
-                 "public-context-file": str(public), "timings-file": str(timings)}), timings, rounds)
+    size = sizes(make_parser(__doc__ or ""))
+    figures: dict[str, Any] = {"nodes": size.nodes, "rounds": size.rounds, "model": size.model, "params": size.params}
+    figures.update(_steps(size.params + 2, size.nodes))
+    with bench_federation(size) as bench:
+        plain = quorumfl_rounds(bench.federation, bench.repo, {**bench.ours, "secure-aggregation": "none"})
+        plain_rss = _server_rss(bench.repo)
+        ckks = quorumfl_rounds(bench.federation, bench.repo, {**bench.ours, "secure-aggregation": "ckks",
+                                                              "secagg-threshold": 0.6, "secagg-stage-timeout": 900.0})
+        ckks_rss = _server_rss(bench.repo)
+        secret, public = _write_contexts(bench.home)
+        timings = bench.home / "single-key.jsonl"
+        fab = baseline_fab("single-key-ckks-baseline", "single_key_ckks_app", ["single_key_ckks_app.py"],
+                           {**size.common, "num-nodes": size.nodes, "round-timeout": 900.0, "context-file": str(secret),
+                            "public-context-file": str(public), "timings-file": str(timings)})
+        single = baseline_rounds(bench.federation, fab, timings, size.rounds)
 
     plain_s = statistics.median(round_seconds(t) for t in plain)
     ckks_s = statistics.median(round_seconds(t) for t in ckks)
@@ -194,7 +163,7 @@ def main() -> None:
         "ckks_server_peak_rss_mb": ckks_rss,
         "bench_peak_rss_mb": peak_rss_mb(),
     })
-    report(figures, as_json=args.json)
+    report(figures, as_json=size.as_json)
 
 
 if __name__ == "__main__":

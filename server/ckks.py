@@ -25,7 +25,12 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from numpy.typing import NDArray
 
-from quorumfl.aggregation.ckks import Announcement, CeremonyCoordinator, CiphertextSum, combine
+from quorumfl.aggregation.ckks import (
+    Announcement,
+    CeremonyCoordinator,
+    CiphertextSum,
+    DecryptionSum,
+)
 from quorumfl.aggregation.errors import (
     EmptyAggregationError,
     QuorumError,
@@ -55,9 +60,7 @@ from quorumfl.client.ckks_wire import (
 from quorumfl.client.wire import (
     ARRAYS,
     CONFIG,
-    METRICS,
     TrainConfig,
-    department_of,
     to_array_record,
 )
 
@@ -253,11 +256,7 @@ class CkksSession:
             except SecureAggregationError as exc:
                 failures[node] = ("train", str(exc))
                 return
-            metrics = content.metric_records.get(METRICS)
-            seconds = metrics.get("train-seconds") if metrics is not None else None
-            if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
-                result.node_metrics[node] = {"train-seconds": float(seconds)}
-            result.departments[node] = department_of(content)
+            result.note_node(node, content)
 
         start = self.clock()
         self.exchange(messages, failures, "train", config.round_timeout, add)
@@ -278,17 +277,21 @@ class CkksSession:
         audit_id = self.audit.decryption_started(key_id=key.key_id, contributors=contributors, decryptors=subset)
         config_record, c1_record = encode_decrypt_request(manifest, total.c1)
         content = RecordDict({CKKS: config_record, CKKS_ARRAYS: c1_record})
-        partials = {}
-        for node, reply in self.exchange([self._message(DECRYPT, n, content) for n in subset], failures, "ckks-decrypt",
-                                         config.secagg_stage_timeout):
+        decrypted = DecryptionSum(self.params, total.c0, manifest)
+
+        def add_partial(node: int, reply: Message) -> None:  # each partial joins the running sum as it arrives
             try:
                 if CKKS_ARRAYS not in reply.content.array_records:
                     raise SecureAggregationError("decryption reply has no arrays")
-                partials[node] = decode_partial(_reply_config(reply), reply.content.array_records[CKKS_ARRAYS], manifest)
+                decrypted.add(node, decode_partial(_reply_config(reply), reply.content.array_records[CKKS_ARRAYS],
+                                                   manifest))
             except SecureAggregationError as exc:
                 failures[node] = ("ckks-decrypt", str(exc))
+
+        self.exchange([self._message(DECRYPT, n, content) for n in subset], failures, "ckks-decrypt",
+                      config.secagg_stage_timeout, add_partial)
         try:
-            vector = combine(self.params, total.c0, partials, manifest)
+            vector = decrypted.result()
             mean = read_payload(vector, min_weight=1e3 * self.params.precision)
         except (QuorumError, EmptyAggregationError) as exc:
             self.audit.decryption_finished(audit_id, error=str(exc))

@@ -77,8 +77,10 @@ def run_demo(
             "model-dir": str(home / "models"),
         }
         flower_run_id = federation.control.start_run(overrides)
-        how = ("masking secure aggregation: the server sees only the sum of the departments' updates"
-               if settings.secure_aggregation == "masking" else "plaintext aggregation")
+        how = {
+            "masking": "masking secure aggregation: the server sees only the sum of the departments' updates",
+            "ckks": "threshold CKKS: the server adds ciphertexts; a quorum of departments decrypts the sum",
+        }.get(settings.secure_aggregation, "plaintext aggregation")
         on_status(f"run submitted (Flower run {flower_run_id}); {how}")
         run = follow_run(
             repo, flower_run_id, timeout=settings.timeout, on_round=on_round,

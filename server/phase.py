@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from flwr.app import RecordDict
 from numpy.typing import NDArray
+
+from quorumfl.client.wire import METRICS, department_of
 
 __all__ = ["TrainPhase"]
 
@@ -25,3 +28,11 @@ class TrainPhase:
     node_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     departments: dict[int, str | None] = field(default_factory=dict)
     error: str | None = None
+
+    def note_node(self, node: int, content: RecordDict) -> None:
+        """Keep what a secure-mode reply says in plaintext: the node's training time and department."""
+        metrics = content.metric_records.get(METRICS)
+        seconds = metrics.get("train-seconds") if metrics is not None else None
+        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+            self.node_metrics[node] = {"train-seconds": float(seconds)}
+        self.departments[node] = department_of(content)

@@ -200,14 +200,15 @@ class Federation:
                 good.append((node, reply))
 
         # Grid.send_and_receive sleeps 3 s between pulls; every round trip would pay up to that again.
+        # With ``consume`` replies are pulled one request at a time, so only one is ever in memory.
         waiting = set(message_ids)
         deadline = self.clock() + timeout
         while waiting:
-            pulled = list(self.grid.pull_messages(list(waiting)))
-            for reply in pulled:
-                waiting.discard(reply.metadata.reply_to_message_id)
-                take(reply)
-            del pulled
+            batches = [[mid] for mid in sorted(waiting)] if consume is not None else [list(waiting)]
+            for batch in batches:
+                for reply in self.grid.pull_messages(batch):
+                    waiting.discard(reply.metadata.reply_to_message_id)
+                    take(reply)
             if not waiting or self.clock() >= deadline:
                 break
             time.sleep(REPLY_POLL_SECONDS)

@@ -47,9 +47,7 @@ from quorumfl.client.secure_wire import (
 from quorumfl.client.wire import (
     ARRAYS,
     CONFIG,
-    METRICS,
     TrainConfig,
-    department_of,
     to_array_record,
 )
 
@@ -195,11 +193,7 @@ class MaskingSession:
             except SecureAggregationError as exc:
                 failures[node] = ("train", str(exc))
                 continue
-            metrics = content.metric_records.get(METRICS)
-            seconds = metrics.get("train-seconds") if metrics is not None else None
-            if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
-                result.node_metrics[node] = {"train-seconds": float(seconds)}
-            result.departments[node] = department_of(content)
+            result.note_node(node, content)
         timings["train"] = self.clock() - start
         self.stale = any(stage == "train" and MISSING_KEYS in reason
                          for node, (stage, reason) in failures.items() if node in participants)

@@ -23,11 +23,13 @@ from .keys import (
     KeyParty,
     KeyShare,
     Reveal,
+    ceremony_in_one_process,
     public_key_id,
 )
 from .params import CkksParams
 from .threshold import (
     CiphertextSum,
+    DecryptionSum,
     Manifest,
     check_request,
     combine,
@@ -40,11 +42,13 @@ __all__ = [
     "CeremonyCoordinator",
     "CiphertextSum",
     "CkksParams",
+    "DecryptionSum",
     "Commitment",
     "KeyParty",
     "KeyShare",
     "Manifest",
     "Reveal",
+    "ceremony_in_one_process",
     "check_request",
     "combine",
     "encrypt_vector",

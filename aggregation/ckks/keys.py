@@ -42,6 +42,7 @@ __all__ = [
     "KeyParty",
     "KeyShare",
     "Reveal",
+    "ceremony_in_one_process",
     "expand_uniform",
     "public_key_id",
 ]
@@ -296,3 +297,25 @@ class CeremonyCoordinator:
         if self.public_key is None:
             raise SecureAggregationError("the ceremony has not fixed its public key yet")
         return public_key_id(self.public_key)
+
+
+def ceremony_in_one_process(
+    members: Sequence[int], threshold: int, params: CkksParams
+) -> tuple[CeremonyCoordinator, dict[int, KeyParty], dict[int, KeyShare]]:
+    """Every stage of every member in this process (simulation, tests, benchmarks).
+
+    A deployment runs the same stages on the nodes, one message round trip each.
+    """
+    coordinator = CeremonyCoordinator(Announcement.new(members, threshold, params))
+    parties: dict[int, KeyParty] = {}
+    for node in coordinator.announcement.members:
+        parties[node], commitment = KeyParty.commit(coordinator.announcement, node)
+        coordinator.add_commitment(commitment)
+    directory = coordinator.directory()
+    for party in parties.values():
+        coordinator.add_reveal(party.reveal(directory))
+    reveals, inbox = coordinator.finish_request()
+    shares = {node: party.finish(reveals, inbox[node]) for node, party in parties.items()}
+    for node, share in shares.items():
+        coordinator.confirm(node, share.key_id)
+    return coordinator, parties, shares

@@ -32,7 +32,7 @@ from .params import CkksParams
 from .rns import add_mod, flooding_noise, lagrange_at_zero, mul_scalar
 from .seal import Seal
 
-__all__ = ["CiphertextSum", "Manifest", "combine", "encrypt_vector", "partial_decrypt", "c1_digest"]
+__all__ = ["CiphertextSum", "DecryptionSum", "Manifest", "c1_digest", "combine", "encrypt_vector", "partial_decrypt"]
 
 U64 = NDArray[np.uint64]
 
@@ -167,20 +167,39 @@ def _unflooded(share: KeyShare, manifest: Manifest, c1: U64) -> U64:
     return seal.multiply(c1, scaled)
 
 
+class DecryptionSum:
+    """c0 plus the partial decryptions of S as they arrive (one aggregate in memory), then decoded."""
+
+    def __init__(self, params: CkksParams, c0: U64, manifest: Manifest) -> None:
+        self.params = params
+        self.manifest = manifest
+        self.primes = Seal.of(params).primes_at(c0.shape[1])
+        self.total = c0.copy()
+        self.answered: set[int] = set()
+
+    def add(self, node: int, d: U64) -> None:
+        if node not in self.manifest.subset or node in self.answered:
+            raise SecureAggregationError("a partial decryption from outside S, or a second one", node=str(node))
+        if d.shape != self.total.shape or bool(np.any(d >= np.asarray(self.primes, dtype=np.uint64)[:, None])):
+            raise SecureAggregationError("partial decryption is malformed", node=str(node))
+        self.total = add_mod(self.total, d, self.primes)
+        self.answered.add(node)
+
+    def result(self) -> NDArray[np.float64]:
+        """The decoded sum once every member of S answered; otherwise ``QuorumNotMetError`` and nothing."""
+        missing = sorted(set(self.manifest.subset) - self.answered)
+        if missing:
+            raise QuorumNotMetError(
+                f"{len(missing)} of the {len(self.manifest.subset)} decryptors did not answer ({missing}); "
+                "the aggregate stays encrypted"
+            )
+        return Seal.of(self.params).decode(self.total, self.manifest.length)
+
+
 def combine(params: CkksParams, c0: U64, partials: Mapping[int, U64], manifest: Manifest) -> NDArray[np.float64]:
     """Decode c0 + Σ d_p once every member of S answered; fewer raises ``QuorumNotMetError``."""
-    missing = sorted(set(manifest.subset) - set(partials))
-    if missing:
-        raise QuorumNotMetError(
-            f"{len(missing)} of the {len(manifest.subset)} decryptors did not answer ({missing}); "
-            "the aggregate stays encrypted"
-        )
-    seal = Seal.of(params)
-    primes = seal.primes_at(c0.shape[1])
-    total = c0.copy()
+    total = DecryptionSum(params, c0, manifest)
     for node in manifest.subset:
-        d = partials[node]
-        if d.shape != c0.shape or bool(np.any(d >= np.asarray(primes, dtype=np.uint64)[:, None])):
-            raise SecureAggregationError(f"partial decryption of node {node} is malformed", node=str(node))
-        total = add_mod(total, d, primes)
-    return seal.decode(total, manifest.length)
+        if node in partials:
+            total.add(node, partials[node])
+    return total.result()

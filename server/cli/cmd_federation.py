@@ -45,7 +45,8 @@ def demo(
     mu: Annotated[float, typer.Option(help="FedProx proximal coefficient μ.")] = 0.1,
     seed: Annotated[int, typer.Option(help="Seed for the split, the model and the sampling.")] = 0,
     secure_aggregation: Annotated[
-        SecureMode, typer.Option(help="masking: the server sees only the sum of a quorum's updates; none: plaintext.")
+        SecureMode, typer.Option(help="masking: the server sees only the sum of a quorum's updates; ckks: it adds "
+                                    "ciphertexts that t departments jointly decrypt; none: plaintext.")
     ] = SecureMode.MASKING,
 ) -> None:
     """Run a real local federation: SuperLink + one SuperNode per department on 127.0.0.1."""

@@ -22,6 +22,7 @@ from quorumfl.aggregation.ckks import (
     KeyParty,
     KeyShare,
     Manifest,
+    ceremony_in_one_process,
     combine,
     encrypt_vector,
     partial_decrypt,
@@ -64,22 +65,19 @@ class Ceremony:
 
 
 def run_ceremony(members: tuple[int, ...] = MEMBERS, threshold: int = T, params: CkksParams = PARAMS) -> Ceremony:
-    ann = Announcement.new(members, threshold, params)
-    coordinator = CeremonyCoordinator(ann)
+    coordinator, parties, shares = ceremony_in_one_process(members, threshold, params)
+    assert coordinator.public_key is not None and len(coordinator.confirmed) == len(members)
+    return Ceremony(parties, shares, coordinator.public_key, coordinator.key_id)
+
+
+def committed(members: tuple[int, ...], threshold: int) -> tuple[CeremonyCoordinator, dict[int, KeyParty]]:
+    """A ceremony after stage 1 (every member committed)."""
+    coordinator = CeremonyCoordinator(Announcement.new(members, threshold, PARAMS))
     parties = {}
     for node in members:
-        party, commitment = KeyParty.commit(ann, node)
-        parties[node] = party
+        parties[node], commitment = KeyParty.commit(coordinator.announcement, node)
         coordinator.add_commitment(commitment)
-    directory = coordinator.directory()
-    for node in members:
-        coordinator.add_reveal(parties[node].reveal(directory))
-    reveals, inbox = coordinator.finish_request()
-    shares = {node: parties[node].finish(reveals, inbox[node]) for node in members}
-    for node, share in shares.items():
-        coordinator.confirm(node, share.key_id)
-    assert coordinator.public_key is not None
-    return Ceremony(parties, shares, coordinator.public_key, coordinator.key_id)
+    return coordinator, parties
 
 
 @pytest.fixture(scope="module")
@@ -257,12 +255,7 @@ def test_the_sum_refuses_malformed_ciphertexts_whole(ceremony: Ceremony) -> None
 # ---- the ceremony ---------------------------------------------------------------------------------------
 def test_a_reveal_that_does_not_match_its_commitment_is_refused() -> None:
     members = MEMBERS[:4]
-    ann = Announcement.new(members, 3, PARAMS)
-    coordinator = CeremonyCoordinator(ann)
-    parties = {}
-    for node in members:
-        parties[node], commitment = KeyParty.commit(ann, node)
-        coordinator.add_commitment(commitment)
+    coordinator, parties = committed(members, 3)
     directory = coordinator.directory()
     reveal = parties[members[0]].reveal(directory)
     forged = Reveal(reveal.node, uniform_mod(Seal.of(PARAMS).primes, reveal.b.shape), reveal.bundles)
@@ -277,12 +270,7 @@ def test_a_reveal_that_does_not_match_its_commitment_is_refused() -> None:
 
 def test_a_ceremony_where_one_member_never_reveals_still_yields_a_working_key() -> None:
     members = MEMBERS[:5]
-    ann = Announcement.new(members, 3, PARAMS)
-    coordinator = CeremonyCoordinator(ann)
-    parties = {}
-    for node in members:
-        parties[node], commitment = KeyParty.commit(ann, node)
-        coordinator.add_commitment(commitment)
+    coordinator, parties = committed(members, 3)
     directory = coordinator.directory()
     for node in members[:-1]:  # the last member goes silent after committing
         coordinator.add_reveal(parties[node].reveal(directory))

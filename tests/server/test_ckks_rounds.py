@@ -14,10 +14,8 @@ import pytest
 from flwr.app import Message
 
 from quorumfl.client.ckks_wire import COMMIT, DECRYPT, FINISH, REVEAL
-from quorumfl.client.data import prepare_partitions
 from quorumfl.client.wire import ARRAYS
 from quorumfl.privacy.keystore import KeyStore
-from quorumfl.server.model_store import ModelStore
 from quorumfl.server.state.repository import RoundStatus, RunStatus
 
 from .test_rounds import (
@@ -26,19 +24,10 @@ from .test_rounds import (
     _federation,
     task_identity,  # noqa: F401  (an autouse fixture)
 )
+from .test_secure_rounds import _models
 
 CKKS = {"secure-aggregation": "ckks", "secagg-threshold": 0.6}  # t = 4 of 6
 SHORT = {"round-timeout": 2.0, "secagg-stage-timeout": 2.0}
-
-
-@pytest.fixture
-def six_parts(tmp_path: Path) -> dict[str, Path]:
-    names = ["tax-office", "urban-planning", "public-works", "housing", "transport", "libraries"]
-    return prepare_partitions(tmp_path / "data", names, seed=1, method="dirichlet", alpha=0.5)
-
-
-def _models(repo: object, run_id: int) -> list[dict[str, np.ndarray]]:
-    return [ModelStore.load(v.path, v.sha256) for v in repo.list_model_versions(run_id=run_id)]  # type: ignore[attr-defined]
 
 
 def _kinds(grid: LoopbackGrid) -> list[str]:

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from flwr.app import Message, RecordDict
 
-from quorumfl.client.data import prepare_partitions
 from quorumfl.client.secure_wire import ADVERTISE, SHARE, UNMASK
 from quorumfl.client.wire import ARRAYS
 from quorumfl.server.model_store import ModelStore
@@ -27,12 +26,6 @@ from .test_rounds import (
 )
 
 SECURE = {"secure-aggregation": "masking", "secagg-threshold": 0.6}
-
-
-@pytest.fixture
-def six_parts(tmp_path: Path) -> dict[str, Path]:
-    names = ["tax-office", "urban-planning", "public-works", "housing", "transport", "libraries"]
-    return prepare_partitions(tmp_path / "data", names, seed=1, method="dirichlet", alpha=0.5)
 
 
 def _models(repo: object, run_id: int) -> list[dict[str, np.ndarray]]:
