@@ -180,7 +180,7 @@ class Federation:
         holds one aggregate, not every node's reply); without it the good replies are returned.
         """
         expected = {int(m.metadata.dst_node_id) for m in messages}
-        message_ids = list(self.grid.push_messages(messages))
+        message_ids = list(self.grid.push_messages(messages))  # Flower sends an object shared by messages once
         destination = {mid: int(m.metadata.dst_node_id) for mid, m in zip(message_ids, messages, strict=True)}
         good: list[tuple[int, Message]] = []
 

@@ -21,6 +21,7 @@ from ..errors import SecureAggregationError
 
 __all__ = [
     "add_mod",
+    "add_mod_into",
     "flooding_noise",
     "lagrange_at_zero",
     "mul_scalar",
@@ -65,6 +66,13 @@ def add_mod(a: U64, b: U64, primes: Sequence[int]) -> U64:
     q = _q(primes, a)
     s = a + b
     return np.where(s >= q, s - q, s)
+
+
+def add_mod_into(acc: U64, b: U64, primes: Sequence[int]) -> None:
+    """acc ← (acc + b) mod q in place (no full-size temporaries: a running sum stays one array)."""
+    q = _q(primes, acc)
+    np.add(acc, b, out=acc)
+    np.subtract(acc, q, out=acc, where=acc >= q)
 
 
 def sub_mod(a: U64, b: U64, primes: Sequence[int]) -> U64:

@@ -29,7 +29,7 @@ from numpy.typing import NDArray
 from ..errors import QuorumNotMetError, SecureAggregationError
 from .keys import KeyShare
 from .params import CkksParams
-from .rns import add_mod, flooding_noise, lagrange_at_zero, mul_scalar
+from .rns import add_mod, add_mod_into, flooding_noise, lagrange_at_zero, mul_scalar
 from .seal import Seal
 
 __all__ = ["CiphertextSum", "DecryptionSum", "Manifest", "c1_digest", "combine", "encrypt_vector", "partial_decrypt"]
@@ -101,7 +101,7 @@ class CiphertextSum:
             raise SecureAggregationError(f"ciphertexts of shape {polys.shape}, expected {self.shape}", node=str(node))
         if bool(np.any(polys >= self._q)):
             raise SecureAggregationError("ciphertext residues are not reduced modulo their primes", node=str(node))
-        self.total = add_mod(self.total, polys, self.primes)
+        add_mod_into(self.total, polys, self.primes)
         self.contributors.append(node)
 
     def manifest(self, *, key_id: str, round: int, group: int, subset: Sequence[int]) -> Manifest:
@@ -182,7 +182,7 @@ class DecryptionSum:
             raise SecureAggregationError("a partial decryption from outside S, or a second one", node=str(node))
         if d.shape != self.total.shape or bool(np.any(d >= np.asarray(self.primes, dtype=np.uint64)[:, None])):
             raise SecureAggregationError("partial decryption is malformed", node=str(node))
-        self.total = add_mod(self.total, d, self.primes)
+        add_mod_into(self.total, d, self.primes)
         self.answered.add(node)
 
     def result(self) -> NDArray[np.float64]:

@@ -30,6 +30,7 @@ from quorumfl.aggregation.ckks import (
 from quorumfl.aggregation.ckks.keys import Reveal
 from quorumfl.aggregation.ckks.rns import (
     add_mod,
+    add_mod_into,
     flooding_noise,
     lagrange_at_zero,
     mul_scalar,
@@ -388,3 +389,13 @@ def test_flooding_noise_is_centred_in_its_bound() -> None:
 def test_seal_scratch_files_are_private() -> None:
     seal = Seal.of(PARAMS)
     assert stat.S_IMODE(os.stat(seal._scratch).st_mode) == 0o700
+
+
+def test_in_place_modular_addition_equals_the_plain_one() -> None:
+    primes = Seal.of(PARAMS).primes[:2]
+    a = np.stack([uniform_mod(primes, (2, 257)) for _ in range(3)])
+    b = np.stack([uniform_mod(primes, (2, 257)) for _ in range(3)])
+    expected = [[[(int(x) + int(y)) % q for x, y in zip(ra, rb, strict=True)] for ra, rb, q in zip(ca, cb, primes, strict=True)]
+                for ca, cb in zip(a, b, strict=True)]
+    add_mod_into(a, b, primes)
+    assert a.tolist() == expected
