@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -175,7 +176,15 @@ class ProcessGroup:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.stop_all()
+        # A second Ctrl-C (or a stray SIGINT) during the clean-up must not cut it short and leave
+        # orphans: the clean-up is bounded (grace + SIGKILL) anyway.
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+        try:
+            self.stop_all()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
 
     def tail(self, child: Child, lines: int = 20) -> str:
         try:

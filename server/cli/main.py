@@ -7,6 +7,7 @@ Errors of the QuorumFL tree print as one red line and exit with the code documen
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -65,7 +66,8 @@ def main() -> None:
             code = app(standalone_mode=False)
         if isinstance(code, int) and code:
             if code == 130:
-                err_console.print("[red]interrupted[/red]")
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # exiting on an interrupt: a late one must not
+                err_console.print("[red]interrupted[/red]")  # turn exit status 130 into death by SIGINT
             sys.exit(code)
     except QuorumError as exc:
         if debug:
@@ -73,6 +75,7 @@ def main() -> None:
         err_console.print(f"[red]error: {exc}[/red]", highlight=False, soft_wrap=True)
         sys.exit(exit_code(exc))
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         err_console.print("[red]interrupted[/red]")
         sys.exit(130)
     except typer.Exit as exc:
