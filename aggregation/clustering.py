@@ -49,6 +49,10 @@ class ClusteredMean:
             raise AggregationError(f"cluster id {cluster!r} is not in 0..{len(self._means) - 1}", node=update.node)
         self._means[cluster].add(update)
 
+    @property
+    def total_weight(self) -> float:
+        return sum(m.total_weight for m in self._means)
+
     def members(self) -> list[list[str]]:
         """Accepted nodes per cluster."""
         return [m.nodes for m in self._means]
@@ -112,8 +116,8 @@ def repair_clusters(
         if reason is None:
             continue
         seeded: dict[str, NDArray[np.generic]] = {}
-        for name, value in models[largest].items():
-            arr = np.asarray(value)
+        for name in sorted(models[largest]):  # sorted: the noise must not depend on the arrays' order
+            arr = np.asarray(models[largest][name])
             std = float(np.std(arr.astype(np.float64))) if arr.size else 0.0
             jitter = rng.normal(0.0, noise * std, size=arr.shape) if std > 0 else np.zeros(arr.shape)
             seeded[name] = (arr.astype(np.float64) + jitter).astype(arr.dtype)

@@ -6,7 +6,8 @@ partition is read per message (it is small and local). torch is imported only by
 that need it (``steps``), so the secure-aggregation stages start fast.
 
 Handlers: ``train`` (plaintext reply, a masked one when the request carries ``secagg``, an
-encrypted one when it carries ``ckks``), ``evaluate``, the masking stages
+encrypted one when it carries ``ckks``), ``evaluate``, ``query.ifca_pick`` (IFCA's cluster choice,
+asked before a masked round), the masking stages
 ``query.secagg_advertise|secagg_share|secagg_unmask`` and the threshold-CKKS stages
 ``query.ckks_commit|ckks_reveal|ckks_finish|ckks_decrypt``.
 """
@@ -49,13 +50,18 @@ def train_handler(msg: Message, context: Context) -> Message:
 def evaluate_handler(msg: Message, context: Context) -> Message:
     from .steps import evaluate_received
 
-    result, department = evaluate_received(msg, context)
-    content = RecordDict(
-        {
-            METRICS: MetricRecord({"accuracy": result.accuracy, "loss": result.loss, "num-examples": result.num_examples}),
-            NODE: ConfigRecord({"department": department}),
-        }
-    )
+    metrics, department = evaluate_received(msg, context)
+    content = RecordDict({METRICS: MetricRecord(dict(metrics)), NODE: ConfigRecord({"department": department})})
+    return Message(content=content, reply_to=msg)
+
+
+@app.query("ifca_pick")
+def ifca_pick(msg: Message, context: Context) -> Message:
+    """IFCA under secure aggregation: which cluster model fits this node's data (the sums are per cluster)."""
+    from .steps import pick_received
+
+    cluster, department = pick_received(msg, context)
+    content = RecordDict({METRICS: MetricRecord({"cluster": cluster}), NODE: ConfigRecord({"department": department})})
     return Message(content=content, reply_to=msg)
 
 

@@ -8,7 +8,6 @@ second instead of paying torch's import.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,11 +19,11 @@ from numpy.typing import NDArray
 from quorumfl.aggregation.errors import DataError
 
 from .data.store import Partition, read_partition
-from .models import arrays_to_model, build_model, model_to_arrays
-from .training import EvalResult, evaluate, train
-from .wire import ARRAYS, CONFIG, TrainConfig, from_array_record
+from .node_round import Personalisation, evaluate_round, pick_round, train_round
+from .personal_store import PersonalStore
+from .wire import CONFIG, TrainConfig, candidate_models
 
-__all__ = ["LocalTraining", "evaluate_received", "train_received"]
+__all__ = ["LocalTraining", "evaluate_received", "pick_received", "train_received"]
 
 log = logging.getLogger(__name__)
 Arrays = dict[str, NDArray[np.generic]]
@@ -45,18 +44,13 @@ def _partition(context: Context) -> tuple[Partition, str]:
     return part, department if isinstance(department, str) and department else part.department
 
 
-def _received_model(msg: Message, part: Partition) -> tuple[TrainConfig, torch.nn.Module, Arrays]:
-    """The round's config and the global model it carries, built for this partition's data."""
-    config = TrainConfig.from_record(msg.content.config_records[CONFIG])
-    model = build_model(config.model, part.train.input_shape, part.train.num_classes)
-    arrays = from_array_record(msg.content.array_records[ARRAYS])
-    arrays_to_model(model, arrays)
-    return config, model, arrays
-
-
 @dataclass(frozen=True)
 class LocalTraining:
-    """The received global arrays, the locally trained ones, and the node's metrics."""
+    """The received shared arrays, the locally trained ones, and the node's metrics.
+
+    Only shared arrays are here: FedPer's personal layers and Ditto's personal model were saved to the
+    node's own disk and are not part of anything that is sent.
+    """
 
     config: TrainConfig
     department: str
@@ -65,37 +59,38 @@ class LocalTraining:
     num_examples: int
     train_loss: float
     metrics: dict[str, float]
+    cluster: int | None = None
+
+
+def _personal(context: Context, config: TrainConfig) -> tuple[PersonalStore | None, Arrays | None]:
+    if Personalisation(config.personalisation) is Personalisation.NONE:
+        return None, None
+    store = PersonalStore.for_node(dict(context.node_config), int(context.node_id))
+    return store, store.load(str(context.run_id))
 
 
 def train_received(msg: Message, context: Context) -> LocalTraining:
     part, department = _partition(context)
-    config, model, received = _received_model(msg, part)
-    before = evaluate(model, part.test)
-    started = time.perf_counter()
-    result = train(
-        model,
-        part.train,
-        epochs=config.local_epochs,
-        batch_size=config.batch_size,
-        learning_rate=config.learning_rate,
-        proximal_mu=config.proximal_mu,
-        seed=config.seed + config.server_round,
-    )
-    seconds = time.perf_counter() - started
-    after = evaluate(model, part.test)
-    log.info("round %s: %s trained on %s examples", config.server_round, department, result.num_examples)
-    metrics = {
-        "num-examples": float(result.num_examples),
-        "train-loss": result.loss,
-        "global-accuracy": before.accuracy,
-        "global-loss": before.loss,
-        "local-accuracy": after.accuracy,
-        "train-seconds": seconds,
-    }
-    return LocalTraining(config, department, received, model_to_arrays(model), result.num_examples, result.loss, metrics)
+    config = TrainConfig.from_record(msg.content.config_records[CONFIG])
+    store, personal = _personal(context, config)
+    work = train_round(config, candidate_models(msg.content), personal, part.train, part.test)
+    if store is not None and work.personal is not None:
+        store.save(str(context.run_id), work.personal)
+    log.info("round %s: %s trained on %s examples", config.server_round, department, work.num_examples)
+    return LocalTraining(config, department, work.received, work.shared, work.num_examples, work.train_loss,
+                         work.metrics, work.cluster)
 
 
-def evaluate_received(msg: Message, context: Context) -> tuple[EvalResult, str]:
+def pick_received(msg: Message, context: Context) -> tuple[int, str]:
+    """IFCA: the index of the cluster model with the lowest loss on this node's training data."""
     part, department = _partition(context)
-    _, model, _ = _received_model(msg, part)
-    return evaluate(model, part.test), department
+    config = TrainConfig.from_record(msg.content.config_records[CONFIG])
+    _, personal = _personal(context, config)
+    return pick_round(config, candidate_models(msg.content), personal, part.train), department
+
+
+def evaluate_received(msg: Message, context: Context) -> tuple[dict[str, float], str]:
+    part, department = _partition(context)
+    config = TrainConfig.from_record(msg.content.config_records[CONFIG])
+    _, personal = _personal(context, config)
+    return evaluate_round(config, candidate_models(msg.content), personal, part.train, part.test).metrics, department

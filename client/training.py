@@ -1,7 +1,8 @@
 """Local training and evaluation on one department's data (single process, CPU or one GPU).
 
 FedProx (Li et al., 2020) adds ``mu/2 · ||w − w_global||²`` to the local loss; with ``mu = 0`` this is
-plain FedAvg local SGD.
+plain FedAvg local SGD. Ditto (Li et al., 2021) trains a personal model with the same term pulling it
+towards the received global model instead of its own starting point (``anchor``).
 """
 
 from __future__ import annotations
@@ -51,8 +52,13 @@ def train(
     proximal_mu: float = 0.0,
     seed: int = 0,
     momentum: float = 0.9,
+    anchor: list[torch.Tensor] | None = None,
 ) -> TrainResult:
-    """SGD with momentum over ``epochs`` passes; returns the mean loss of the last epoch."""
+    """SGD with momentum over ``epochs`` passes; returns the mean loss of the last epoch.
+
+    The proximal term pulls towards ``anchor`` (one tensor per parameter) when given, else towards
+    the model's own parameters at the start.
+    """
     if epochs < 1 or batch_size < 1 or not learning_rate > 0 or proximal_mu < 0:
         raise ConfigError(
             f"invalid training settings: epochs={epochs}, batch_size={batch_size}, "
@@ -61,7 +67,9 @@ def train(
     generator = torch.Generator().manual_seed(seed)
     x = torch.from_numpy(data.x)
     y = torch.from_numpy(data.y)
-    global_params = [p.detach().clone() for p in model.parameters()]
+    global_params = [p.detach().clone() for p in model.parameters()] if anchor is None else list(anchor)
+    if len(global_params) != len(list(model.parameters())):
+        raise ConfigError(f"anchor has {len(global_params)} tensors, the model {len(list(model.parameters()))} parameters")
     optimizer = torch.optim.SGD(model.parameters(), lr=learning_rate, momentum=momentum)
     loss_fn = nn.CrossEntropyLoss()
     model.train()

@@ -7,6 +7,9 @@ Train reply:   ``arrays`` (updated model), ``metrics`` (MetricRecord: ``num-exam
                ``department``).
 Evaluate request/reply: same ``arrays``/``config``; reply ``metrics`` with ``accuracy``, ``loss``,
                ``num-examples``, and ``node``.
+Clustered (IFCA) requests carry the K cluster models as ``cluster-0`` … ``cluster-{K-1}`` instead of
+``arrays``; the reply's metrics add ``cluster``. Personalised runs (FedPer) carry only the shared
+layers; the personal ones stay on the node.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from numpy.typing import NDArray
 from quorumfl.aggregation.errors import ConfigError
 
 __all__ = [
-    "ARRAYS", "CONFIG", "METRICS", "NODE", "TrainConfig", "department_of", "from_array_record", "to_array_record",
+    "ARRAYS", "CONFIG", "METRICS", "NODE", "TrainConfig", "candidate_models", "cluster_key", "department_of",
+    "from_array_record", "to_array_record",
 ]
 
 ARRAYS = "arrays"
@@ -41,6 +45,9 @@ class TrainConfig:
     learning_rate: float
     proximal_mu: float
     seed: int
+    personalisation: str = "none"  # none | fedper | ditto
+    personal_layers: str = ""  # FedPer: comma-separated layer prefixes, or "head"
+    ditto_lambda: float = 0.0  # Ditto: pull of the personal model towards the global one
 
     def to_record(self) -> ConfigRecord:
         return ConfigRecord(
@@ -52,6 +59,9 @@ class TrainConfig:
                 "learning-rate": self.learning_rate,
                 "proximal-mu": self.proximal_mu,
                 "seed": self.seed,
+                "personalisation": self.personalisation,
+                "personal-layers": self.personal_layers,
+                "ditto-lambda": self.ditto_lambda,
             }
         )
 
@@ -75,7 +85,26 @@ class TrainConfig:
             learning_rate=get("learning-rate", float),
             proximal_mu=get("proximal-mu", float),
             seed=get("seed", int),
+            personalisation=get("personalisation", str),
+            personal_layers=get("personal-layers", str),
+            ditto_lambda=get("ditto-lambda", float),
         )
+
+
+def cluster_key(k: int) -> str:
+    return f"cluster-{k}"
+
+
+def candidate_models(content: RecordDict) -> list[dict[str, NDArray[np.generic]]]:
+    """The model(s) a request carries: one global model, or the K cluster models in order."""
+    if ARRAYS in content.array_records:
+        return [from_array_record(content.array_records[ARRAYS])]
+    models: list[dict[str, NDArray[np.generic]]] = []
+    while cluster_key(len(models)) in content.array_records:
+        models.append(from_array_record(content.array_records[cluster_key(len(models))]))
+    if not models:
+        raise ConfigError("the request carries no model ('arrays' or 'cluster-0')")
+    return models
 
 
 def to_array_record(arrays: dict[str, NDArray[np.generic]]) -> ArrayRecord:

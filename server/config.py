@@ -24,6 +24,9 @@ __all__ = ["DEFAULTS", "RunConfig", "SecureMode", "StartFrom", "StrategyName", "
 class StrategyName(StrEnum):
     FEDAVG = "fedavg"
     FEDPROX = "fedprox"
+    IFCA = "ifca"  # clustered FL: K models, each node trains the one that fits its data best
+    FEDPER = "fedper"  # personal layers stay on the nodes
+    DITTO = "ditto"  # a personal model per node, regularised towards the global one
 
 
 class SecureMode(StrEnum):
@@ -64,6 +67,12 @@ DEFAULTS: dict[str, Any] = {
     "secagg-stage-timeout": 120.0,
     "secagg-unmask-spare": 1,
     "ckks-poly-degree": 8192,
+    "clusters": 2,
+    "ifca-merge-distance": 0.01,
+    "ifca-reseed-noise": 0.1,
+    "personal-layers": "head",
+    "ditto-lambda": 0.1,
+    "secagg-min-group": 0,
 }
 
 
@@ -95,6 +104,12 @@ class RunConfig:
     secagg_stage_timeout: float
     secagg_unmask_spare: int
     ckks_poly_degree: int
+    clusters: int
+    ifca_merge_distance: float
+    ifca_reseed_noise: float
+    personal_layers: str
+    ditto_lambda: float
+    secagg_min_group: int
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
@@ -171,6 +186,12 @@ class RunConfig:
             secagg_stage_timeout=number("secagg-stage-timeout", float, low=0.0, open_low=True),
             secagg_unmask_spare=number("secagg-unmask-spare", int, low=0, high=10_000),
             ckks_poly_degree=number("ckks-poly-degree", int, low=8192, high=32768),
+            clusters=number("clusters", int, low=1, high=64),
+            ifca_merge_distance=number("ifca-merge-distance", float, low=0.0),
+            ifca_reseed_noise=number("ifca-reseed-noise", float, low=0.0),
+            personal_layers=text("personal-layers"),
+            ditto_lambda=number("ditto-lambda", float, low=0.0),
+            secagg_min_group=number("secagg-min-group", int, low=0, high=10_000),
         )
         if config.secagg_modulus_bits not in (32, 64):
             problems.append(f"secagg-modulus-bits must be 32 or 64, got {config.secagg_modulus_bits}")
@@ -182,6 +203,13 @@ class RunConfig:
             problems.append(f"ckks-poly-degree must be 8192, 16384 or 32768, got {config.ckks_poly_degree}")
         if config.secagg_threshold == 1.0:
             problems.append("secagg-threshold 1 is not a majority; write a fraction in (0.5, 1) or a node count >= 2")
+        if config.strategy is StrategyName.FEDPER and not config.personal_layers.strip():
+            problems.append("strategy fedper needs personal-layers: layer prefixes such as '7,9', or 'head'")
+        if config.secagg_min_group == 1:
+            problems.append("secagg-min-group 1 would reveal single updates; write 0 (= the threshold) or >= 2")
+        if config.strategy is StrategyName.IFCA and config.secure_aggregation is SecureMode.CKKS and config.clusters > 1:
+            problems.append("strategy ifca with secure-aggregation ckks is not supported yet; use masking "
+                            "(sums per cluster) or clusters = 1")
         if problems:
             raise ConfigError(problems)
         return config

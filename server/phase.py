@@ -17,6 +17,8 @@ __all__ = ["TrainPhase"]
 class TrainPhase:
     """New global arrays (None if the round produced none), who is in them, and per-node facts.
 
+    Clustered rounds fill ``models`` (all K, unchanged where no update arrived) instead of ``arrays``.
+
     ``node_metrics`` are what nodes reported in plaintext (in masked mode only their training time).
     ``error`` says why no arrays were produced when the reason is not per-node.
     """
@@ -28,6 +30,10 @@ class TrainPhase:
     node_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     departments: dict[int, str | None] = field(default_factory=dict)
     error: str | None = None
+    # Clustered runs (IFCA): every cluster's model after the round, and each accepted node's cluster.
+    models: list[dict[str, NDArray[np.generic]]] | None = None
+    assignments: dict[int, int] = field(default_factory=dict)
+    repairs: list[str] = field(default_factory=list)
 
     def note_node(self, node: int, content: RecordDict) -> None:
         """Keep what a secure-mode reply says in plaintext: the node's training time and department."""

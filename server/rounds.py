@@ -30,6 +30,7 @@ from quorumfl.client.wire import (
     CONFIG,
     METRICS,
     TrainConfig,
+    cluster_key,
     department_of,
     from_array_record,
     to_array_record,
@@ -41,12 +42,13 @@ from .model_store import ModelStore
 from .phase import TrainPhase
 from .secure import MaskingSession
 from .state.repository import Repository, RoundStatus, RunStatus
-from .strategies import FedAvg, build_strategy
+from .strategies import ClusteredFedAvg, ClusteredResult, FedAvg, FedPer, build_strategy
 
-__all__ = ["Federation", "ReplyError", "parse_train_reply"]
+__all__ = ["IFCA_PICK", "Federation", "ReplyError", "parse_train_reply"]
 
 log = logging.getLogger(__name__)
 REPLY_POLL_SECONDS = 0.25  # how often the ServerApp asks the SuperLink for replies
+IFCA_PICK = "query.ifca_pick"
 Arrays = dict[str, NDArray[np.generic]]
 
 
@@ -61,6 +63,16 @@ class TrainReply:
     update: NodeUpdate
     metrics: dict[str, float]
 
+    def cluster(self, clusters: int) -> int:
+        """The cluster the node says it trained (IFCA), checked against the number of clusters."""
+        return cluster_of_metrics(self.metrics, clusters)
+
+
+def cluster_of_metrics(metrics: dict[str, float], clusters: int) -> int:
+    value = metrics.get("cluster")
+    if value is None or not float(value).is_integer() or not 0 <= value < clusters:
+        raise ReplyError(f"reply names cluster {value!r}; expected a whole number in 0..{clusters - 1}")
+    return int(value)
 
 
 def parse_train_reply(node_id: int, reply: Message) -> TrainReply:
@@ -127,15 +139,33 @@ class Federation:
         self.ckks: CkksSession | None = None
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _initial(self, test: Dataset) -> tuple[str, Arrays, int | None]:
+    def _lineages(self, arch: str) -> list[str]:
+        """The model-version lineage of each server model: the architecture, or a cluster of it, or
+        its shared layers (FedPer), so heads and rollbacks never mix incompatible arrays."""
+        strategy = self.strategy
+        if isinstance(strategy, FedPer):
+            return [f"{arch}|fedper-shared:{strategy.personal_layers}"]
+        if strategy.clusters > 1:
+            return [f"{arch}|ifca-{strategy.clusters}:cluster-{k}" for k in range(strategy.clusters)]
+        return [arch]
+
+    def _initial(self, test: Dataset) -> tuple[list[str], list[Arrays], list[int | None]]:
         arch = architecture_key(self.config.model, test.input_shape, test.num_classes)
-        if self.config.start_from is StartFrom.HEAD:
-            head = self.repo.head_version(arch)
+        lineages = self._lineages(arch)
+        models: list[Arrays] = []
+        parents: list[int | None] = []
+        for k, lineage in enumerate(lineages):
+            head = self.repo.head_version(lineage) if self.config.start_from is StartFrom.HEAD else None
             if head is not None:
-                log.info("starting from model version %s (head of %s)", head.id, arch)
-                return arch, self.store.load(head.path, head.sha256), head.id
-        model = build_model(self.config.model, test.input_shape, test.num_classes, seed=self.config.seed)
-        return arch, model_to_arrays(model), None
+                log.info("starting from model version %s (head of %s)", head.id, lineage)
+                models.append(self.store.load(head.path, head.sha256))
+                parents.append(head.id)
+                continue
+            # IFCA's clusters start from different seeds, so they can tell departments apart.
+            model = build_model(self.config.model, test.input_shape, test.num_classes, seed=self.config.seed + k)
+            models.append(self.strategy.server_arrays(model_to_arrays(model)))
+            parents.append(None)
+        return lineages, models, parents
 
     def _available_nodes(self) -> list[int]:
         """Connected, enabled nodes; waits up to ``node-wait-timeout`` for ``min-nodes`` of them."""
@@ -153,11 +183,15 @@ class Federation:
             )
         return nodes
 
-    def _messages(self, kind: str, arrays: Arrays, configs: dict[int, TrainConfig]) -> list[Message]:
-        record = to_array_record(arrays)
+    def _messages(self, kind: str, models: Sequence[Arrays], configs: dict[int, TrainConfig]) -> list[Message]:
+        """One request per node carrying the model (or every cluster model, as ``cluster-k``)."""
+        if len(models) == 1:
+            records = {ARRAYS: to_array_record(models[0])}
+        else:
+            records = {cluster_key(k): to_array_record(m) for k, m in enumerate(models)}
         return [
             Message(
-                content=RecordDict({ARRAYS: record, CONFIG: cfg.to_record()}),
+                content=RecordDict({**records, CONFIG: cfg.to_record()}),
                 dst_node_id=node,
                 message_type=kind,
             )
@@ -231,7 +265,7 @@ class Federation:
                                     audit=_RepoAudit(self, run.id), clock=self.clock)
         try:
             _, test = holdout_split(config.dataset, seed=config.seed, data_dir=config.data_path())
-            arch, arrays, parent = self._initial(test)
+            lineages, models, parents = self._initial(test)
             model = build_model(config.model, test.input_shape, test.num_classes)
             seen: set[int] = set()
             completed = 0
@@ -239,11 +273,12 @@ class Federation:
                 if self.repo.run_status(run.id) is RunStatus.STOPPED:
                     log.info("run %s was stopped by the admin before round %s", run.id, number)
                     return run.id
-                head = self.repo.head_version(arch)
-                if parent is not None and head is not None and head.id != parent:
-                    log.info("head of %s moved to version %s (rollback); continuing from it", arch, head.id)
-                    arrays, parent = self.store.load(head.path, head.sha256), head.id
-                arrays, parent, metrics = self._round(run.id, number, arch, arrays, parent, model, test, seen)
+                for k, lineage in enumerate(lineages):
+                    head = self.repo.head_version(lineage)
+                    if parents[k] is not None and head is not None and head.id != parents[k]:
+                        log.info("head of %s moved to version %s (rollback); continuing from it", lineage, head.id)
+                        models[k], parents[k] = self.store.load(head.path, head.sha256), head.id
+                models, parents, metrics = self._round(run.id, number, lineages, models, parents, model, test, seen)
                 completed += bool(metrics)
                 if on_round is not None:
                     on_round(number, metrics)
@@ -251,7 +286,7 @@ class Federation:
                 raise FederationError(
                     f"none of the {config.num_rounds} round(s) completed; 'quorumfl rounds list' shows why"
                 )
-            self._final_evaluation(run.id, arrays, sorted(seen))
+            self._final_evaluation(run.id, models, sorted(seen))
         except BaseException as exc:
             reason = f"{exc.__class__.__name__}: {exc}"
             self.repo.abort_running_rounds(run.id, reason)
@@ -264,13 +299,13 @@ class Federation:
         self,
         run_id: int,
         number: int,
-        arch: str,
-        arrays: Arrays,
-        parent: int | None,
+        lineages: list[str],
+        models: list[Arrays],
+        parents: list[int | None],
         model: Any,
         test: Dataset,
         seen: set[int],
-    ) -> tuple[Arrays, int | None, dict[str, float]]:
+    ) -> tuple[list[Arrays], list[int | None], dict[str, float]]:
         config = self.config
         available = self._available_nodes()
         for node in available:  # registry: connected nodes, named once they reply
@@ -283,11 +318,13 @@ class Federation:
 
         configs = self.strategy.configure_train(number, selected, self._base)
         if self.ckks is not None:
-            phase = self.ckks.round(number, available, arrays, configs, outcome.failures, timings)
+            phase = self.ckks.round(number, available, models[0], configs, outcome.failures, timings)
+        elif self.secure is not None and len(models) > 1:
+            phase = self._masked_clustered_phase(number, models, configs, outcome, timings)
         elif self.secure is not None:
-            phase = self.secure.round(arrays, configs, outcome.failures, timings)
+            phase = self.secure.round(models[0], configs, outcome.failures, timings)
         else:
-            phase = self._plaintext_phase(arrays, configs, outcome, timings)
+            phase = self._plaintext_phase(number, models, configs, outcome, timings)
         for node in phase.accepted:
             self.repo.touch_node(node, department=phase.departments.get(node))
             seen.add(node)
@@ -299,98 +336,183 @@ class Federation:
             self.repo.add_failure(rnd.id, node, stage=stage, reason=reason)
             log.warning("round %s: node %s failed at %s: %s", number, node, stage, reason)
 
-        if phase.arrays is None or len(phase.accepted) < config.min_nodes:
+        new_models = phase.models if phase.models is not None else ([phase.arrays] if phase.arrays is not None else None)
+        if new_models is None or len(phase.accepted) < config.min_nodes:
             why = phase.error or (
                 f"{len(phase.accepted)} valid update(s) of {len(selected)} selected; min-nodes is {config.min_nodes}"
             )
             self.repo.finish_round(rnd.id, RoundStatus.FAILED, participants=phase.accepted, timings=timings, error=why)
             log.warning("round %s failed: %s; the global model is unchanged", number, why)
-            return arrays, parent, {}
+            return models, parents, {}
 
         start = self.clock()
-        arrays_to_model(model, phase.arrays)
-        global_eval = evaluate(model, test)
+        members = [sum(1 for c in phase.assignments.values() if c == k) for k in range(len(new_models))]
+        evals = [self._server_evaluation(model, arrays, test) for arrays in new_models]
+        main = max(range(len(new_models)), key=lambda k: (members[k], -k))  # the cluster serving the most nodes
         timings["evaluate"] = self.clock() - start
         round_metrics = {
-            "accuracy": global_eval.accuracy,
-            "loss": global_eval.loss,
+            "accuracy": evals[main][0],
+            "loss": evals[main][1],
             "train-loss": phase.train_loss,
             "participants": float(len(phase.accepted)),
             "examples": phase.total_examples,
             # Peak RSS of the ServerApp process so far (Linux reports KiB).
             "server-peak-rss-mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         }
+        if len(new_models) > 1:
+            round_metrics["clusters-repaired"] = float(len(phase.repairs))
+            for k in range(len(new_models)):
+                round_metrics[f"accuracy-cluster-{k}"] = evals[k][0]
+                round_metrics[f"nodes-cluster-{k}"] = float(members[k])
+            for repair in phase.repairs:
+                log.info("round %s: %s", number, repair)
 
         start = self.clock()
-        stored = self.store.save(phase.arrays, f"run{run_id}-round{number:04d}")
-        version = self.repo.add_model_version(
-            run_id=run_id,
-            round_number=number,
-            parent_id=parent,
-            architecture=arch,
-            path=str(stored.path),
-            sha256=stored.sha256,
-            size_bytes=stored.size_bytes,
-            metrics={"accuracy": global_eval.accuracy, "loss": global_eval.loss},
-        )
+        versions: list[int | None] = []
+        for k, arrays in enumerate(new_models):
+            suffix = f"-cluster{k}" if len(new_models) > 1 else ""
+            stored = self.store.save(arrays, f"run{run_id}-round{number:04d}{suffix}")
+            version_metrics = {"accuracy": evals[k][0], "loss": evals[k][1]}
+            if len(new_models) > 1:
+                version_metrics.update({"cluster": float(k), "nodes": float(members[k])})
+            version = self.repo.add_model_version(
+                run_id=run_id,
+                round_number=number,
+                parent_id=parents[k],
+                architecture=lineages[k],
+                path=str(stored.path),
+                sha256=stored.sha256,
+                size_bytes=stored.size_bytes,
+                metrics={n: v for n, v in version_metrics.items() if math.isfinite(v)},
+            )
+            versions.append(version.id)
         self.repo.add_metrics(run_id, number, {k: v for k, v in round_metrics.items() if math.isfinite(v)})
         for node in phase.accepted:
-            if phase.node_metrics.get(node):
-                self.repo.add_metrics(run_id, number, phase.node_metrics[node], node_id=node)
+            values = dict(phase.node_metrics.get(node, {}))
+            if node in phase.assignments:
+                values["cluster"] = float(phase.assignments[node])  # the round's cluster assignment
+            if values:
+                self.repo.add_metrics(run_id, number, values, node_id=node)
         timings["store"] = self.clock() - start
         self.repo.finish_round(rnd.id, RoundStatus.COMPLETED, participants=phase.accepted, timings=timings)
         log.info(
             "round %s/%s: accuracy %.4f, %s of %s nodes, %.1fs",
-            number, config.num_rounds, global_eval.accuracy, len(phase.accepted), len(selected), sum(timings.values()),
+            number, config.num_rounds, evals[main][0], len(phase.accepted), len(selected), sum(timings.values()),
         )
-        return phase.arrays, version.id, round_metrics
+        return new_models, versions, round_metrics
+
+    def _server_evaluation(self, model: Any, arrays: Arrays, test: Dataset) -> tuple[float, float]:
+        """(accuracy, loss) on the server's held-out set; NaN for FedPer, whose server model has no head."""
+        if isinstance(self.strategy, FedPer):
+            return math.nan, math.nan
+        arrays_to_model(model, arrays)
+        result = evaluate(model, test)
+        return result.accuracy, result.loss
+
+    def _pick(
+        self, models: list[Arrays], configs: dict[int, TrainConfig], outcome: RoundOutcome, timings: dict[str, float]
+    ) -> tuple[dict[int, int], dict[int, str | None]]:
+        """IFCA before a masked round: every selected node says which cluster model fits its data."""
+        start = self.clock()
+        replies = self._exchange(self._messages(IFCA_PICK, models, configs), outcome.failures, "ifca-pick",
+                                 self.config.round_timeout)
+        chosen: dict[int, int] = {}
+        departments: dict[int, str | None] = {}
+        for node, reply in replies:
+            record = reply.content.metric_records.get(METRICS)
+            values = {k: float(v) for k, v in (record or {}).items() if isinstance(v, (int, float))}
+            try:
+                chosen[node] = cluster_of_metrics(values, len(models))
+            except ReplyError as exc:
+                outcome.failures[node] = ("ifca-pick", str(exc))
+                continue
+            departments[node] = department_of(reply.content)
+        timings["ifca-pick"] = self.clock() - start
+        return chosen, departments
+
+    def _masked_clustered_phase(
+        self, number: int, models: list[Arrays], configs: dict[int, TrainConfig], outcome: RoundOutcome,
+        timings: dict[str, float],
+    ) -> TrainPhase:
+        """IFCA with masking: the choice first (one round trip), then one masked sum per cluster."""
+        assert self.secure is not None and isinstance(self.strategy, ClusteredFedAvg)
+        chosen, departments = self._pick(models, configs, outcome, timings)
+        phase = self.secure.round(models[0], {n: c for n, c in configs.items() if n in chosen}, outcome.failures,
+                                  timings, models=models, cluster_of=chosen)
+        phase.departments = {**departments, **phase.departments}
+        if phase.models is not None:
+            members = [[n for n, c in phase.assignments.items() if c == k] for k in range(len(models))]
+            repaired = self.strategy.repair(number, ClusteredResult(models=phase.models, members=members))
+            phase.models = repaired.models
+            phase.repairs = [f"cluster {r.cluster} {r.reason}: re-seeded from cluster {r.seeded_from}"
+                             for r in repaired.repairs]
+        return phase
 
     def _plaintext_phase(
-        self, arrays: Arrays, configs: dict[int, TrainConfig], outcome: RoundOutcome, timings: dict[str, float]
+        self, number: int, models: list[Arrays], configs: dict[int, TrainConfig], outcome: RoundOutcome,
+        timings: dict[str, float],
     ) -> TrainPhase:
-        """Train round trip with plaintext updates; each update is validated, then averaged."""
+        """Train round trip with plaintext updates; each update is validated, then averaged (per cluster)."""
         start = self.clock()
-        messages = self._messages(MessageType.TRAIN, arrays, configs)
+        messages = self._messages(MessageType.TRAIN, models, configs)
         replies = self._exchange(messages, outcome.failures, "train", self.config.round_timeout)
         timings["train"] = self.clock() - start
 
         start = self.clock()
         parsed: list[TrainReply] = []
+        clusters: dict[int, int] = {}
         for node, reply in replies:
             try:
-                parsed.append(parse_train_reply(node, reply))
+                item = parse_train_reply(node, reply)
+                if len(models) > 1:
+                    clusters[node] = item.cluster(len(models))
             except ReplyError as exc:
                 outcome.failures[node] = ("train", str(exc))
-        result = self.strategy.aggregate_train(arrays, (p.update for p in parsed))
-        for node, reason in result.rejected.items():
+                continue
+            parsed.append(item)
+        phase = TrainPhase(arrays=None)
+        if isinstance(self.strategy, ClusteredFedAvg) and len(models) > 1:
+            clustered = self.strategy.aggregate_clusters(number, models, ((clusters[p.node_id], p.update) for p in parsed))
+            rejected, accepted_ids = clustered.rejected, clustered.accepted
+            if accepted_ids:
+                phase.models = clustered.models
+                phase.assignments = {n: k for k, nodes in enumerate(clustered.members) for n in nodes}
+                phase.repairs = [f"cluster {r.cluster} {r.reason}: re-seeded from cluster {r.seeded_from}"
+                                 for r in clustered.repairs]
+            phase.total_examples = clustered.total_examples
+        else:
+            result = self.strategy.aggregate_train(models[0], (p.update for p in parsed))
+            rejected, accepted_ids = result.rejected, result.accepted
+            phase.arrays = result.arrays
+            phase.total_examples = result.total_examples
+        for node, reason in rejected.items():
             outcome.failures[node] = ("aggregate", reason)
         timings["aggregate"] = self.clock() - start
-        accepted = [p for p in parsed if p.node_id in set(result.accepted)]
+        accepted = [p for p in parsed if p.node_id in set(accepted_ids)]
         train_metrics = aggregate_weighted_metrics(
             (str(p.node_id), {k: v for k, v in p.metrics.items() if k != "num-examples" and math.isfinite(v)},
              p.update.weight)
             for p in accepted
         )
-        return TrainPhase(
-            arrays=result.arrays,
-            accepted=list(result.accepted),
-            total_examples=result.total_examples,
-            train_loss=train_metrics.get("train-loss", math.nan),
-            node_metrics={p.node_id: p.metrics for p in accepted},
-            departments={p.node_id: p.department for p in parsed},
-        )
+        phase.accepted = list(accepted_ids)
+        phase.train_loss = train_metrics.get("train-loss", math.nan)
+        phase.node_metrics = {p.node_id: p.metrics for p in accepted}
+        phase.departments = {p.node_id: p.department for p in parsed}
+        return phase
 
-    def _final_evaluation(self, run_id: int, arrays: Arrays, nodes: Iterable[int]) -> None:
-        """Each department evaluates the final model on its own test split (one message round trip)."""
+    def _final_evaluation(self, run_id: int, models: list[Arrays], nodes: Iterable[int]) -> None:
+        """Each department evaluates the final model on its own test split (one message round trip):
+        the global model, its cluster's (IFCA) or shared + its personal layers (FedPer), and its
+        personal model (Ditto)."""
         disabled = self.repo.disabled_node_ids()
         connected = {int(n) for n in self.grid.get_node_ids()}
         targets = [n for n in nodes if n in connected and n not in disabled]
         if not targets:
             return
         outcome = RoundOutcome()
-        configs = {n: self._base for n in targets}
+        configs = self.strategy.configure_train(self.config.num_rounds, targets, self._base)
         replies = self._exchange(
-            self._messages(MessageType.EVALUATE, arrays, configs), outcome.failures, "evaluate", self.config.round_timeout
+            self._messages(MessageType.EVALUATE, models, configs), outcome.failures, "evaluate", self.config.round_timeout
         )
         for node, reply in replies:
             content = reply.content

@@ -13,13 +13,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from numpy.typing import NDArray
 
-from quorumfl.aggregation.errors import EmptyAggregationError, QuorumError, SecureAggregationError
+from quorumfl.aggregation.errors import (
+    EmptyAggregationError,
+    QuorumError,
+    QuorumNotMetError,
+    SecureAggregationError,
+)
 from quorumfl.aggregation.secagg import (
     CoordinatorEpoch,
     MaskingParams,
@@ -103,6 +108,7 @@ class MaskingSession:
             slots=config.secagg_epoch_rounds,
             modulus_bits=config.secagg_modulus_bits,
             clip=config.secagg_clip,
+            min_group=config.secagg_min_group,
         )
         epoch = CoordinatorEpoch(cohort, params)
         record = encode_announcement(epoch.announcement())
@@ -138,16 +144,28 @@ class MaskingSession:
         configs: dict[int, TrainConfig],
         failures: Failures,
         timings: dict[str, float],
+        *,
+        models: Sequence[Arrays] | None = None,
+        cluster_of: Mapping[int, int] | None = None,
     ) -> TrainPhase:
-        """One masked round for the selected nodes (the keys of ``configs``)."""
+        """One masked round for the selected nodes (the keys of ``configs``).
+
+        Clustered (IFCA): ``models`` are the cluster models and ``cluster_of`` each node's choice; each
+        cluster is one masking group, summed and revealed on its own. A cluster with fewer nodes than
+        the group quorum sits the round out (its nodes are recorded as failures): its sum would
+        reveal too few departments' updates.
+        """
         selected = sorted(configs)
+        clustered = models is not None
+        models = list(models) if models is not None else [arrays]
+        cluster_of = dict(cluster_of) if cluster_of is not None else {n: 0 for n in selected}
         try:
             start = self.clock()
             epoch = self.epoch
             if epoch is None or self._needs_new_epoch(selected):
                 epoch = self._setup(selected, failures)
             timings["secagg-setup"] = self.clock() - start
-            return self._masked_round(epoch, arrays, configs, failures, timings)
+            return self._masked_round(epoch, models, cluster_of, configs, failures, timings, clustered=clustered)
         except QuorumError as exc:
             log.warning("secure aggregation: %s", exc)
             return TrainPhase(arrays=None, error=f"secure aggregation: {exc}")
@@ -155,21 +173,39 @@ class MaskingSession:
     def _masked_round(
         self,
         epoch: CoordinatorEpoch,
-        arrays: Arrays,
+        models: list[Arrays],
+        cluster_of: dict[int, int],
         configs: dict[int, TrainConfig],
         failures: Failures,
         timings: dict[str, float],
+        *,
+        clustered: bool,
     ) -> TrainPhase:
         config = self.config
-        participants = [n for n in sorted(configs) if n in epoch.ready]
-        base = flatten(arrays)
-        rnd = epoch.start_round([participants], length=2 + base.shape[0])
-        model_record = to_array_record(arrays)
+        quorum = epoch.params.group_quorum
+        members: dict[int, list[int]] = {}
+        for n in sorted(configs):
+            if n in epoch.ready and n in cluster_of:
+                members.setdefault(cluster_of[n], []).append(n)
+        for k, nodes in list(members.items()):
+            if len(nodes) < quorum:
+                for n in nodes:
+                    failures[n] = ("secagg-group", f"cluster {k} has {len(nodes)} node(s), below the group quorum "
+                                                   f"{quorum}; its sum would expose too few updates")
+                del members[k]
+        if not members:
+            raise QuorumNotMetError(f"no cluster has the group quorum of {quorum} nodes")
+        order = sorted(members)  # masking group i sums cluster order[i]
+        participants = sorted(n for k in order for n in members[k])
+        bases = {k: flatten(models[k]) for k in order}
+        length = 2 + next(iter(bases.values())).shape[0]
+        rnd = epoch.start_round([members[k] for k in order], length=length)
+        records = {k: to_array_record(models[k]) for k in order}
         messages = [
             Message(
                 content=RecordDict(
                     {
-                        ARRAYS: model_record,
+                        ARRAYS: records[cluster_of[n]],
                         CONFIG: configs[n].to_record(),
                         SECAGG: encode_mask_request(epoch.mask_request(n, rnd), max_weight=config.secagg_max_weight),
                     }
@@ -199,7 +235,7 @@ class MaskingSession:
                          for node, (stage, reason) in failures.items() if node in participants)
 
         start = self.clock()
-        request, _ = rnd.unmask_request()  # raises (and reveals nothing) below the quorum
+        request, _ = rnd.unmask_request()  # raises (and reveals nothing) when no group has its quorum
         survivors = [n for alive, _ in request.groups for n in alive]
         record = encode_unmask_request(request)
         # With the complete graph any t survivors hold every needed share: ask t + spare of them
@@ -220,20 +256,36 @@ class MaskingSession:
                     rnd.add_unmask(decode_unmask_reply(_secagg(reply), node=node))
                 except SecureAggregationError as exc:
                     failures[node] = ("secagg-unmask", str(exc))
-        (group,) = rnd.result()
+        outcomes = rnd.result()
         timings["secagg-unmask"] = self.clock() - start
-        if group.total is None:
-            raise SecureAggregationError(f"the masked sum could not be unmasked: {group.error}")
         fp = epoch.params.fixed_point(len(epoch.members))
-        try:
-            mean = read_payload(group.total, min_weight=100 * fp.error_bound)
-        except EmptyAggregationError as exc:
-            raise SecureAggregationError(str(exc)) from exc
-        result.arrays = unflatten(base + mean.update, arrays)
-        result.accepted = list(group.survivors)
-        result.total_examples = mean.total_weight * config.secagg_max_weight
-        result.train_loss = mean.train_loss
-        log.info("secure aggregation: slot %s summed %s of %s masked inputs (%s dropped)",
-                 rnd.slot, len(group.survivors), len(participants), len(group.dropped))
+        new_models = [dict(m) for m in models]
+        weight, loss_sum, errors = 0.0, 0.0, []
+        for k, group in zip(order, outcomes, strict=True):
+            if group.total is None:
+                errors.append(f"cluster {k}: {group.error}")
+                continue
+            try:
+                mean = read_payload(group.total, min_weight=100 * fp.error_bound)
+            except EmptyAggregationError as exc:
+                errors.append(f"cluster {k}: {exc}")
+                continue
+            new_models[k] = unflatten(bases[k] + mean.update, models[k])
+            result.accepted.extend(group.survivors)
+            result.assignments.update({n: k for n in group.survivors})
+            weight += mean.total_weight
+            loss_sum += mean.train_loss * mean.total_weight
+        if not result.accepted:
+            raise SecureAggregationError(f"no masked sum could be unmasked: {'; '.join(errors)}")
+        if errors:
+            log.warning("secure aggregation: %s", "; ".join(errors))
+        result.accepted.sort()
+        if clustered:
+            result.models = new_models
+        else:
+            result.arrays = new_models[0]
+        result.total_examples = weight * config.secagg_max_weight
+        result.train_loss = loss_sum / weight
+        log.info("secure aggregation: slot %s summed %s of %s masked inputs in %s group(s)",
+                 rnd.slot, len(result.accepted), len(participants), len(order))
         return result
-

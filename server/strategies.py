@@ -2,7 +2,11 @@
 
 ``FedAvg`` (McMahan et al., 2017) and ``FedProx`` (Li et al., 2020) share the server step — the
 example-weighted mean from ``quorumfl.aggregation`` — and differ in what nodes are told: FedProx sends
-the proximal coefficient μ that the node adds to its local loss.
+the proximal coefficient μ that the node adds to its local loss. ``FedPer`` and ``Ditto`` are FedProx
+on the server (μ = 0 makes them FedAvg) and tell nodes how to personalise (``client.node_round``);
+FedPer's server model holds only the shared layers. ``ClusteredFedAvg`` (IFCA) keeps K models: nodes
+report which one fits them and each cluster is averaged on its own, then empty or collapsed
+clusters are re-seeded (``aggregation.clustering``).
 """
 
 from __future__ import annotations
@@ -15,11 +19,15 @@ import numpy as np
 from numpy.typing import NDArray
 
 from quorumfl.aggregation import AggregationError, NodeUpdate, WeightedMean
+from quorumfl.aggregation.clustering import ClusteredMean, Repair, repair_clusters
+from quorumfl.aggregation.personal import personal_names, split_arrays
 from quorumfl.client.wire import TrainConfig
 
 from .config import RunConfig, StrategyName
 
-__all__ = ["AggregateResult", "FedAvg", "FedProx", "build_strategy"]
+__all__ = [
+    "AggregateResult", "ClusteredFedAvg", "ClusteredResult", "Ditto", "FedAvg", "FedPer", "FedProx", "build_strategy",
+]
 
 Arrays = dict[str, NDArray[np.generic]]
 
@@ -38,6 +46,11 @@ class FedAvg:
     """Sample ``fraction_train`` of the available nodes (at least ``min_nodes``); weighted mean."""
 
     name = StrategyName.FEDAVG
+    clusters = 1
+
+    def server_arrays(self, full: Arrays) -> Arrays:
+        """The part of a full model that the server holds and sends (all of it, except for FedPer)."""
+        return dict(full)
 
     def __init__(self, *, fraction_train: float, min_nodes: int, seed: int) -> None:
         if not 0.0 < fraction_train <= 1.0:
@@ -93,11 +106,125 @@ class FedProx(FedAvg):
         return {node: config for node in nodes}
 
 
+class FedPer(FedProx):
+    """Shared layers are averaged; the personal ones (``personal_layers``) never leave the nodes."""
+
+    name = StrategyName.FEDPER
+
+    def __init__(self, *, fraction_train: float, min_nodes: int, seed: int, proximal_mu: float,
+                 personal_layers: str) -> None:
+        super().__init__(fraction_train=fraction_train, min_nodes=min_nodes, seed=seed, proximal_mu=proximal_mu)
+        if not personal_layers.strip():
+            raise ValueError("FedPer needs personal-layers (layer prefixes, or 'head')")
+        self.personal_layers = personal_layers
+
+    def server_arrays(self, full: Arrays) -> Arrays:
+        shared: Arrays = split_arrays(full, personal_names(list(full), self.personal_layers))[0]
+        return shared
+
+    def configure_train(self, server_round: int, nodes: Iterable[int], base: TrainConfig) -> dict[int, TrainConfig]:
+        config = replace(base, server_round=server_round, proximal_mu=self.proximal_mu, personalisation="fedper",
+                         personal_layers=self.personal_layers)
+        return {node: config for node in nodes}
+
+
+class Ditto(FedProx):
+    """FedAvg (or FedProx) for the global model; each node also keeps a personal model pulled towards
+    the global one by ``λ/2 · ||v − w||²`` (Li et al., 2021)."""
+
+    name = StrategyName.DITTO
+
+    def __init__(self, *, fraction_train: float, min_nodes: int, seed: int, proximal_mu: float,
+                 ditto_lambda: float) -> None:
+        super().__init__(fraction_train=fraction_train, min_nodes=min_nodes, seed=seed, proximal_mu=proximal_mu)
+        if not ditto_lambda >= 0.0:
+            raise ValueError(f"ditto_lambda must be >= 0, got {ditto_lambda}")
+        self.ditto_lambda = ditto_lambda
+
+    def configure_train(self, server_round: int, nodes: Iterable[int], base: TrainConfig) -> dict[int, TrainConfig]:
+        config = replace(base, server_round=server_round, proximal_mu=self.proximal_mu, personalisation="ditto",
+                         ditto_lambda=self.ditto_lambda)
+        return {node: config for node in nodes}
+
+
+@dataclass
+class ClusteredResult:
+    """The K cluster models after a round, who went where, and what was repaired."""
+
+    models: list[Arrays]
+    members: list[list[int]]
+    accepted: list[int] = field(default_factory=list)
+    rejected: dict[int, str] = field(default_factory=dict)
+    updated: list[int] = field(default_factory=list)  # clusters that received updates this round
+    repairs: list[Repair] = field(default_factory=list)
+    total_examples: float = 0.0
+
+
+class ClusteredFedAvg(FedProx):
+    """IFCA (Ghosh et al., 2020): K cluster models; each node trains the one with the lowest loss on
+    its own data and reports only its index; each cluster is averaged over its own nodes."""
+
+    name = StrategyName.IFCA
+
+    def __init__(self, *, fraction_train: float, min_nodes: int, seed: int, proximal_mu: float, clusters: int,
+                 merge_distance: float, reseed_noise: float) -> None:
+        super().__init__(fraction_train=fraction_train, min_nodes=min_nodes, seed=seed, proximal_mu=proximal_mu)
+        if clusters < 1:
+            raise ValueError(f"clusters must be >= 1, got {clusters}")
+        if merge_distance < 0 or reseed_noise < 0:
+            raise ValueError("merge_distance and reseed_noise must be >= 0")
+        self.clusters = clusters
+        self.merge_distance = merge_distance
+        self.reseed_noise = reseed_noise
+
+    def aggregate_clusters(
+        self, server_round: int, models: Sequence[Arrays], updates: Iterable[tuple[int, NodeUpdate]]
+    ) -> ClusteredResult:
+        """Per-cluster weighted means of the valid updates; a cluster without updates keeps its model;
+        then empty and collapsed clusters are re-seeded from the largest one."""
+        if len(models) != self.clusters:
+            raise AggregationError(f"{len(models)} cluster models, the strategy has {self.clusters}")
+        mean = ClusteredMean(models)
+        result = ClusteredResult(models=[dict(m) for m in models], members=[[] for _ in models])
+        for cluster, update in updates:
+            try:
+                mean.add(cluster, update)
+            except AggregationError as exc:
+                result.rejected[int(update.node)] = str(exc)
+            else:
+                result.accepted.append(int(update.node))
+                result.members[cluster].append(int(update.node))
+        if result.accepted:
+            for k, arrays in mean.results().items():
+                result.models[k] = arrays
+                result.updated.append(k)
+            result.total_examples = mean.total_weight
+        return self.repair(server_round, result)
+
+    def repair(self, server_round: int, result: ClusteredResult) -> ClusteredResult:
+        """Re-seed empty and collapsed clusters (only once some cluster has members)."""
+        counts = [len(m) for m in result.members]
+        if self.clusters > 1 and any(counts):
+            rng = np.random.default_rng([self.seed, server_round, 7])
+            result.models, result.repairs = repair_clusters(
+                result.models, counts, merge_distance=self.merge_distance, noise=self.reseed_noise, rng=rng
+            )
+        return result
+
+
 def build_strategy(config: RunConfig) -> FedAvg:
     """The strategy named by the run config, with every hyperparameter visible here."""
+    fraction, least, seed, mu = config.fraction_train, config.min_nodes, config.seed, config.proximal_mu
     if config.strategy is StrategyName.FEDPROX:
-        return FedProx(
-            fraction_train=config.fraction_train, min_nodes=config.min_nodes, seed=config.seed,
-            proximal_mu=config.proximal_mu,
-        )
-    return FedAvg(fraction_train=config.fraction_train, min_nodes=config.min_nodes, seed=config.seed)
+        return FedProx(fraction_train=fraction, min_nodes=least, seed=seed, proximal_mu=mu)
+    if config.strategy is StrategyName.FEDPER:
+        return FedPer(fraction_train=fraction, min_nodes=least, seed=seed, proximal_mu=mu,
+                      personal_layers=config.personal_layers)
+    if config.strategy is StrategyName.DITTO:
+        return Ditto(fraction_train=fraction, min_nodes=least, seed=seed, proximal_mu=mu,
+                     ditto_lambda=config.ditto_lambda)
+    if config.strategy is StrategyName.IFCA:
+        return ClusteredFedAvg(fraction_train=fraction, min_nodes=least, seed=seed, proximal_mu=mu,
+                               clusters=config.clusters, merge_distance=config.ifca_merge_distance,
+                               reseed_noise=config.ifca_reseed_noise)
+    return FedAvg(fraction_train=fraction, min_nodes=least, seed=seed)

@@ -8,15 +8,18 @@ setting IFCA is meant to recover, and the planted group ids are the ground truth
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
 from quorumfl.aggregation.errors import DataError
 
 from .datasets import Dataset
+from .store import read_partition, write_partition
 
-__all__ = ["plant_label_permutations"]
+__all__ = ["plant_label_permutations", "plant_partitions"]
 
 
 def plant_label_permutations(
@@ -41,3 +44,16 @@ def plant_label_permutations(
         mapping = np.asarray(permutations[group], dtype=np.int64)
         out.append(Dataset(part.name, part.x, mapping[part.y], part.num_classes))
     return out, membership, permutations
+
+
+def plant_partitions(paths: Mapping[str, Path], groups: int, *, seed: int) -> dict[str, int]:
+    """Relabel partition directories on disk (train and test alike) by planted group; returns each
+    department's group. Used to lay out a federation whose cluster structure is known."""
+    names = sorted(paths)
+    parts = [read_partition(paths[n]) for n in names]
+    trains, membership, perms = plant_label_permutations([p.train for p in parts], groups, seed=seed)
+    for name, part, train, group in zip(names, parts, trains, membership, strict=True):
+        mapping = np.asarray(perms[group], dtype=np.int64)
+        test = Dataset(part.test.name, part.test.x, mapping[part.test.y], part.test.num_classes)
+        write_partition(paths[name], replace(part, train=train, test=test))
+    return dict(zip(names, membership, strict=True))

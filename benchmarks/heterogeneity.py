@@ -1,0 +1,258 @@
+"""Non-IID departments: FedAvg, FedProx, IFCA, FedPer, Ditto and local-only training, same data and schedule.
+
+Each department holds its own label-skewed share of Fashion-MNIST (Dirichlet(α) over a random
+subset) and splits it into its own train and test parts, so every accuracy below is a department's
+model on test data from its own distribution. Every method gets the same seeds, rounds, local
+epochs, batch size, learning rate and model; all departments take part in every round.
+
+The loop is in-process (no SuperLink): each department runs ``client.node_round`` — the function the
+ClientApp's train and evaluate handlers call — and the server side is ``server.strategies`` (the
+weighted mean, IFCA's per-cluster means and repairs). What runs over Flower is the same code plus
+transport, which this benchmark does not measure.
+
+Per method: mean and worst per-department test accuracy after the last round (the department's model
+is the global one for FedAvg/FedProx, its cluster's for IFCA, shared + personal layers for FedPer,
+its personal model for Ditto, its own for local-only), the first round whose mean reaches 80%, and
+bytes sent (server → nodes plus nodes → server, float32 arrays). Cluster purity: IFCA with K = the
+number of planted groups on departments whose labels are permuted per group (IID split), the share
+of departments whose cluster's majority group is their own.
+
+    python benchmarks/heterogeneity.py            # Fashion-MNIST, 20 departments, α = 0.1, 20 rounds
+    python benchmarks/heterogeneity.py --smoke    # digits, 6 departments, 3 rounds, MLP
+    python benchmarks/heterogeneity.py --json     # last line: one JSON object
+
+Keys: fedavg_mean_acc, fedprox_mean_acc, ifca_mean_acc, fedper_mean_acc, ditto_mean_acc,
+local_only_mean_acc, fedavg_worst_acc, best_worst_acc, best_minus_fedavg_pts, planted_purity, plus
+best_method, per-method worst accuracy, rounds to 80% and bytes, seconds and peak RSS.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from _common import parser, peak_rss_mb, report
+from quorumfl.aggregation import NodeUpdate
+from quorumfl.aggregation.clustering import cluster_purity
+from quorumfl.client.data.datasets import Dataset, load_dataset
+from quorumfl.client.data.partition import partition_dirichlet, partition_iid
+from quorumfl.client.data.planted import plant_label_permutations
+from quorumfl.client.models import build_model, model_to_arrays
+from quorumfl.client.node_round import evaluate_round, train_round
+from quorumfl.client.wire import TrainConfig
+from quorumfl.server.strategies import ClusteredFedAvg, Ditto, FedAvg, FedPer, FedProx
+
+METHODS = ("fedavg", "fedprox", "ifca", "fedper", "ditto", "local_only")
+PERSONALISED = ("ifca", "fedper", "ditto")
+
+
+@dataclass(frozen=True)
+class Setup:
+    dataset: str
+    departments: int
+    per_department: int
+    alpha: float
+    rounds: int
+    local_epochs: int
+    batch_size: int
+    learning_rate: float
+    model: str
+    mu: float
+    ditto_lambda: float
+    personal_layers: str
+    clusters: int
+    planted_groups: int
+    seed: int
+
+
+Depts = list[tuple[Dataset, Dataset]]
+
+
+def _split_own(part: Dataset, rng: np.random.Generator, test_fraction: float = 0.2) -> tuple[Dataset, Dataset]:
+    order = rng.permutation(len(part))
+    n_test = max(1, int(round(len(part) * test_fraction)))
+    return part.subset(np.sort(order[n_test:])), part.subset(np.sort(order[:n_test]))
+
+
+def departments(setup: Setup, *, planted: bool) -> tuple[Depts, list[int]]:
+    """Each department's (train, test); with ``planted``, an IID split relabelled per planted group."""
+    pool, test = load_dataset(setup.dataset)
+    if test is not None:  # one pool: departments draw from train and test images alike
+        pool = Dataset(pool.name, np.concatenate([pool.x, test.x]), np.concatenate([pool.y, test.y]), pool.num_classes)
+    rng = np.random.default_rng([setup.seed, int(planted)])
+    total = min(len(pool), setup.departments * setup.per_department)
+    subset = pool.subset(np.sort(rng.choice(len(pool), size=total, replace=False)))
+    if planted:
+        parts = partition_iid(subset.y, setup.departments, seed=setup.seed)
+    else:
+        parts = partition_dirichlet(subset.y, setup.departments, alpha=setup.alpha, seed=setup.seed,
+                                    min_size=max(10, setup.per_department // 10))
+    datasets = [subset.subset(p) for p in parts]
+    groups = [0] * len(datasets)
+    if planted:
+        datasets, groups, _ = plant_label_permutations(datasets, setup.planted_groups, seed=setup.seed)
+    return [_split_own(d, rng) for d in datasets], groups
+
+
+def _base(setup: Setup) -> TrainConfig:
+    return TrainConfig(server_round=0, model=setup.model, local_epochs=setup.local_epochs, batch_size=setup.batch_size,
+                       learning_rate=setup.learning_rate, proximal_mu=0.0, seed=setup.seed)
+
+
+def _strategy(method: str, setup: Setup, clusters: int) -> FedAvg:
+    common: dict[str, Any] = {"fraction_train": 1.0, "min_nodes": 1, "seed": setup.seed}
+    if method == "fedprox":
+        return FedProx(**common, proximal_mu=setup.mu)
+    if method == "fedper":
+        return FedPer(**common, proximal_mu=0.0, personal_layers=setup.personal_layers)
+    if method == "ditto":
+        return Ditto(**common, proximal_mu=0.0, ditto_lambda=setup.ditto_lambda)
+    if method == "ifca":
+        return ClusteredFedAvg(**common, proximal_mu=0.0, clusters=clusters, merge_distance=0.01, reseed_noise=0.1)
+    return FedAvg(**common)
+
+
+def _nbytes(arrays: dict[str, Any]) -> int:
+    return sum(int(np.asarray(v).nbytes) for v in arrays.values())
+
+
+def run_method(method: str, setup: Setup, *, planted: bool = False) -> dict[str, Any]:
+    """One method's federation, in-process; per-round mean accuracy, final per-department accuracy."""
+    import torch
+
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    depts, groups = departments(setup, planted=planted)
+    sample = depts[0][0]
+    clusters = setup.planted_groups if planted else setup.clusters
+    full = [model_to_arrays(build_model(setup.model, sample.input_shape, sample.num_classes, seed=setup.seed + k))
+            for k in range(clusters if method == "ifca" else 1)]
+    base = _base(setup)
+    personal: list[dict[str, Any] | None] = [None] * len(depts)
+    history: list[float] = []
+    sent = 0
+    nodes = list(range(len(depts)))
+    if method == "local_only":
+        own = [model_to_arrays(build_model(setup.model, sample.input_shape, sample.num_classes, seed=setup.seed))
+               for _ in depts]
+        for number in range(1, setup.rounds + 1):
+            cfg = replace(base, server_round=number)
+            own = [dict(train_round(cfg, [own[i]], None, *depts[i]).shared) for i in nodes]
+            history.append(float(np.mean([evaluate_round(cfg, [own[i]], None, *depts[i]).metrics["accuracy"]
+                                          for i in nodes])))
+        final = [evaluate_round(replace(base, server_round=setup.rounds), [own[i]], None, *depts[i]).metrics
+                 for i in nodes]
+        return _summary(method, final, history, sent, started, groups=None)
+
+    strategy = _strategy(method, setup, clusters)
+    models = [strategy.server_arrays(m) for m in full]
+    assigned: list[int] = [0] * len(depts)
+    final: list[dict[str, float]] = []
+    for number in range(1, setup.rounds + 1):
+        configs = strategy.configure_train(number, nodes, base)
+        updates: list[tuple[int, NodeUpdate]] = []
+        for i in nodes:
+            work = train_round(configs[i], models, personal[i], *depts[i])
+            personal[i] = work.personal
+            assigned[i] = work.cluster or 0
+            sent += sum(_nbytes(m) for m in models) + _nbytes(work.shared)
+            updates.append((assigned[i], NodeUpdate(node=str(i), arrays=work.shared, weight=float(work.num_examples))))
+        if isinstance(strategy, ClusteredFedAvg):
+            models = strategy.aggregate_clusters(number, models, updates).models
+        else:
+            result = strategy.aggregate_train(models[0], (u for _, u in updates))
+            if result.arrays is None:
+                raise RuntimeError(f"{method} round {number}: every update was rejected ({result.rejected})")
+            models = [result.arrays]
+        final = [evaluate_round(configs[i], models, personal[i], *depts[i]).metrics for i in nodes]
+        history.append(float(np.mean([_accuracy(m) for m in final])))
+    picks = [int(m.get("cluster", 0)) for m in final]
+    return _summary(method, final, history, sent, started, groups=(picks, groups) if method == "ifca" else None)
+
+
+def _accuracy(metrics: dict[str, float]) -> float:
+    """The department's own model: its personal one where it has one, else the federation's for it."""
+    return metrics.get("personal-accuracy", metrics["accuracy"])
+
+
+def _summary(method: str, final: list[dict[str, float]], history: list[float], sent: int, started: float,
+             *, groups: tuple[list[int], list[int]] | None) -> dict[str, Any]:
+    accs = [_accuracy(m) for m in final]
+    reach = next((r + 1 for r, acc in enumerate(history) if acc >= 0.8), None)
+    out: dict[str, Any] = {
+        "method": method, "mean": float(np.mean(accs)), "worst": float(np.min(accs)), "history": history,
+        "rounds_to_80": reach, "bytes": sent, "seconds": time.perf_counter() - started, "peak_rss_mb": peak_rss_mb(),
+    }
+    if groups is not None:
+        out["assigned"], out["planted"] = groups
+        out["purity"] = cluster_purity(*groups)
+    return out
+
+
+def _job(args: tuple[str, Setup, bool]) -> dict[str, Any]:
+    method, setup, planted = args
+    return run_method(method, setup, planted=planted)
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--local-epochs", type=int, default=None)
+    ap.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="methods run in parallel")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.smoke:
+        setup = Setup(dataset="digits", departments=6, per_department=250, alpha=0.1, rounds=3, local_epochs=1,
+                      batch_size=32, learning_rate=0.05, model="mlp", mu=0.1, ditto_lambda=0.1,
+                      personal_layers="head", clusters=2, planted_groups=2, seed=args.seed)
+    else:
+        setup = Setup(dataset="fashion-mnist", departments=20, per_department=1250, alpha=0.1, rounds=20,
+                      local_epochs=1, batch_size=32, learning_rate=0.05, model="cnn", mu=0.1, ditto_lambda=0.1,
+                      personal_layers="head", clusters=3, planted_groups=2, seed=args.seed)
+    setup = replace(setup, rounds=args.rounds or setup.rounds, local_epochs=args.local_epochs or setup.local_epochs)
+    jobs = [(m, setup, False) for m in METHODS] + [("ifca", setup, True)]
+    jobs.sort(key=lambda j: j[0] != "ditto")  # the longest first
+    started = time.perf_counter()
+    with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
+        results = list(pool.map(_job, jobs))
+    wall = time.perf_counter() - started
+    by = {(j[0], j[2]): r for j, r in zip(jobs, results, strict=True)}
+    planted = by[("ifca", True)]
+    print(f"setup: {setup}")
+    print(f"{'method':<11} {'mean':>6} {'worst':>6} {'to 80%':>6} {'MB sent':>8} {'s':>6}")
+    for m in METHODS:
+        r = by[(m, False)]
+        print(f"{m:<11} {r['mean']:6.3f} {r['worst']:6.3f} {str(r['rounds_to_80']):>6} {r['bytes'] / 1e6:8.1f} "
+              f"{r['seconds']:6.0f}")
+    print(f"planted ifca: purity {planted['purity']:.3f}, assigned {planted['assigned']}, planted {planted['planted']}")
+    best = max(PERSONALISED, key=lambda m: by[(m, False)]["mean"])
+    figures: dict[str, Any] = {f"{m}_mean_acc": by[(m, False)]["mean"] for m in METHODS}
+    figures.update({
+        "fedavg_worst_acc": by[("fedavg", False)]["worst"],
+        "best_method": best,
+        "best_worst_acc": by[(best, False)]["worst"],
+        "best_minus_fedavg_pts": 100 * (by[(best, False)]["mean"] - by[("fedavg", False)]["mean"]),
+        "best_minus_local_only_pts": 100 * (by[(best, False)]["mean"] - by[("local_only", False)]["mean"]),
+        "best_worst_minus_fedavg_worst_pts": 100 * (by[(best, False)]["worst"] - by[("fedavg", False)]["worst"]),
+        "planted_purity": planted["purity"],
+    })
+    for m in METHODS:
+        r = by[(m, False)]
+        figures[f"{m}_worst_acc"] = r["worst"]
+        figures[f"{m}_rounds_to_80"] = r["rounds_to_80"]
+        figures[f"{m}_mb_sent"] = r["bytes"] / 1e6
+        figures[f"{m}_seconds"] = r["seconds"]
+    figures["ifca_dirichlet_clusters"] = [sum(1 for a in by[("ifca", False)]["assigned"] if a == k)
+                                          for k in range(setup.clusters)]
+    figures["peak_rss_mb_max_worker"] = max(r["peak_rss_mb"] for r in results)
+    figures["wall_seconds"] = wall
+    report(figures, as_json=args.json)
+
+
+if __name__ == "__main__":
+    main()

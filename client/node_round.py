@@ -1,0 +1,189 @@
+"""What a department node does with one round's request, for every strategy, without Flower.
+
+The request brings one global model, or K cluster models (IFCA: the node evaluates each on its own
+training data and trains the lowest-loss one), and says how the node personalises:
+
+- ``none``: train the received model (FedAvg; FedProx with μ > 0).
+- ``fedper``: the named personal layers never leave the node; the received shared layers are
+  completed with the node's own personal layers, trained together, and only the shared part goes back.
+- ``ditto``: the received global model is trained and sent back as in FedAvg; besides, the node's
+  personal model is trained on the same data with ``λ/2 · ||v − w_global||²`` and stays on the node.
+
+The personal state (FedPer's layers, Ditto's model) is passed in and returned; ``personal_store``
+keeps it on disk between rounds. The Flower handlers (``steps``) and the heterogeneity benchmark
+both call these functions, so the benchmark measures the code the nodes run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+from quorumfl.aggregation.clustering import choose_cluster
+from quorumfl.aggregation.errors import ConfigError
+from quorumfl.aggregation.personal import merge_arrays, personal_names, split_arrays
+
+from .data.datasets import Dataset
+from .models import arrays_to_model, build_model, model_to_arrays
+from .training import evaluate, train
+from .wire import TrainConfig
+
+__all__ = ["NodeEvaluation", "NodeRound", "Personalisation", "evaluate_round", "pick_round", "train_round"]
+
+Arrays = dict[str, NDArray[np.generic]]
+
+
+class Personalisation(StrEnum):
+    NONE = "none"
+    FEDPER = "fedper"
+    DITTO = "ditto"
+
+
+@dataclass(frozen=True)
+class NodeRound:
+    """One round's work: what goes back to the server, and what the node keeps."""
+
+    cluster: int | None  # the IFCA choice; None when one global model was sent
+    received: Arrays  # the shared arrays as received (of the chosen cluster)
+    shared: Arrays  # trained shared arrays: the only model data that leaves the node
+    personal: Arrays | None  # the node's new personal state (FedPer layers, Ditto model)
+    num_examples: int
+    train_loss: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class NodeEvaluation:
+    cluster: int | None
+    metrics: dict[str, float]
+
+
+def _mode(config: TrainConfig) -> Personalisation:
+    try:
+        return Personalisation(config.personalisation)
+    except ValueError:
+        raise ConfigError(
+            f"personalisation must be one of {[p.value for p in Personalisation]}, got {config.personalisation!r}"
+        ) from None
+
+
+def _full(
+    config: TrainConfig, model: torch.nn.Module, shared: Mapping[str, NDArray[np.generic]], personal: Arrays | None
+) -> tuple[Arrays, frozenset[str]]:
+    """The complete arrays the node runs: received shared layers plus its own personal ones (FedPer)."""
+    if _mode(config) is not Personalisation.FEDPER:
+        return dict(shared), frozenset()
+    initial = model_to_arrays(model)  # the seeded initial weights: personal layers before the first round
+    names = personal_names(list(initial), config.personal_layers)
+    if set(shared) & names:
+        raise ConfigError(f"the server sent personal layer(s) {sorted(set(shared) & names)}; they must stay on the node")
+    mine = dict(personal) if personal is not None else split_arrays(initial, names)[1]
+    return merge_arrays(shared, mine), names
+
+
+def _pick(
+    config: TrainConfig, model: torch.nn.Module, candidates: Sequence[Mapping[str, NDArray[np.generic]]],
+    personal: Arrays | None, data: Dataset,
+) -> tuple[int | None, Arrays, frozenset[str]]:
+    """(cluster or None, full arrays to start from, personal names); IFCA picks by loss on ``data``."""
+    if not candidates:
+        raise ConfigError("the request carries no model")
+    if len(candidates) == 1:
+        full, names = _full(config, model, candidates[0], personal)
+        return None, full, names
+    fulls = [_full(config, model, c, personal) for c in candidates]
+    losses = []
+    for full, _ in fulls:
+        arrays_to_model(model, full)
+        losses.append(evaluate(model, data).loss)
+    best = choose_cluster(losses)
+    return best, fulls[best][0], fulls[best][1]
+
+
+def pick_round(
+    config: TrainConfig,
+    candidates: Sequence[Mapping[str, NDArray[np.generic]]],
+    personal: Arrays | None,
+    train_data: Dataset,
+) -> int:
+    """IFCA's choice alone (lowest loss on the node's training data), for a round whose training
+    comes in a second message (secure aggregation sums each cluster's nodes as one group)."""
+    model = build_model(config.model, train_data.input_shape, train_data.num_classes, seed=config.seed)
+    cluster, _, _ = _pick(config, model, candidates, personal, train_data)
+    return 0 if cluster is None else cluster
+
+
+def train_round(
+    config: TrainConfig,
+    candidates: Sequence[Mapping[str, NDArray[np.generic]]],
+    personal: Arrays | None,
+    train_data: Dataset,
+    test_data: Dataset,
+) -> NodeRound:
+    """Pick (IFCA), train, evaluate before and after; personal state in and out."""
+    mode = _mode(config)
+    if mode is Personalisation.DITTO and not config.ditto_lambda >= 0:
+        raise ConfigError(f"ditto-lambda must be >= 0, got {config.ditto_lambda}")
+    model = build_model(config.model, train_data.input_shape, train_data.num_classes, seed=config.seed)
+    cluster, start, names = _pick(config, model, candidates, personal, train_data)
+    arrays_to_model(model, start)
+    before = evaluate(model, test_data)
+    started = time.perf_counter()
+    seed = config.seed + config.server_round
+    result = train(model, train_data, epochs=config.local_epochs, batch_size=config.batch_size,
+                   learning_rate=config.learning_rate, proximal_mu=config.proximal_mu, seed=seed)
+    after = evaluate(model, test_data)
+    shared, mine = split_arrays(model_to_arrays(model), names)
+    received = split_arrays(start, names)[0]
+    metrics = {
+        "num-examples": float(result.num_examples),
+        "train-loss": result.loss,
+        "global-accuracy": before.accuracy,
+        "global-loss": before.loss,
+        "local-accuracy": after.accuracy,
+    }
+    kept: Arrays | None = mine if mode is Personalisation.FEDPER else None
+    if mode is Personalisation.FEDPER:
+        metrics["personal-accuracy"] = after.accuracy
+    if mode is Personalisation.DITTO:
+        anchor = [torch.from_numpy(np.array(start[k], copy=True)) for k, _ in model.named_parameters()]
+        arrays_to_model(model, dict(personal) if personal is not None else start)
+        train(model, train_data, epochs=config.local_epochs, batch_size=config.batch_size,
+              learning_rate=config.learning_rate, proximal_mu=config.ditto_lambda, seed=seed + 1, anchor=anchor)
+        kept = model_to_arrays(model)
+        metrics["personal-accuracy"] = evaluate(model, test_data).accuracy
+    metrics["train-seconds"] = time.perf_counter() - started
+    if cluster is not None:
+        metrics["cluster"] = float(cluster)
+    return NodeRound(cluster, received, shared, kept, result.num_examples, result.loss, metrics)
+
+
+def evaluate_round(
+    config: TrainConfig,
+    candidates: Sequence[Mapping[str, NDArray[np.generic]]],
+    personal: Arrays | None,
+    train_data: Dataset,
+    test_data: Dataset,
+) -> NodeEvaluation:
+    """The department's accuracy on its own test split with the federation's model for it (global,
+    its cluster's, or shared + personal layers) and, for Ditto, with its personal model."""
+    model = build_model(config.model, test_data.input_shape, test_data.num_classes, seed=config.seed)
+    cluster, start, _ = _pick(config, model, candidates, personal, train_data)
+    arrays_to_model(model, start)
+    result = evaluate(model, test_data)
+    metrics = {"accuracy": result.accuracy, "loss": result.loss, "num-examples": float(result.num_examples)}
+    mode = _mode(config)
+    if mode is Personalisation.FEDPER:
+        metrics["personal-accuracy"] = result.accuracy
+    elif mode is Personalisation.DITTO and personal is not None:
+        arrays_to_model(model, dict(personal))
+        metrics["personal-accuracy"] = evaluate(model, test_data).accuracy
+    if cluster is not None:
+        metrics["cluster"] = float(cluster)
+    return NodeEvaluation(cluster, metrics)

@@ -1,0 +1,69 @@
+"""A node's personal model state between rounds (FedPer's personal layers, Ditto's personal model).
+
+Flower runs each message in a fresh process, so what a department keeps for itself lives on its own
+disk: one ``.npz`` per run under the node's state directory (node config ``state-dir``, else
+``$QUORUMFL_HOME/node-state/<node id>``), written to a temporary name, fsynced and renamed, so a crash
+leaves the previous state whole. It never leaves the node.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from numpy.typing import NDArray
+
+from quorumfl.aggregation.errors import DataError
+
+__all__ = ["PersonalStore"]
+
+Arrays = dict[str, NDArray[np.generic]]
+_RUN = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+class PersonalStore:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    @classmethod
+    def for_node(cls, node_config: dict[str, object], node_id: int) -> PersonalStore:
+        configured = node_config.get("state-dir")
+        if isinstance(configured, str) and configured:
+            return cls(Path(configured).expanduser())
+        home = Path(os.environ.get("QUORUMFL_HOME") or Path.home() / ".quorumfl").expanduser()
+        return cls(home / "node-state" / str(node_id))
+
+    def _path(self, run: str) -> Path:
+        if not _RUN.match(run):
+            raise DataError(f"personal state: run key {run!r} is not a plain name")
+        return self.directory / f"personal-{run}.npz"
+
+    def load(self, run: str) -> Arrays | None:
+        """The stored state of ``run``, or None before the node's first round of it."""
+        path = self._path(run)
+        if not path.exists():
+            return None
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                return {k: data[k] for k in data.files}
+        except (OSError, ValueError) as exc:
+            raise DataError(f"personal state {path} is unreadable ({exc}); remove it to start the personal "
+                            "model afresh") from exc
+
+    def save(self, run: str, arrays: Arrays) -> Path:
+        path = self._path(run)
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".personal-", suffix=".npz")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                np.savez(handle, **arrays)  # type: ignore[arg-type]
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
