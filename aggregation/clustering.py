@@ -84,12 +84,14 @@ def repair_clusters(
     noise: float,
     rng: np.random.Generator,
 ) -> tuple[list[dict[str, NDArray[np.generic]]], list[Repair]]:
-    """Re-seed clusters that are empty or have collapsed onto another one.
+    """Re-seed clusters that are empty or have collapsed onto another one, by splitting the largest.
 
     A cluster with no members this round, or whose model lies within ``merge_distance`` (relative L2)
-    of a larger cluster's model, is re-seeded as the largest cluster's model plus Gaussian noise of
-    ``noise`` × that model's per-tensor std, so it can split that cluster again instead of staying a
-    dead or duplicate model. Returns the new models and what was repaired.
+    of a larger cluster's model, is re-seeded by splitting the largest cluster (as k-means' LBG
+    splitting does): it becomes the largest model plus a Gaussian perturbation δ of ``noise`` × that
+    model's per-tensor std, and the largest becomes the model minus δ (for the first re-seeded cluster).
+    Neither half is then systematically worse on the nodes' data, so the nodes divide between them
+    instead of all staying with an unperturbed model. Returns the new models and what was repaired.
     """
     if len(models) != len(members) or not models:
         raise AggregationError(f"{len(models)} cluster models but {len(members)} member counts")
@@ -115,13 +117,17 @@ def repair_clusters(
                     break
         if reason is None:
             continue
-        seeded: dict[str, NDArray[np.generic]] = {}
+        plus: dict[str, NDArray[np.generic]] = {}
+        minus: dict[str, NDArray[np.generic]] = {}
         for name in sorted(models[largest]):  # sorted: the noise must not depend on the arrays' order
             arr = np.asarray(models[largest][name])
             std = float(np.std(arr.astype(np.float64))) if arr.size else 0.0
-            jitter = rng.normal(0.0, noise * std, size=arr.shape) if std > 0 else np.zeros(arr.shape)
-            seeded[name] = (arr.astype(np.float64) + jitter).astype(arr.dtype)
-        out[k] = seeded
+            delta = rng.normal(0.0, noise * std, size=arr.shape) if std > 0 else np.zeros(arr.shape)
+            plus[name] = (arr.astype(np.float64) + delta).astype(arr.dtype)
+            minus[name] = (arr.astype(np.float64) - delta).astype(arr.dtype)
+        out[k] = plus
+        if not repairs:
+            out[largest] = minus
         repairs.append(Repair(k, reason, largest))
     return out, repairs
 

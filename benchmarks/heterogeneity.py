@@ -28,6 +28,7 @@ best_method, per-method worst accuracy, rounds to 80% and bytes, seconds and pea
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -205,6 +206,10 @@ def main() -> None:
     ap.add_argument("--local-epochs", type=int, default=None)
     ap.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 8), help="methods run in parallel")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ditto-lambda", type=float, default=None)
+    ap.add_argument("--personal-layers", default=None, help="FedPer's personal layers (prefixes or 'head')")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help="a subset to run (a sweep); the goal keys need all of them and the planted run")
     args = ap.parse_args()
     if args.smoke:
         setup = Setup(dataset="digits", departments=6, per_department=250, alpha=0.1, rounds=3, local_epochs=1,
@@ -214,7 +219,15 @@ def main() -> None:
         setup = Setup(dataset="fashion-mnist", departments=20, per_department=1250, alpha=0.1, rounds=20,
                       local_epochs=1, batch_size=32, learning_rate=0.05, model="cnn", mu=0.1, ditto_lambda=0.1,
                       personal_layers="head", clusters=3, planted_groups=2, seed=args.seed)
-    setup = replace(setup, rounds=args.rounds or setup.rounds, local_epochs=args.local_epochs or setup.local_epochs)
+    setup = replace(setup, rounds=args.rounds or setup.rounds, local_epochs=args.local_epochs or setup.local_epochs,
+                    ditto_lambda=setup.ditto_lambda if args.ditto_lambda is None else args.ditto_lambda,
+                    personal_layers=args.personal_layers or setup.personal_layers)
+    methods = [m for m in METHODS if m in args.methods.split(",")]
+    if len(methods) < len(METHODS):  # a sweep: print each method's figures, no goal keys
+        with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
+            for r in pool.map(_job, [(m, setup, False) for m in methods]):
+                print(json.dumps({k: v for k, v in r.items() if k not in ("assigned", "planted")}))
+        return
     jobs = [(m, setup, False) for m in METHODS] + [("ifca", setup, True)]
     jobs.sort(key=lambda j: j[0] != "ditto")  # the longest first
     started = time.perf_counter()

@@ -7,6 +7,7 @@ late or rejected by aggregation is recorded as a round failure and the round goe
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import resource
@@ -144,7 +145,10 @@ class Federation:
         its shared layers (FedPer), so heads and rollbacks never mix incompatible arrays."""
         strategy = self.strategy
         if isinstance(strategy, FedPer):
-            return [f"{arch}|fedper-shared:{strategy.personal_layers}"]
+            layers = strategy.personal_layers.replace(" ", "")
+            if len(arch) + len(layers) > 100:  # the DB column holds 128 characters
+                layers = hashlib.sha256(layers.encode()).hexdigest()[:16]
+            return [f"{arch}|fedper-shared:{layers}"]
         if strategy.clusters > 1:
             return [f"{arch}|ifca-{strategy.clusters}:cluster-{k}" for k in range(strategy.clusters)]
         return [arch]

@@ -102,17 +102,36 @@ def run_view(repo: Repository, ref: int) -> dict[str, Any]:
     }
 
 
-def nodes_view(repo: Repository) -> list[dict[str, Any]]:
-    return [
-        {
+def nodes_view(repo: Repository, run_ref: int | None = None) -> list[dict[str, Any]]:
+    """Known nodes; with a run, also each node's cluster in the run's last round it trained in (IFCA)
+    and its final accuracy with the federation's model and with its personal model."""
+    per_node: dict[int, dict[str, Any]] = {}
+    if run_ref is not None:
+        run = repo.get_run(run_ref)
+        last_cluster: dict[int, tuple[int, float]] = {}
+        for metric in repo.metrics(run.id):
+            if metric.node_id is None:
+                continue
+            row = per_node.setdefault(metric.node_id, {})
+            if metric.name == "cluster" and metric.round >= last_cluster.get(metric.node_id, (-1, 0.0))[0]:
+                last_cluster[metric.node_id] = (metric.round, metric.value)
+            elif metric.name in ("final-accuracy", "final-personal-accuracy"):
+                row[metric.name.removeprefix("final-")] = metric.value
+        for node, (_, value) in last_cluster.items():
+            per_node[node]["cluster"] = int(value)
+    rows = []
+    for n in repo.list_nodes():
+        if run_ref is not None and n.node_id not in per_node:
+            continue
+        rows.append({
             "node_id": str(n.node_id),
             "department": n.department,
             "enabled": n.enabled,
             "first_seen": _iso(n.first_seen),
             "last_seen": _iso(n.last_seen),
-        }
-        for n in repo.list_nodes()
-    ]
+            **per_node.get(n.node_id, {}),
+        })
+    return rows
 
 
 def keys_view(repo: Repository, ref: int) -> dict[str, Any]:

@@ -54,3 +54,11 @@ def test_threshold_ckks_smoke() -> None:
     assert all(float(figures[k]) > 0 for k in keys - {"max_abs_error"})  # type: ignore[arg-type]
     # the step-by-step decryption matched numpy's sum within 6σ of the documented error
     assert float(figures["max_abs_error"]) <= 6 * float(figures["predicted_error_std"])  # type: ignore[arg-type]
+
+
+def test_heterogeneity_smoke() -> None:
+    figures = _run("heterogeneity.py")
+    keys = {"fedavg_mean_acc", "fedprox_mean_acc", "ifca_mean_acc", "fedper_mean_acc", "ditto_mean_acc",
+            "local_only_mean_acc", "fedavg_worst_acc", "best_worst_acc", "best_minus_fedavg_pts", "planted_purity"}
+    assert keys <= set(figures)
+    assert all(0.0 <= float(figures[k]) <= 1.0 for k in keys - {"best_minus_fedavg_pts"})  # type: ignore[arg-type]

@@ -41,7 +41,7 @@ def demo(
     departments: Annotated[int, typer.Option(help="Number of department nodes (SuperNodes).")] = 4,
     rounds: Annotated[int, typer.Option(help="Training rounds.")] = 5,
     alpha: Annotated[float, typer.Option(help="Dirichlet α of the label skew (smaller = more skewed).")] = 0.5,
-    strategy: Annotated[str, typer.Option(help="fedprox or fedavg.")] = "fedprox",
+    strategy: Annotated[str, typer.Option(help="fedprox, fedavg, ifca (clustered), fedper or ditto (personalised).")] = "fedprox",
     mu: Annotated[float, typer.Option(help="FedProx proximal coefficient μ.")] = 0.1,
     seed: Annotated[int, typer.Option(help="Seed for the split, the model and the sampling.")] = 0,
     secure_aggregation: Annotated[
@@ -67,7 +67,9 @@ def demo(
     rows = [{"round": r["round"], "status": r["status"], "accuracy": r["metrics"].get("accuracy"),
              "nodes": len(r["participants"]), "failures": len(r["failures"])} for r in view["rounds"]]
     console.print(table(f"Run {view['id']}: global accuracy per round (held-out digits)", rows, ["round", "status", "accuracy", "nodes", "failures"]))
-    console.print(table("Final model per department (own test split)", view["departments"], ["department", "accuracy", "num-examples"]))
+    extra = [c for c in ("personal-accuracy", "cluster") if any(c in d for d in view["departments"])]
+    console.print(table("Final model per department (own test split)", view["departments"],
+                        ["department", "accuracy", *extra, "num-examples"]))
     elapsed = time.monotonic() - started
     if run.status != "completed":
         raise FederationError(f"run {run.id} ended {run.status}: {run.error}")

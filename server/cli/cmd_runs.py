@@ -119,7 +119,10 @@ def show(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (Qu
     ]
     console.print(table("Global model per round", rows, ["round", "status", "accuracy", "loss", "nodes", "failures", "seconds"]))
     if view["departments"]:
-        console.print(table("Final model per department (own test split)", view["departments"], ["department", "accuracy", "loss", "num-examples"]))
+        extra = [c for c in ("personal-accuracy", "cluster") if any(c in d for d in view["departments"])]
+        console.print(table("Final models per department (own test split): the federation's model (global, or "
+                            "its cluster's) and the personal one", view["departments"],
+                            ["department", "accuracy", *extra, "loss", "num-examples"]))
 
 
 @runs_app.command("stop")

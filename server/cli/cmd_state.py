@@ -19,13 +19,24 @@ NodeRef = Annotated[str, typer.Argument(help="Flower node id or department name.
 
 
 @nodes_app.command("list")
-def list_nodes(ctx: typer.Context, fmt: FormatOpt = Format.TABLE) -> None:
-    """Known nodes, their department and whether they may be selected."""
-    rows = nodes_view(settings(ctx).repository())
+def list_nodes(
+    ctx: typer.Context,
+    run: Annotated[int | None, typer.Argument(help="A run (QuorumFL or Flower id): show only its nodes, with "
+                                                  "their cluster and final accuracies.")] = None,
+    fmt: FormatOpt = Format.TABLE,
+) -> None:
+    """Known nodes, their department and whether they may be selected (per run: cluster and accuracy)."""
+    rows = nodes_view(settings(ctx).repository(), run)
     if fmt is Format.JSON:
         print_json(rows)
         return
-    console.print(table("Nodes", rows, ["node_id", "department", "enabled", "first_seen", "last_seen"]))
+    if run is None:
+        console.print(table("Nodes", rows, ["node_id", "department", "enabled", "first_seen", "last_seen"]))
+        return
+    columns = ["node_id", "department", "enabled"] + [
+        c for c in ("cluster", "accuracy", "personal-accuracy") if any(c in r for r in rows)
+    ]
+    console.print(table(f"Nodes of run {run}", rows, columns))
 
 
 def _set_enabled(ctx: typer.Context, ref: str, enabled: bool) -> None:
