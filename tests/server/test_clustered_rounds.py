@@ -166,3 +166,18 @@ def test_ditto_keeps_a_personal_model_and_reports_both_accuracies(tmp_path: Path
     assert np.mean([v["final-personal-accuracy"] for v in final.values()]) > np.mean([v["final-accuracy"] for v in final.values()])
     stored = PersonalStore(tmp_path / "state" / next(iter(six_parts))).load("99")
     assert stored is not None and set(stored) == set(model_to_arrays(build_model("mlp", (1, 8, 8), 10)))
+
+
+def test_fedper_with_ckks_encrypts_only_shared_layers(tmp_path: Path, six_parts: dict[str, Path]) -> None:
+    grid = LoopbackGrid(_contexts(six_parts, tmp_path / "state"))
+    federation, repo = _federation(tmp_path, grid, strategy="fedper", **{"secure-aggregation": "ckks",
+                                                                          "secagg-threshold": 0.6, "num-rounds": 1})
+    run_id = federation.run()
+
+    assert repo.get_run(run_id).status == RunStatus.COMPLETED, repo.get_run(run_id).error
+    personal = {"5.weight", "5.bias"}
+    for message in [*grid.sent, *grid.replies]:
+        for record in message.content.array_records.values():
+            assert not set(record) & personal
+    version = repo.list_model_versions(run_id=run_id)[-1]
+    assert not set(ModelStore.load(version.path, version.sha256)) & personal
