@@ -8,15 +8,17 @@ leaves the previous state whole. It never leaves the node.
 
 from __future__ import annotations
 
+import io
 import os
 import re
-import tempfile
 from pathlib import Path
 
 import numpy as np
 from numpy.typing import NDArray
 
 from quorumfl.aggregation.errors import DataError
+
+from .files import atomic_write
 
 __all__ = ["PersonalStore"]
 
@@ -56,14 +58,7 @@ class PersonalStore:
     def save(self, run: str, arrays: Arrays) -> Path:
         path = self._path(run)
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".personal-", suffix=".npz")
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                np.savez(handle, **arrays)  # type: ignore[arg-type]
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)  # type: ignore[arg-type]
+        atomic_write(path, buffer.getvalue(), mode=0o600)
         return path

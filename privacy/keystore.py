@@ -24,6 +24,7 @@ import numpy as np
 
 from quorumfl.aggregation.ckks import Announcement, CkksParams, Commitment, KeyParty, KeyShare
 from quorumfl.aggregation.errors import NotFoundError, SecureAggregationError
+from quorumfl.client.files import atomic_write
 
 __all__ = ["KeyStore", "StoredKey"]
 
@@ -75,22 +76,7 @@ class KeyStore:
 
     # ---- files ------------------------------------------------------------------------------
     def _write(self, path: Path, content: dict[str, Any]) -> None:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(_seal(content))
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
-        dir_fd = os.open(self.directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        atomic_write(path, _seal(content), mode=0o600)
 
     def _read(self, path: Path, what: str) -> dict[str, Any]:
         if not path.exists():

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from quorumfl.aggregation.errors import ModelStoreError
+from quorumfl.client.files import atomic_write
 
 __all__ = ["ModelStore", "StoredModel"]
 
@@ -52,21 +51,7 @@ class ModelStore:
         digest = hashlib.sha256(payload).hexdigest()
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"{name}.npz"
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.root)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(payload)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        dir_fd = os.open(self.root, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        atomic_write(final, payload)
         return StoredModel(final, digest, len(payload))
 
     @staticmethod

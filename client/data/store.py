@@ -6,8 +6,8 @@ A partition directory holds ``train.npz`` and ``test.npz`` (arrays ``x``, ``y``)
 
 from __future__ import annotations
 
+import io
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +16,7 @@ import numpy as np
 
 from quorumfl.aggregation.errors import ConfigError, DataError
 
+from ..files import atomic_write
 from .datasets import Dataset, holdout_split
 from .partition import partition
 
@@ -44,12 +45,9 @@ def department_slug(name: str) -> str:
 
 
 def _save_npz(path: Path, data: Dataset) -> None:
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as fh:
-        np.savez(fh, x=data.x, y=data.y)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    buffer = io.BytesIO()
+    np.savez(buffer, x=data.x, y=data.y)
+    atomic_write(path, buffer.getvalue())
 
 
 def write_partition(directory: Path, part: Partition) -> None:
