@@ -12,6 +12,7 @@ import typer
 from quorumfl.aggregation.errors import FederationError
 from quorumfl.client.data import prepare_partitions, read_partition
 from quorumfl.client.data.datasets import FASHION_MNIST_DIR
+from quorumfl.client.data.planted import plant_partitions
 
 from ..config import SecureMode
 from ..demo import DemoSettings, run_demo
@@ -145,13 +146,16 @@ def data_split(
     labels_per_node: Annotated[int, typer.Option(help="Classes per node for 'shards'.")] = 2,
     seed: Annotated[int, typer.Option(help="Seed of the split.")] = 0,
     data_dir: Annotated[Path | None, typer.Option(help=f"Fashion-MNIST IDX folder (default {FASHION_MNIST_DIR}).")] = None,
+    planted_groups: Annotated[int, typer.Option(help="Plant this many groups of departments, each with its own "
+                                                     "label permutation, to measure cluster recovery (0: none).")] = 0,
 ) -> None:
     """Split a dataset into department partition directories (each node gets only its own)."""
     names = [d.strip() for d in departments.split(",") if d.strip()]
     paths = prepare_partitions(out, names, dataset=dataset, method=method, alpha=alpha,
                                labels_per_node=labels_per_node, seed=seed, data_dir=data_dir)
+    groups = plant_partitions(paths, planted_groups, seed=seed) if planted_groups else {}
     for name, path in paths.items():
-        console.print(f"{name}: {path}")
+        console.print(f"{name}: {path}" + (f" (planted group {groups[name]})" if groups else ""))
 
 
 @db_app.command("upgrade")

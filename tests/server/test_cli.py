@@ -158,3 +158,24 @@ def test_keys_status_and_ceremony(tmp_path: Path) -> None:
     refused = quorumfl("keys", "ceremony", str(run.id), db=url)
     assert refused.returncode == 3 and "running run" in refused.stderr
     assert quorumfl("keys", "status", "999", db=url).returncode == 5
+
+
+def test_per_run_node_view_shows_cluster_and_personal_accuracy(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'state.db'}"
+    repo = Repository(connect(url, migrate=True))
+    run = repo.create_run(flower_run_id=5, config={"dataset": "digits", "model": "mlp"}, strategy="ifca", num_rounds=2)
+    for number, cluster in ((1, 0), (2, 1)):  # the node moved to cluster 1 in round 2
+        repo.add_metrics(run.id, number, {"cluster": float(cluster)}, node_id=7)
+    repo.add_metrics(run.id, 2, {"final-accuracy": 0.81, "final-personal-accuracy": 0.93, "final-cluster": 1.0}, node_id=7)
+    repo.touch_node(7, department="tax-office")
+    repo.touch_node(8, department="parks")  # not in this run
+
+    [row] = json.loads(quorumfl("nodes", "list", str(run.id), "--format", "json", db=url).stdout)
+    assert row["department"] == "tax-office" and row["cluster"] == 1
+    assert row["accuracy"] == pytest.approx(0.81) and row["personal-accuracy"] == pytest.approx(0.93)
+    table = quorumfl("runs", "show", str(run.id), db=url).stdout
+    assert "personal-accuracy" in table.replace("\n", " ") or "personal" in table
+    assert "0.93" in table
+    split = quorumfl("data", "split", "--out", str(tmp_path / "parts"), "--departments", "a,b,c,d", "--method", "iid",
+                     "--planted-groups", "2")
+    assert split.returncode == 0 and split.stdout.count("planted group") == 4, split.stderr
