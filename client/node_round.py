@@ -141,6 +141,8 @@ def train_round(
     after = evaluate(model, test_data)
     shared, mine = split_arrays(model_to_arrays(model), names)
     received = split_arrays(start, names)[0]
+    if set(shared) & names:  # fail closed: a personal layer must never be in what is sent
+        raise ConfigError(f"personal layer(s) {sorted(set(shared) & names)} would leave the node")
     metrics = {
         "num-examples": float(result.num_examples),
         "train-loss": result.loss,
