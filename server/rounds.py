@@ -22,6 +22,7 @@ from flwr.serverapp import Grid
 from numpy.typing import NDArray
 
 from quorumfl.aggregation import NodeUpdate, QuorumError, aggregate_weighted_metrics
+from quorumfl.aggregation.clustering import Repair
 from quorumfl.aggregation.errors import FederationError
 from quorumfl.client.data.datasets import Dataset, holdout_split
 from quorumfl.client.models import architecture_key, arrays_to_model, build_model, model_to_arrays
@@ -439,7 +440,8 @@ class Federation:
         timings: dict[str, float],
     ) -> TrainPhase:
         """IFCA with masking: the choice first (one round trip), then one masked sum per cluster."""
-        assert self.secure is not None and isinstance(self.strategy, ClusteredFedAvg)
+        if self.secure is None or not isinstance(self.strategy, ClusteredFedAvg):
+            raise FederationError("a masked clustered round needs masking and the ifca strategy")
         chosen, departments = self._pick(models, configs, outcome, timings)
         phase = self.secure.round(models[0], {n: c for n, c in configs.items() if n in chosen}, outcome.failures,
                                   timings, models=models, cluster_of=chosen)
@@ -448,8 +450,7 @@ class Federation:
             members = [[n for n, c in phase.assignments.items() if c == k] for k in range(len(models))]
             repaired = self.strategy.repair(number, ClusteredResult(models=phase.models, members=members))
             phase.models = repaired.models
-            phase.repairs = [f"cluster {r.cluster} {r.reason}: re-seeded from cluster {r.seeded_from}"
-                             for r in repaired.repairs]
+            phase.repairs = _describe(repaired.repairs)
         return phase
 
     def _plaintext_phase(
@@ -481,8 +482,7 @@ class Federation:
             if accepted_ids:
                 phase.models = clustered.models
                 phase.assignments = {n: k for k, nodes in enumerate(clustered.members) for n in nodes}
-                phase.repairs = [f"cluster {r.cluster} {r.reason}: re-seeded from cluster {r.seeded_from}"
-                                 for r in clustered.repairs]
+                phase.repairs = _describe(clustered.repairs)
             phase.total_examples = clustered.total_examples
         else:
             result = self.strategy.aggregate_train(models[0], (p.update for p in parsed))
@@ -535,6 +535,10 @@ class Federation:
             log.warning("final evaluation: node %s failed: %s", node, reason)
 
 
+
+
+def _describe(repairs: Iterable[Repair]) -> list[str]:
+    return [f"cluster {r.cluster} {r.reason}: re-seeded by splitting cluster {r.seeded_from}" for r in repairs]
 
 
 class _RepoAudit(AuditTrail):
