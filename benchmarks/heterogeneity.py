@@ -50,7 +50,8 @@ from quorumfl.client.data.planted import plant_label_permutations
 from quorumfl.client.models import build_model, model_to_arrays
 from quorumfl.client.node_round import evaluate_round, train_round
 from quorumfl.client.wire import TrainConfig
-from quorumfl.server.strategies import ClusteredFedAvg, Ditto, FedAvg, FedPer, FedProx
+from quorumfl.server.config import RunConfig
+from quorumfl.server.strategies import ClusteredFedAvg, FedAvg, build_strategy
 
 METHODS = ("fedavg", "fedprox", "ifca", "fedper", "ditto", "local_only")
 PERSONALISED = ("ifca", "fedper", "ditto")
@@ -110,16 +111,14 @@ def _base(setup: Setup) -> TrainConfig:
 
 
 def _strategy(method: str, setup: Setup, clusters: int) -> FedAvg:
-    common: dict[str, Any] = {"fraction_train": 1.0, "min_nodes": 1, "seed": setup.seed}
-    if method == "fedprox":
-        return FedProx(**common, proximal_mu=setup.mu)
-    if method == "fedper":
-        return FedPer(**common, proximal_mu=0.0, personal_layers=setup.personal_layers)
-    if method == "ditto":
-        return Ditto(**common, proximal_mu=0.0, ditto_lambda=setup.ditto_lambda)
-    if method == "ifca":
-        return ClusteredFedAvg(**common, proximal_mu=0.0, clusters=clusters, merge_distance=0.01, reseed_noise=0.1)
-    return FedAvg(**common)
+    """The product's strategy for ``method``, built from a run config as a real run builds it (so IFCA's
+    repair settings are the run-config defaults); FedProx alone uses μ, as in the table."""
+    config = RunConfig.from_mapping({
+        "strategy": method, "proximal-mu": setup.mu if method == "fedprox" else 0.0, "fraction-train": 1.0,
+        "min-nodes": 1, "seed": setup.seed, "clusters": clusters, "personal-layers": setup.personal_layers,
+        "ditto-lambda": setup.ditto_lambda,
+    })
+    return build_strategy(config)
 
 
 def _nbytes(arrays: dict[str, Any]) -> int:

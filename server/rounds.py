@@ -327,7 +327,7 @@ class Federation:
         elif self.secure is not None and len(models) > 1:
             phase = self._masked_clustered_phase(number, models, configs, outcome, timings)
         elif self.secure is not None:
-            phase = self.secure.round(models[0], configs, outcome.failures, timings)
+            phase = self.secure.round(models, configs, outcome.failures, timings)
         else:
             phase = self._plaintext_phase(number, models, configs, outcome, timings)
         for node in phase.accepted:
@@ -443,8 +443,8 @@ class Federation:
         if self.secure is None or not isinstance(self.strategy, ClusteredFedAvg):
             raise FederationError("a masked clustered round needs masking and the ifca strategy")
         chosen, departments = self._pick(models, configs, outcome, timings)
-        phase = self.secure.round(models[0], {n: c for n, c in configs.items() if n in chosen}, outcome.failures,
-                                  timings, models=models, cluster_of=chosen)
+        phase = self.secure.round(models, {n: c for n, c in configs.items() if n in chosen}, outcome.failures,
+                                  timings, cluster_of=chosen)
         phase.departments = {**departments, **phase.departments}
         if phase.models is not None:
             members = [[n for n, c in phase.assignments.items() if c == k] for k in range(len(models))]

@@ -140,32 +140,31 @@ class MaskingSession:
 
     def round(
         self,
-        arrays: Arrays,
+        models: Sequence[Arrays],
         configs: dict[int, TrainConfig],
         failures: Failures,
         timings: dict[str, float],
         *,
-        models: Sequence[Arrays] | None = None,
         cluster_of: Mapping[int, int] | None = None,
     ) -> TrainPhase:
-        """One masked round for the selected nodes (the keys of ``configs``).
+        """One masked round for the selected nodes (the keys of ``configs``) on the global model
+        (``models`` holds one) or, with ``cluster_of``, on IFCA's cluster models.
 
-        Clustered (IFCA): ``models`` are the cluster models and ``cluster_of`` each node's choice; each
+        Clustered: ``models`` are the cluster models and ``cluster_of`` each node's choice; each
         cluster is one masking group, summed and revealed on its own. A cluster with fewer nodes than
         the group quorum sits the round out (its nodes are recorded as failures): its sum would
         reveal too few departments' updates.
         """
         selected = sorted(configs)
-        clustered = models is not None
-        models = list(models) if models is not None else [arrays]
-        cluster_of = dict(cluster_of) if cluster_of is not None else {n: 0 for n in selected}
+        clustered = cluster_of is not None
+        choice = dict(cluster_of) if cluster_of is not None else {n: 0 for n in selected}
         try:
             start = self.clock()
             epoch = self.epoch
             if epoch is None or self._needs_new_epoch(selected):
                 epoch = self._setup(selected, failures)
             timings["secagg-setup"] = self.clock() - start
-            return self._masked_round(epoch, models, cluster_of, configs, failures, timings, clustered=clustered)
+            return self._masked_round(epoch, list(models), choice, configs, failures, timings, clustered=clustered)
         except QuorumError as exc:
             log.warning("secure aggregation: %s", exc)
             return TrainPhase(arrays=None, error=f"secure aggregation: {exc}")
