@@ -14,6 +14,8 @@ every other layer (client, server, CLI) can import it::
     ├── StateError           the state database (unreachable, not migrated, missing row)
     │   └── NotFoundError    a run / node / model version that does not exist
     ├── ModelStoreError      a model file missing, tampered or unreadable
+    ├── TrainingError        local training failed (a DDP worker died, a checkpoint is unusable)
+    ├── PrivacyBudgetError   the next round would spend more ε than the department allows (refused)
     └── FederationError      the Flower SuperLink/SuperNodes (unreachable, failed to start, run failed)
 
 The CLI maps each branch to a documented exit code (see ``quorumfl.server.cli.errors``).
@@ -33,7 +35,9 @@ __all__ = [
     "QuorumError",
     "QuorumNotMetError",
     "SecureAggregationError",
+    "PrivacyBudgetError",
     "StateError",
+    "TrainingError",
 ]
 
 
@@ -91,3 +95,11 @@ class ModelStoreError(QuorumError):
 
 class FederationError(QuorumError):
     """The Flower federation (SuperLink, SuperNodes, Control API) failed or is unreachable."""
+
+
+class TrainingError(QuorumError):
+    """Local training could not finish: a DDP worker failed, or a checkpoint could not be used."""
+
+
+class PrivacyBudgetError(QuorumError):
+    """Training would take a department past its privacy budget; the node refuses (fails closed)."""

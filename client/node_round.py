@@ -20,6 +20,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,11 +31,14 @@ from quorumfl.aggregation.errors import ConfigError
 from quorumfl.aggregation.personal import merge_arrays, personal_names, split_arrays
 
 from .data.datasets import Dataset
+from .engine import EngineSettings, TrainJob, train_model
 from .models import arrays_to_model, build_model, model_to_arrays
 from .training import evaluate, train
 from .wire import TrainConfig
 
-__all__ = ["NodeEvaluation", "NodeRound", "Personalisation", "evaluate_round", "pick_round", "train_round"]
+__all__ = [
+    "NodeEvaluation", "NodeRound", "Personalisation", "evaluate_round", "pick_round", "train_job", "train_round",
+]
 
 Arrays = dict[str, NDArray[np.generic]]
 
@@ -119,14 +123,24 @@ def pick_round(
     return 0 if cluster is None else cluster
 
 
+def train_job(config: TrainConfig, *, seed: int) -> TrainJob:
+    return TrainJob(epochs=config.local_epochs, batch_size=config.batch_size, learning_rate=config.learning_rate,
+                    proximal_mu=config.proximal_mu, seed=seed, clip_norm=config.clip_norm,
+                    warmup_steps=config.warmup_steps, lr_reference_batch=config.lr_reference_batch)
+
+
 def train_round(
     config: TrainConfig,
     candidates: Sequence[Mapping[str, NDArray[np.generic]]],
     personal: Arrays | None,
     train_data: Dataset,
     test_data: Dataset,
+    *,
+    engine: EngineSettings | None = None,
+    checkpoint: Path | None = None,
 ) -> NodeRound:
-    """Pick (IFCA), train, evaluate before and after; personal state in and out."""
+    """Pick (IFCA), train with the node's engine (resuming from ``checkpoint`` after a crash), evaluate
+    before and after; personal state in and out."""
     mode = _mode(config)
     if mode is Personalisation.DITTO and not config.ditto_lambda >= 0:
         raise ConfigError(f"ditto-lambda must be >= 0, got {config.ditto_lambda}")
@@ -136,8 +150,8 @@ def train_round(
     before = evaluate(model, test_data)
     started = time.perf_counter()
     seed = config.seed + config.server_round
-    result = train(model, train_data, epochs=config.local_epochs, batch_size=config.batch_size,
-                   learning_rate=config.learning_rate, proximal_mu=config.proximal_mu, seed=seed)
+    run = train_model(model, train_data, train_job(config, seed=seed), engine, checkpoint=checkpoint)
+    result = run.loop
     after = evaluate(model, test_data)
     shared, mine = split_arrays(model_to_arrays(model), names)
     received = split_arrays(start, names)[0]
@@ -149,7 +163,14 @@ def train_round(
         "global-accuracy": before.accuracy,
         "global-loss": before.loss,
         "local-accuracy": after.accuracy,
+        "train-workers": float(run.plan.world),
+        "grad-norm-mean": float(np.mean(result.grad_norms)) if result.grad_norms else 0.0,
+        "grad-norm-max": float(np.max(result.grad_norms)) if result.grad_norms else 0.0,
+        "grad-spikes": float(result.spikes),
+        "resumed-from-step": float(result.resumed_from_step),
     }
+    if result.skipped_steps:
+        metrics["amp-skipped-steps"] = float(result.skipped_steps)
     kept: Arrays | None = mine if mode is Personalisation.FEDPER else None
     if mode is Personalisation.FEDPER:
         metrics["personal-accuracy"] = after.accuracy

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +21,19 @@ from quorumfl.aggregation.errors import DataError
 
 from .files import atomic_write
 
-__all__ = ["PersonalStore"]
+__all__ = ["PersonalStore", "node_state_dir"]
 
 Arrays = dict[str, NDArray[np.generic]]
 _RUN = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+def node_state_dir(node_config: Mapping[str, object], node_id: int) -> Path:
+    """Where a node keeps what is its own: node config ``state-dir``, else ``$QUORUMFL_HOME/node-state/<id>``."""
+    configured = node_config.get("state-dir")
+    if isinstance(configured, str) and configured:
+        return Path(configured).expanduser()
+    home = Path(os.environ.get("QUORUMFL_HOME") or Path.home() / ".quorumfl").expanduser()
+    return home / "node-state" / str(node_id)
 
 
 class PersonalStore:
@@ -31,12 +41,8 @@ class PersonalStore:
         self.directory = directory
 
     @classmethod
-    def for_node(cls, node_config: dict[str, object], node_id: int) -> PersonalStore:
-        configured = node_config.get("state-dir")
-        if isinstance(configured, str) and configured:
-            return cls(Path(configured).expanduser())
-        home = Path(os.environ.get("QUORUMFL_HOME") or Path.home() / ".quorumfl").expanduser()
-        return cls(home / "node-state" / str(node_id))
+    def for_node(cls, node_config: Mapping[str, object], node_id: int) -> PersonalStore:
+        return cls(node_state_dir(node_config, node_id))
 
     def _path(self, run: str) -> Path:
         if not _RUN.match(run):

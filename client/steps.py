@@ -19,8 +19,9 @@ from numpy.typing import NDArray
 from quorumfl.aggregation.errors import DataError
 
 from .data.store import Partition, read_partition
+from .engine import EngineSettings
 from .node_round import Personalisation, evaluate_round, pick_round, train_round
-from .personal_store import PersonalStore
+from .personal_store import PersonalStore, node_state_dir
 from .wire import CONFIG, TrainConfig, candidate_models
 
 __all__ = ["LocalTraining", "evaluate_received", "pick_received", "train_received"]
@@ -73,7 +74,13 @@ def train_received(msg: Message, context: Context) -> LocalTraining:
     part, department = _partition(context)
     config = TrainConfig.from_record(msg.content.config_records[CONFIG])
     store, personal = _personal(context, config)
-    work = train_round(config, candidate_models(msg.content), personal, part.train, part.test)
+    node_config = dict(context.node_config)
+    engine = EngineSettings.from_node_config(node_config)
+    # One checkpoint file per run: its fingerprint ties it to the round's job, so a crash mid-training
+    # resumes when the same job is asked again, and any other job starts afresh.
+    checkpoint = node_state_dir(node_config, int(context.node_id)) / "checkpoints" / f"train-{context.run_id}.pt"
+    work = train_round(config, candidate_models(msg.content), personal, part.train, part.test,
+                       engine=engine, checkpoint=checkpoint if engine.checkpoint_every else None)
     if store is not None and work.personal is not None:
         store.save(str(context.run_id), work.personal)
     log.info("round %s: %s trained on %s examples", config.server_round, department, work.num_examples)

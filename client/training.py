@@ -1,4 +1,4 @@
-"""Local training and evaluation on one department's data (single process, CPU or one GPU).
+"""Local training (one process, via the engine) and evaluation on one department's data.
 
 FedProx (Li et al., 2020) adds ``mu/2 · ||w − w_global||²`` to the local loss; with ``mu = 0`` this is
 plain FedAvg local SGD. Ditto (Li et al., 2021) trains a personal model with the same term pulling it
@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quorumfl.aggregation.errors import ConfigError
-
 from .data.datasets import Dataset
+from .engine import EngineSettings, TrainJob, proximal_term, train_model
 
 __all__ = ["EvalResult", "TrainResult", "evaluate", "proximal_term", "train"]
 
@@ -34,14 +33,6 @@ class EvalResult:
     num_examples: int
 
 
-def proximal_term(model: nn.Module, global_params: list[torch.Tensor], mu: float) -> torch.Tensor:
-    """``mu/2 · Σ ||w − w_g||²`` over the trainable parameters (FedProx)."""
-    total = torch.zeros((), dtype=torch.float32)
-    for w, wg in zip(model.parameters(), global_params, strict=True):
-        total = total + (w - wg).pow(2).sum()
-    return 0.5 * mu * total
-
-
 def train(
     model: nn.Module,
     data: Dataset,
@@ -54,43 +45,16 @@ def train(
     momentum: float = 0.9,
     anchor: list[torch.Tensor] | None = None,
 ) -> TrainResult:
-    """SGD with momentum over ``epochs`` passes; returns the mean loss of the last epoch.
+    """SGD with momentum over ``epochs`` passes in this process (the engine with default settings);
+    returns the mean loss of the last epoch.
 
     The proximal term pulls towards ``anchor`` (one tensor per parameter) when given, else towards
     the model's own parameters at the start.
     """
-    if epochs < 1 or batch_size < 1 or not learning_rate > 0 or proximal_mu < 0:
-        raise ConfigError(
-            f"invalid training settings: epochs={epochs}, batch_size={batch_size}, "
-            f"learning_rate={learning_rate}, proximal_mu={proximal_mu}"
-        )
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.from_numpy(data.x)
-    y = torch.from_numpy(data.y)
-    global_params = [p.detach().clone() for p in model.parameters()] if anchor is None else list(anchor)
-    if len(global_params) != len(list(model.parameters())):
-        raise ConfigError(f"anchor has {len(global_params)} tensors, the model {len(list(model.parameters()))} parameters")
-    optimizer = torch.optim.SGD(model.parameters(), lr=learning_rate, momentum=momentum)
-    loss_fn = nn.CrossEntropyLoss()
-    model.train()
-    steps = 0
-    epoch_loss = math.nan
-    for _ in range(epochs):
-        order = torch.randperm(len(y), generator=generator)
-        total, seen = 0.0, 0
-        for start in range(0, len(y), batch_size):
-            batch = order[start : start + batch_size]
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x[batch]), y[batch])
-            if proximal_mu > 0:
-                loss = loss + proximal_term(model, global_params, proximal_mu)
-            loss.backward()
-            optimizer.step()
-            total += float(loss.detach()) * len(batch)
-            seen += len(batch)
-            steps += 1
-        epoch_loss = total / max(seen, 1)
-    return TrainResult(loss=epoch_loss, num_examples=len(y), steps=steps)
+    job = TrainJob(epochs=epochs, batch_size=batch_size, learning_rate=learning_rate, momentum=momentum,
+                   proximal_mu=proximal_mu, seed=seed)
+    result = train_model(model, data, job, EngineSettings(device="cpu"), anchor=anchor).loop
+    return TrainResult(loss=result.loss, num_examples=result.num_examples, steps=result.steps)
 
 
 @torch.no_grad()

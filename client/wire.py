@@ -48,6 +48,9 @@ class TrainConfig:
     personalisation: str = "none"  # none | fedper | ditto
     personal_layers: str = ""  # FedPer: comma-separated layer prefixes, or "head"
     ditto_lambda: float = 0.0  # Ditto: pull of the personal model towards the global one
+    clip_norm: float = 0.0  # per-step gradient clipping (0 = off)
+    warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
+    lr_reference_batch: int = 0  # linear scaling rule: lr × batch-size / this (0 = off)
 
     def to_record(self) -> ConfigRecord:
         return ConfigRecord(
@@ -62,13 +65,18 @@ class TrainConfig:
                 "personalisation": self.personalisation,
                 "personal-layers": self.personal_layers,
                 "ditto-lambda": self.ditto_lambda,
+                "clip-norm": self.clip_norm,
+                "warmup-steps": self.warmup_steps,
+                "lr-reference-batch": self.lr_reference_batch,
             }
         )
 
     @classmethod
     def from_record(cls, record: ConfigRecord) -> TrainConfig:
-        def get(key: str, kind: type) -> Any:
+        def get(key: str, kind: type, default: object = None) -> Any:
             if key not in record:
+                if default is not None:  # keys added later: an older server's request still trains
+                    return default
                 raise ConfigError(f"train config is missing '{key}'")
             value = record[key]
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -88,6 +96,9 @@ class TrainConfig:
             personalisation=get("personalisation", str),
             personal_layers=get("personal-layers", str),
             ditto_lambda=get("ditto-lambda", float),
+            clip_norm=get("clip-norm", float, 0.0),
+            warmup_steps=get("warmup-steps", int, 0),
+            lr_reference_batch=get("lr-reference-batch", int, 0),
         )
 
 

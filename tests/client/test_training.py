@@ -80,5 +80,5 @@ def test_model_errors() -> None:
         arrays_to_model(model, {**arrays, first: np.zeros((1, 1), np.float32)})
     with pytest.raises(ModelError, match="missing"):
         arrays_to_model(model, {k: v for k, v in arrays.items() if k != first})
-    with pytest.raises(ConfigError, match="invalid training settings"):
+    with pytest.raises(ConfigError, match="local-epochs must be >= 1"):
         train(model, Dataset("d", np.zeros((4, 1, 8, 8), np.float32), np.zeros(4, np.int64), 10), epochs=0, batch_size=1, learning_rate=0.1)
