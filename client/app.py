@@ -20,7 +20,7 @@ from flwr.clientapp import ClientApp
 from . import ckks, secure
 from .ckks_wire import CKKS
 from .secure_wire import SECAGG
-from .wire import ARRAYS, METRICS, NODE, to_array_record
+from .wire import ARRAYS, COMPRESSION, METRICS, NODE, UPDATE, to_array_record
 
 __all__ = ["app"]
 
@@ -29,7 +29,7 @@ app = ClientApp()
 
 @app.train()
 def train_handler(msg: Message, context: Context) -> Message:
-    from .steps import train_received  # torch loads here, only for messages that train
+    from .steps import compressed_update, train_received  # torch loads here, only for messages that train
 
     local = train_received(msg, context)
     if SECAGG in msg.content.config_records:
@@ -38,11 +38,14 @@ def train_handler(msg: Message, context: Context) -> Message:
         return Message(content=ckks.encrypted_train_reply(msg, context, local), reply_to=msg)
     content = RecordDict(
         {
-            ARRAYS: to_array_record(local.trained),
             METRICS: MetricRecord({k: v for k, v in local.metrics.items()}),
             NODE: ConfigRecord({"department": local.department}),
         }
     )
+    if local.config.compression != "none":  # the update, encoded with error feedback
+        content[UPDATE], content[COMPRESSION] = compressed_update(context, local)
+    else:
+        content[ARRAYS] = to_array_record(local.trained)
     return Message(content=content, reply_to=msg)
 
 

@@ -1,4 +1,5 @@
-"""A node's personal model state between rounds (FedPer's personal layers, Ditto's personal model).
+"""A node's own state between rounds: FedPer's personal layers, Ditto's personal model, and the
+error-feedback residual of update compression.
 
 Flower runs each message in a fresh process, so what a department keeps for itself lives on its own
 disk: one ``.npz`` per run under the node's state directory (node config ``state-dir``, else
@@ -37,17 +38,18 @@ def node_state_dir(node_config: Mapping[str, object], node_id: int) -> Path:
 
 
 class PersonalStore:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, kind: str = "personal") -> None:
         self.directory = directory
+        self.kind = kind  # "personal" (FedPer/Ditto state) or "residual" (compression error feedback)
 
     @classmethod
-    def for_node(cls, node_config: Mapping[str, object], node_id: int) -> PersonalStore:
-        return cls(node_state_dir(node_config, node_id))
+    def for_node(cls, node_config: Mapping[str, object], node_id: int, *, kind: str = "personal") -> PersonalStore:
+        return cls(node_state_dir(node_config, node_id), kind=kind)
 
     def _path(self, run: str) -> Path:
         if not _RUN.match(run):
             raise DataError(f"personal state: run key {run!r} is not a plain name")
-        return self.directory / f"personal-{run}.npz"
+        return self.directory / f"{self.kind}-{run}.npz"
 
     def load(self, run: str) -> Arrays | None:
         """The stored state of ``run``, or None before the node's first round of it."""
@@ -58,8 +60,7 @@ class PersonalStore:
             with np.load(path, allow_pickle=False) as data:
                 return {k: data[k] for k in data.files}
         except (OSError, ValueError) as exc:
-            raise DataError(f"personal state {path} is unreadable ({exc}); remove it to start the personal "
-                            "model afresh") from exc
+            raise DataError(f"{self.kind} state {path} is unreadable ({exc}); remove it to start it afresh") from exc
 
     def save(self, run: str, arrays: Arrays) -> Path:
         path = self._path(run)

@@ -21,10 +21,11 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from numpy.typing import NDArray
 
+from quorumfl.aggregation.compression import Encoded, Scheme, decode_arrays
 from quorumfl.aggregation.errors import ConfigError
 
 __all__ = [
-    "ARRAYS", "CONFIG", "METRICS", "NODE", "TrainConfig", "candidate_models", "cluster_key", "department_of",
+    "ARRAYS", "COMPRESSION", "CONFIG", "METRICS", "NODE", "UPDATE", "TrainConfig", "decode_update", "encode_update", "candidate_models", "cluster_key", "department_of",
     "from_array_record", "to_array_record",
 ]
 
@@ -51,6 +52,10 @@ class TrainConfig:
     clip_norm: float = 0.0  # per-step gradient clipping (0 = off)
     warmup_steps: int = 0  # linear learning-rate warm-up, in optimizer steps
     lr_reference_batch: int = 0  # linear scaling rule: lr × batch-size / this (0 = off)
+    compression: str = "none"  # none | topk | sign | int8 | randk (quorumfl.aggregation.compression)
+    compression_fraction: float = 0.01  # top-k / random-k: the fraction of entries sent
+    compression_seed: int = 0  # random-k: this round's coordinates, the same on every node
+    compression_full: bool = False  # the periodic full-precision sync: send update + residual as is
 
     def to_record(self) -> ConfigRecord:
         return ConfigRecord(
@@ -68,6 +73,10 @@ class TrainConfig:
                 "clip-norm": self.clip_norm,
                 "warmup-steps": self.warmup_steps,
                 "lr-reference-batch": self.lr_reference_batch,
+                "compression": self.compression,
+                "compression-fraction": self.compression_fraction,
+                "compression-seed": self.compression_seed,
+                "compression-full": self.compression_full,
             }
         )
 
@@ -81,7 +90,7 @@ class TrainConfig:
             value = record[key]
             if kind is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
-            if not isinstance(value, kind) or isinstance(value, bool):
+            if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
                 raise ConfigError(f"train config '{key}' must be {kind.__name__}, got {value!r}")
             return value
 
@@ -99,7 +108,55 @@ class TrainConfig:
             clip_norm=get("clip-norm", float, 0.0),
             warmup_steps=get("warmup-steps", int, 0),
             lr_reference_batch=get("lr-reference-batch", int, 0),
+            compression=get("compression", str, "none"),
+            compression_fraction=get("compression-fraction", float, 0.01),
+            compression_seed=get("compression-seed", int, 0),
+            compression_full=get("compression-full", bool, False),
         )
+
+
+UPDATE = "update"  # a compressed update (instead of ``arrays``)
+COMPRESSION = "compression"
+
+
+def encode_update(encoded: dict[str, Encoded], config: TrainConfig) -> tuple[ArrayRecord, ConfigRecord]:
+    """A compressed update on the wire: each part (``idx``, ``val``, ``bits``, ``q``, ``scale``) of all
+    arrays concatenated into one Array (Flower adds a ~128-byte header per Array), with the array names
+    and the part lengths in the config record."""
+    names = sorted(encoded)
+    schemes = {encoded[n].scheme.value for n in names}
+    if len(schemes) != 1:
+        raise ConfigError(f"one update mixes compression schemes {sorted(schemes)}")
+    parts = sorted(encoded[names[0]].parts)
+    record = ArrayRecord({part: Array(np.ascontiguousarray(np.concatenate([encoded[n].parts[part] for n in names])))
+                          for part in parts})
+    layout: dict[str, Any] = {"scheme": schemes.pop(), "fraction": config.compression_fraction,
+                              "seed": config.compression_seed, "names": names}
+    for part in parts:
+        layout[f"{part}-lengths"] = [int(encoded[n].parts[part].size) for n in names]
+    return record, ConfigRecord(layout)
+
+
+def decode_update(record: ArrayRecord, config: ConfigRecord, shapes: dict[str, tuple[int, ...]]
+                  ) -> dict[str, NDArray[np.float32]]:
+    """The update a compressed reply stands for, array by array (``shapes`` from the model sent)."""
+    try:
+        scheme = Scheme(str(config["scheme"]))
+        fraction, seed = float(config["fraction"]), int(config["seed"])  # type: ignore[arg-type]
+        names = [str(n) for n in config["names"]]  # type: ignore[union-attr]
+        split: dict[str, list[NDArray[np.generic]]] = {}
+        for part, value in record.items():
+            lengths = [int(v) for v in config[f"{part}-lengths"]]  # type: ignore[union-attr]
+            flat = value.numpy()
+            if len(lengths) != len(names) or sum(lengths) != flat.size or min(lengths, default=0) < 0:
+                raise ValueError(f"part '{part}' does not match its lengths")
+            split[part] = np.split(flat, np.cumsum(lengths)[:-1])
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ConfigError(f"compressed reply has a bad layout ({exc})") from exc
+    if sorted(names) != sorted(shapes) or len(set(names)) != len(names):
+        raise ConfigError(f"compressed update names {sorted(set(names) ^ set(shapes))} do not match the model")
+    encoded = {n: Encoded(scheme, shapes[n], {part: split[part][i] for part in split}) for i, n in enumerate(names)}
+    return decode_arrays(encoded, fraction=fraction, seed=seed)
 
 
 def cluster_key(k: int) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 from quorumfl.aggregation.ckks import CkksParams
 from quorumfl.aggregation.errors import ConfigError
 
-__all__ = ["DEFAULTS", "RunConfig", "SecureMode", "StartFrom", "StrategyName", "load_run_config_file"]
+__all__ = ["DEFAULTS", "Compression", "RunConfig", "SecureMode", "StartFrom", "StrategyName", "load_run_config_file"]
 
 
 class StrategyName(StrEnum):
@@ -33,6 +33,14 @@ class SecureMode(StrEnum):
     NONE = "none"  # plaintext updates (the server sees each department's update)
     MASKING = "masking"  # threshold secure aggregation by masking (quorumfl.aggregation.secagg)
     CKKS = "ckks"  # threshold homomorphic encryption: t-of-n CKKS decryption (quorumfl.aggregation.ckks)
+
+
+class Compression(StrEnum):
+    NONE = "none"
+    TOPK = "topk"  # the largest entries (plaintext only: each node picks its own coordinates)
+    SIGN = "sign"  # 1 bit per entry and a scale
+    INT8 = "int8"  # 8-bit stochastic quantisation
+    RANDK = "randk"  # the same random coordinates on every node (a per-round seed from the server)
 
 
 class StartFrom(StrEnum):
@@ -73,6 +81,12 @@ DEFAULTS: dict[str, Any] = {
     "personal-layers": "head",
     "ditto-lambda": 0.1,
     "secagg-min-group": 0,
+    "clip-norm": 0.0,
+    "warmup-steps": 0,
+    "lr-reference-batch": 0,
+    "compression": "none",
+    "compression-fraction": 0.01,
+    "compression-sync-every": 0,
 }
 
 
@@ -110,6 +124,12 @@ class RunConfig:
     personal_layers: str
     ditto_lambda: float
     secagg_min_group: int
+    clip_norm: float
+    warmup_steps: int
+    lr_reference_batch: int
+    compression: Compression
+    compression_fraction: float
+    compression_sync_every: int
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
@@ -192,6 +212,12 @@ class RunConfig:
             personal_layers=text("personal-layers"),
             ditto_lambda=number("ditto-lambda", float, low=0.0),
             secagg_min_group=number("secagg-min-group", int, low=0, high=10_000),
+            clip_norm=number("clip-norm", float, low=0.0),
+            warmup_steps=number("warmup-steps", int, low=0),
+            lr_reference_batch=number("lr-reference-batch", int, low=0),
+            compression=choice("compression", Compression),
+            compression_fraction=number("compression-fraction", float, low=0.0, high=1.0, open_low=True),
+            compression_sync_every=number("compression-sync-every", int, low=0),
         )
         if config.secagg_modulus_bits not in (32, 64):
             problems.append(f"secagg-modulus-bits must be 32 or 64, got {config.secagg_modulus_bits}")
@@ -210,6 +236,10 @@ class RunConfig:
         if config.strategy is StrategyName.IFCA and config.secure_aggregation is SecureMode.CKKS and config.clusters > 1:
             problems.append("strategy ifca with secure-aggregation ckks is not supported yet; use masking "
                             "(sums per cluster) or clusters = 1")
+        if config.secure_aggregation is not SecureMode.NONE and config.compression is not Compression.NONE:
+            problems.append(f"compression {config.compression.value} with secure-aggregation "
+                            f"{config.secure_aggregation.value} is not supported: the server only sees the sum, "
+                            "so compressed updates need shared coordinates; use compression = 'none'")
         if problems:
             raise ConfigError(problems)
         return config

@@ -13,7 +13,7 @@ import math
 import resource
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -29,9 +29,12 @@ from quorumfl.client.models import architecture_key, arrays_to_model, build_mode
 from quorumfl.client.training import evaluate
 from quorumfl.client.wire import (
     ARRAYS,
+    COMPRESSION,
     CONFIG,
     METRICS,
+    UPDATE,
     TrainConfig,
+    decode_update,
     cluster_key,
     department_of,
     from_array_record,
@@ -77,11 +80,13 @@ def cluster_of_metrics(metrics: dict[str, float], clusters: int) -> int:
     return int(value)
 
 
-def parse_train_reply(node_id: int, reply: Message) -> TrainReply:
-    """Check a train reply's structure; the arrays themselves are checked by the aggregator."""
+def parse_train_reply(node_id: int, reply: Message, bases: Sequence[Arrays]) -> TrainReply:
+    """Check a train reply's structure and decode a compressed update against the model the node was
+    sent (``bases``: the global model, or the K cluster models); the arrays themselves are checked by
+    the aggregator. The payload's size goes into the metrics as ``uplink-bytes``."""
     content = reply.content
-    if ARRAYS not in content.array_records:
-        raise ReplyError("reply has no 'arrays' record")
+    if ARRAYS not in content.array_records and UPDATE not in content.array_records:
+        raise ReplyError("reply has no 'arrays' or 'update' record")
     if METRICS not in content.metric_records:
         raise ReplyError("reply has no 'metrics' record")
     metrics: dict[str, float] = {}
@@ -92,9 +97,21 @@ def parse_train_reply(node_id: int, reply: Message) -> TrainReply:
     if examples is None:
         raise ReplyError("reply metrics have no 'num-examples'")
     try:
-        arrays = from_array_record(content.array_records[ARRAYS])
+        if ARRAYS in content.array_records:
+            record = content.array_records[ARRAYS]
+            arrays = from_array_record(record)
+        else:
+            record = content.array_records[UPDATE]
+            if COMPRESSION not in content.config_records:
+                raise ReplyError("a compressed reply has no 'compression' record")
+            base = bases[cluster_of_metrics(metrics, len(bases))] if len(bases) > 1 else bases[0]
+            delta = decode_update(record, content.config_records[COMPRESSION], {k: v.shape for k, v in base.items()})
+            arrays = {k: (np.asarray(base[k], np.float32) + delta[k]).astype(base[k].dtype) for k in base}
+    except ReplyError:
+        raise
     except Exception as exc:  # a malformed record from a remote node must not stop the round
         raise ReplyError(f"reply arrays cannot be decoded ({exc})") from exc
+    metrics["uplink-bytes"] = float(sum(len(a.data) for a in record.values()))
     update = NodeUpdate(node=str(node_id), arrays=arrays, weight=examples)
     return TrainReply(node_id, department_of(content), update, metrics)
 
@@ -136,11 +153,23 @@ class Federation:
             learning_rate=config.learning_rate,
             proximal_mu=0.0,
             seed=config.seed,
+            clip_norm=config.clip_norm,
+            warmup_steps=config.warmup_steps,
+            lr_reference_batch=config.lr_reference_batch,
+            compression=config.compression.value,
+            compression_fraction=config.compression_fraction,
         )
         self._last_round_id: int | None = None
         self.ckks: CkksSession | None = None
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _compression_round(self, number: int) -> TrainConfig:
+        """This round's compression: random-k coordinates from a per-round seed (the same for every
+        node), and every ``compression-sync-every``-th round a full-precision sync."""
+        every = self.config.compression_sync_every
+        seed = int.from_bytes(hashlib.sha256(f"{self.config.seed}:{number}".encode()).digest()[:4], "big")
+        return replace(self._base, compression_seed=seed, compression_full=bool(every) and number % every == 0)
+
     def _lineages(self, arch: str) -> list[str]:
         """The model-version lineage of each server model: the architecture, or a cluster of it, or
         its shared layers (FedPer), so heads and rollbacks never mix incompatible arrays."""
@@ -321,7 +350,7 @@ class Federation:
         outcome = RoundOutcome()
         timings: dict[str, float] = {}
 
-        configs = self.strategy.configure_train(number, selected, self._base)
+        configs = self.strategy.configure_train(number, selected, self._compression_round(number))
         if self.ckks is not None:
             phase = self.ckks.round(number, available, models[0], configs, outcome.failures, timings)
         elif self.secure is not None and len(models) > 1:
@@ -468,7 +497,7 @@ class Federation:
         clusters: dict[int, int] = {}
         for node, reply in replies:
             try:
-                item = parse_train_reply(node, reply)
+                item = parse_train_reply(node, reply, models)
                 if len(models) > 1:
                     clusters[node] = item.cluster(len(models))
             except ReplyError as exc:

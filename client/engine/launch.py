@@ -96,6 +96,8 @@ def _worker(
             state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
             torch.save({"state": state, "result": vars(result)}, out)
         dist.barrier()  # no rank tears gloo down while another still uses it (that aborts the process)
+        if rank == 0:
+            out.with_suffix(".done").touch()  # every rank finished the job
     finally:
         dist.destroy_process_group()
 
@@ -133,7 +135,11 @@ def train_model(
                 mp.spawn(_worker,  # type: ignore[attr-defined,no-untyped-call]
                          args=args, nprocs=plan.world, join=True)
             except Exception as exc:  # ProcessRaisedException / ProcessExitedException carry the worker's error
-                raise TrainingError(f"a {plan.backend} training worker failed: {exc}") from exc
+                if not out.with_suffix(".done").exists():
+                    raise TrainingError(f"a {plan.backend} training worker failed: {exc}") from exc
+                # Every rank passed the final barrier, so the result is whole; gloo's teardown at process
+                # exit occasionally aborts a worker after that.
+                log.warning("a training worker failed after the job was complete (%s); using the result", exc)
             saved = torch.load(out, map_location="cpu", weights_only=True)
         model.load_state_dict(saved["state"])
         result = LoopResult(**saved["result"])

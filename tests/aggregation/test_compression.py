@@ -1,0 +1,121 @@
+"""Update codecs against their written-out bounds, and error feedback keeping exactly what was left out."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from quorumfl.aggregation.compression import (
+    Encoded, ErrorFeedback, Scheme, decode, decode_arrays, encode, encode_arrays, payload_bytes, shared_indices,
+)
+from quorumfl.aggregation.errors import AggregationError, ConfigError
+
+finite = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False, width=32)
+vectors = arrays(np.float32, st.integers(1, 400), elements=finite)
+fractions = st.sampled_from([0.01, 0.05, 0.3, 1.0])
+
+
+@given(vectors, fractions)
+def test_topk_keeps_the_largest_entries(x: np.ndarray, fraction: float) -> None:
+    enc = encode(x, Scheme.TOPK, fraction=fraction)
+    out = decode(enc)
+    k = max(1, int(np.ceil(fraction * x.size)))
+    kept = out != 0
+    assert enc.parts["idx"].size == k
+    # Dropped entries are never larger than kept ones; kept ones carry float16 rounding only.
+    idx = enc.parts["idx"]
+    dropped = np.setdiff1d(np.arange(x.size), idx)
+    if dropped.size:
+        assert np.abs(x[dropped]).max() <= np.abs(x[idx]).min()
+    np.testing.assert_allclose(out[idx], x[idx].astype(np.float16).astype(np.float32), rtol=0, atol=0)
+    assert np.all(np.abs(out - x)[~kept] == np.abs(x)[~kept])
+
+
+@given(vectors)
+def test_scaled_sign_error_identity(x: np.ndarray) -> None:
+    enc = encode(x, Scheme.SIGN)
+    out = decode(enc).astype(np.float64)
+    x64 = x.astype(np.float64)
+    scale = np.abs(x64).mean()
+    assert np.all(np.abs(np.abs(out) - scale) <= 1e-6 * max(scale, 1))
+    # ||x − s·sign(x)||² = ||x||² − ||x||₁² / d  (the EF-SignSGD contraction)
+    lhs = np.sum((x64 - out) ** 2)
+    rhs = np.sum(x64 ** 2) - np.abs(x64).sum() ** 2 / x.size
+    assert lhs == pytest.approx(rhs, rel=1e-4, abs=1e-3 * max(1.0, np.sum(x64 ** 2)) * 1e-3)
+    assert enc.nbytes == (x.size + 7) // 8 + 4
+
+
+@given(vectors, st.integers(0, 2**31))
+def test_int8_error_below_one_level(x: np.ndarray, seed: int) -> None:
+    enc = encode(x, Scheme.INT8, rng=np.random.default_rng(seed))
+    scale = float(enc.parts["scale"][0])
+    assert np.all(np.abs(decode(enc) - x) <= scale * (1 + 1e-5) + 1e-30)
+    assert enc.nbytes == x.size + 4
+
+
+def test_int8_rounding_is_unbiased() -> None:
+    x = np.linspace(-1, 1, 64, dtype=np.float32)
+    rng = np.random.default_rng(0)
+    mean = np.mean([decode(encode(x, Scheme.INT8, rng=rng)) for _ in range(4000)], axis=0)
+    step = 1 / 127
+    assert np.abs(mean - x).max() < 0.05 * step * 4  # far below one level: the rounding averages out
+
+
+@given(vectors, fractions, st.integers(0, 2**31))
+def test_shared_randk_sums_commute(x: np.ndarray, fraction: float, seed: int) -> None:
+    y = x[::-1].copy()
+    ex, ey = encode(x, Scheme.RANDK, fraction=fraction, seed=seed), encode(y, Scheme.RANDK, fraction=fraction, seed=seed)
+    # Every node keeps the same coordinates, so the sum of the encodings is the encoding of the sum.
+    summed = Encoded(Scheme.RANDK, x.shape, {"val": (ex.parts["val"].astype(np.float32)
+                                                     + ey.parts["val"].astype(np.float32))})
+    idx = shared_indices(x.size, fraction, seed)
+    np.testing.assert_allclose(decode(summed, fraction=fraction, seed=seed)[idx],
+                               (x.astype(np.float16).astype(np.float32) + y.astype(np.float16).astype(np.float32))[idx])
+    assert np.array_equal(idx, shared_indices(x.size, fraction, seed))
+
+
+@settings(max_examples=50)
+@given(st.lists(vectors, min_size=1, max_size=4), st.sampled_from(list(Scheme)), st.integers(0, 2**31))
+def test_error_feedback_keeps_exactly_the_residual(rounds: list[np.ndarray], scheme: Scheme, seed: int) -> None:
+    size = rounds[0].size
+    updates = [np.resize(r, size).astype(np.float32) for r in rounds]
+    feedback = ErrorFeedback(scheme, fraction=0.05)
+    residual = None
+    sent = np.zeros(size, np.float64)
+    for i, update in enumerate(updates):
+        encoded, new = feedback.step({"w": update}, residual, seed=seed + i, rng=np.random.default_rng(i))
+        decoded = decode_arrays(encoded, fraction=0.05, seed=seed + i)["w"]
+        corrected = update + (residual["w"] if residual else 0)
+        assert np.array_equal(new["w"], (corrected - decoded).astype(np.float32))  # exactly what was left out
+        sent += decoded
+        residual = new
+    # Nothing is lost, only delayed: what was sent plus what is kept is what was produced.
+    np.testing.assert_allclose(sent + residual["w"], np.sum(updates, axis=0, dtype=np.float64), rtol=1e-4, atol=1e-2)
+
+
+def test_full_sync_sends_everything_and_clears_the_residual() -> None:
+    feedback = ErrorFeedback(Scheme.TOPK, fraction=0.01)
+    update = {"w": np.arange(200, dtype=np.float32)}
+    _, residual = feedback.step(update, None, seed=1)
+    assert np.abs(residual["w"]).sum() > 0
+    encoded, cleared = feedback.step(update, residual, seed=2, full=True)
+    assert encoded["w"].scheme is Scheme.NONE and not np.any(cleared["w"])
+    np.testing.assert_array_equal(decode(encoded["w"]), update["w"] + residual["w"])
+
+
+def test_bytes_and_bad_input() -> None:
+    arrays_ = {"a": np.ones((100, 100), np.float32), "b": np.ones(10, np.float32)}
+    full = payload_bytes(encode_arrays(arrays_, Scheme.NONE, fraction=0.01, seed=0))
+    topk = payload_bytes(encode_arrays(arrays_, Scheme.TOPK, fraction=0.01, seed=0))
+    assert full == 4 * 10010 and topk == 6 * (100 + 1)
+    with pytest.raises(AggregationError, match="NaN"):
+        encode(np.array([1.0, np.nan], np.float32), Scheme.TOPK)
+    with pytest.raises(AggregationError, match="indices"):
+        decode(Encoded(Scheme.TOPK, (3,), {"idx": np.array([7], np.int32), "val": np.ones(1, np.float16)}))
+    with pytest.raises(ConfigError, match="compression-fraction"):
+        ErrorFeedback(Scheme.TOPK, fraction=0.0)
+    with pytest.raises(AggregationError, match="residual"):
+        ErrorFeedback(Scheme.TOPK).step({"a": np.ones(3, np.float32)}, {"b": np.ones(3, np.float32)}, seed=0)
