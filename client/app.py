@@ -29,7 +29,10 @@ app = ClientApp()
 
 @app.train()
 def train_handler(msg: Message, context: Context) -> Message:
-    from .steps import compressed_update, train_received  # torch loads here, only for messages that train
+    from .steps import (  # torch loads here, only for messages that train
+        compressed_update,
+        train_received,
+    )
 
     local = train_received(msg, context)
     if SECAGG in msg.content.config_records:

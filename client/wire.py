@@ -156,7 +156,8 @@ def decode_update(record: ArrayRecord, config: ConfigRecord, shapes: dict[str, t
     if sorted(names) != sorted(shapes) or len(set(names)) != len(names):
         raise ConfigError(f"compressed update names {sorted(set(names) ^ set(shapes))} do not match the model")
     encoded = {n: Encoded(scheme, shapes[n], {part: split[part][i] for part in split}) for i, n in enumerate(names)}
-    return decode_arrays(encoded, fraction=fraction, seed=seed)
+    decoded: dict[str, NDArray[np.float32]] = decode_arrays(encoded, fraction=fraction, seed=seed)
+    return decoded
 
 
 def cluster_key(k: int) -> str:

@@ -21,9 +21,9 @@ from flwr.app import Message, MessageType, RecordDict
 from flwr.serverapp import Grid
 from numpy.typing import NDArray
 
-from quorumfl.aggregation import NodeUpdate, QuorumError, aggregate_weighted_metrics
+from quorumfl.aggregation import NodeUpdate, aggregate_weighted_metrics
 from quorumfl.aggregation.clustering import Repair
-from quorumfl.aggregation.errors import FederationError
+from quorumfl.aggregation.errors import FederationError, QuorumError
 from quorumfl.client.data.datasets import Dataset, holdout_split
 from quorumfl.client.models import architecture_key, arrays_to_model, build_model, model_to_arrays
 from quorumfl.client.training import evaluate
@@ -34,8 +34,8 @@ from quorumfl.client.wire import (
     METRICS,
     UPDATE,
     TrainConfig,
-    decode_update,
     cluster_key,
+    decode_update,
     department_of,
     from_array_record,
     to_array_record,

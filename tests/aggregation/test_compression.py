@@ -9,7 +9,15 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from quorumfl.aggregation.compression import (
-    Encoded, ErrorFeedback, Scheme, decode, decode_arrays, encode, encode_arrays, payload_bytes, shared_indices,
+    Encoded,
+    ErrorFeedback,
+    Scheme,
+    decode,
+    decode_arrays,
+    encode,
+    encode_arrays,
+    payload_bytes,
+    shared_indices,
 )
 from quorumfl.aggregation.errors import AggregationError, ConfigError
 
