@@ -135,9 +135,31 @@ def _seed(seed: int, name: str, names: list[str]) -> int:
     return seed * 1_000_003 + names.index(name)  # a different coordinate draw per array
 
 
+def _global_topk(arrays: Mapping[str, NDArray[np.generic]], names: list[str], fraction: float) -> dict[str, Encoded]:
+    flats = [np.asarray(arrays[n], np.float32).reshape(-1) for n in names]
+    for flat in flats:
+        if not np.all(np.isfinite(flat)):
+            raise AggregationError("update has NaN or infinite entries; it cannot be encoded")
+    whole = np.concatenate(flats)
+    k = _k(whole.size, fraction)
+    keep = np.sort(np.argpartition(np.abs(whole), whole.size - k)[whole.size - k:])
+    out: dict[str, Encoded] = {}
+    start = 0
+    for name, flat in zip(names, flats, strict=True):
+        lo, hi = np.searchsorted(keep, [start, start + flat.size])
+        idx = (keep[lo:hi] - start).astype(np.int32)
+        out[name] = Encoded(Scheme.TOPK, tuple(np.shape(arrays[name])), {"idx": idx, "val": flat[idx].astype(np.float16)})
+        start += flat.size
+    return out
+
+
 def encode_arrays(arrays: Mapping[str, NDArray[np.generic]], scheme: Scheme, *, fraction: float, seed: int,
                   rng: np.random.Generator | None = None) -> dict[str, Encoded]:
+    """Encode a model's arrays. Top-k picks the k largest entries of the whole update (so the layers
+    that moved most get the budget); the other schemes work array by array."""
     names = sorted(arrays)
+    if scheme is Scheme.TOPK:
+        return _global_topk(arrays, names, fraction)
     return {n: encode(np.asarray(arrays[n], np.float32), scheme, fraction=fraction, seed=_seed(seed, n, names), rng=rng)
             for n in names}
 

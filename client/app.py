@@ -17,10 +17,12 @@ from __future__ import annotations
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from quorumfl.aggregation.errors import PrivacyBudgetError
+
 from . import ckks, secure
 from .ckks_wire import CKKS
 from .secure_wire import SECAGG
-from .wire import ARRAYS, COMPRESSION, METRICS, NODE, UPDATE, to_array_record
+from .wire import ARRAYS, COMPRESSION, METRICS, NODE, REFUSAL, UPDATE, to_array_record
 
 __all__ = ["app"]
 
@@ -34,7 +36,12 @@ def train_handler(msg: Message, context: Context) -> Message:
         train_received,
     )
 
-    local = train_received(msg, context)
+    try:
+        local = train_received(msg, context)
+    except PrivacyBudgetError as exc:  # the department's decision, said as an answer rather than a crash
+        content = RecordDict({REFUSAL: ConfigRecord({"reason": str(exc)}),
+                              NODE: ConfigRecord({"department": str(context.node_config.get("department", ""))})})
+        return Message(content=content, reply_to=msg)
     if SECAGG in msg.content.config_records:
         return Message(content=secure.masked_train_reply(msg, context, local), reply_to=msg)
     if CKKS in msg.content.config_records:

@@ -17,7 +17,7 @@ both call these functions, so the benchmark measures the code the nodes run.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -123,6 +123,9 @@ def pick_round(
     return 0 if cluster is None else cluster
 
 
+PrivacyGate = Callable[[tuple[float, float, int]], float]  # (σ, q, steps) -> the department's ε after it, or raise
+
+
 def train_job(config: TrainConfig, *, seed: int) -> TrainJob:
     return TrainJob(epochs=config.local_epochs, batch_size=config.batch_size, learning_rate=config.learning_rate,
                     proximal_mu=config.proximal_mu, seed=seed, clip_norm=config.clip_norm,
@@ -138,6 +141,7 @@ def train_round(
     *,
     engine: EngineSettings | None = None,
     checkpoint: Path | None = None,
+    privacy: PrivacyGate | None = None,
 ) -> NodeRound:
     """Pick (IFCA), train with the node's engine (resuming from ``checkpoint`` after a crash), evaluate
     before and after; personal state in and out."""
@@ -150,8 +154,28 @@ def train_round(
     before = evaluate(model, test_data)
     started = time.perf_counter()
     seed = config.seed + config.server_round
-    run = train_model(model, train_data, train_job(config, seed=seed), engine, checkpoint=checkpoint)
-    result = run.loop
+    job = train_job(config, seed=seed)
+    dp_metrics: dict[str, float] = {}
+    if config.dp == "local":
+        from quorumfl.privacy.dp_sgd import (  # opacus loads only for DP runs
+            plan_round,
+            train_private,
+        )
+
+        if privacy is None:
+            raise ConfigError("a DP round needs the department's privacy ledger; none was given")
+        plan = plan_round(len(train_data), job, rounds=config.num_rounds, max_grad_norm=config.dp_clip,
+                          delta=config.dp_delta, target_epsilon=config.dp_epsilon,
+                          noise_multiplier=config.dp_noise_multiplier)
+        dp_metrics["dp-epsilon"] = privacy(plan.entry)  # refuses (raises) past the budget, before any training
+        dp_metrics["dp-noise-multiplier"] = plan.noise_multiplier
+        result = train_private(model, train_data, job, plan)
+        workers = 1
+    elif config.dp == "none":
+        run = train_model(model, train_data, job, engine, checkpoint=checkpoint)
+        result, workers = run.loop, run.plan.world
+    else:
+        raise ConfigError(f"dp must be 'none' or 'local', got {config.dp!r}")
     after = evaluate(model, test_data)
     shared, mine = split_arrays(model_to_arrays(model), names)
     received = split_arrays(start, names)[0]
@@ -163,7 +187,8 @@ def train_round(
         "global-accuracy": before.accuracy,
         "global-loss": before.loss,
         "local-accuracy": after.accuracy,
-        "train-workers": float(run.plan.world),
+        "train-workers": float(workers),
+        **dp_metrics,
         "grad-norm-mean": float(np.mean(result.grad_norms)) if result.grad_norms else 0.0,
         "grad-norm-max": float(np.max(result.grad_norms)) if result.grad_norms else 0.0,
         "grad-spikes": float(result.spikes),

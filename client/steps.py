@@ -17,11 +17,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from numpy.typing import NDArray
 
 from quorumfl.aggregation.compression import ErrorFeedback, Scheme
-from quorumfl.aggregation.errors import DataError
+from quorumfl.aggregation.errors import ConfigError, DataError, PrivacyBudgetError
 
 from .data.store import Partition, read_partition
 from .engine import EngineSettings
-from .node_round import Personalisation, evaluate_round, pick_round, train_round
+from .node_round import Personalisation, PrivacyGate, evaluate_round, pick_round, train_round
 from .personal_store import PersonalStore, node_state_dir
 from .wire import CONFIG, TrainConfig, candidate_models, encode_update
 
@@ -71,6 +71,31 @@ def _personal(context: Context, config: TrainConfig) -> tuple[PersonalStore | No
     return store, store.load(str(context.run_id))
 
 
+DEFAULT_DP_BUDGET = 10.0
+
+
+def _privacy_gate(context: Context, config: TrainConfig) -> PrivacyGate | None:
+    """The department's ε ledger (in its data directory) as the gate a DP round must pass.
+
+    Node config: ``dp-budget`` (the department's total ε over all runs, default 10) and ``require-dp``
+    (refuse every round that is not differentially private).
+    """
+    node_config = context.node_config
+    if config.dp == "none":
+        if node_config.get("require-dp") in (True, "true", 1):
+            raise PrivacyBudgetError("this department trains only with differential privacy (node config "
+                                     "require-dp); start the run with dp = 'local'")
+        return None
+    from quorumfl.privacy.ledger import Ledger
+
+    budget = node_config.get("dp-budget", DEFAULT_DP_BUDGET)
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+        raise ConfigError(f"node config 'dp-budget' must be a number > 0, got {budget!r}")
+    ledger = Ledger.open(Path(str(node_config["data-path"])))
+    run, number = str(context.run_id), config.server_round
+    return lambda entry: ledger.reserve(run, number, entry, delta=config.dp_delta, budget=float(budget))
+
+
 def train_received(msg: Message, context: Context) -> LocalTraining:
     part, department = _partition(context)
     config = TrainConfig.from_record(msg.content.config_records[CONFIG])
@@ -81,7 +106,8 @@ def train_received(msg: Message, context: Context) -> LocalTraining:
     # resumes when the same job is asked again, and any other job starts afresh.
     checkpoint = node_state_dir(node_config, int(context.node_id)) / "checkpoints" / f"train-{context.run_id}.pt"
     work = train_round(config, candidate_models(msg.content), personal, part.train, part.test,
-                       engine=engine, checkpoint=checkpoint if engine.checkpoint_every else None)
+                       engine=engine, checkpoint=checkpoint if engine.checkpoint_every else None,
+                       privacy=_privacy_gate(context, config))
     if store is not None and work.personal is not None:
         store.save(str(context.run_id), work.personal)
     log.info("round %s: %s trained on %s examples", config.server_round, department, work.num_examples)

@@ -25,7 +25,7 @@ from quorumfl.aggregation.compression import Encoded, Scheme, decode_arrays
 from quorumfl.aggregation.errors import ConfigError
 
 __all__ = [
-    "ARRAYS", "COMPRESSION", "CONFIG", "METRICS", "NODE", "UPDATE", "TrainConfig", "decode_update", "encode_update", "candidate_models", "cluster_key", "department_of",
+    "ARRAYS", "COMPRESSION", "CONFIG", "METRICS", "NODE", "REFUSAL", "UPDATE", "TrainConfig", "decode_update", "encode_update", "candidate_models", "cluster_key", "department_of",
     "from_array_record", "to_array_record",
 ]
 
@@ -56,6 +56,12 @@ class TrainConfig:
     compression_fraction: float = 0.01  # top-k / random-k: the fraction of entries sent
     compression_seed: int = 0  # random-k: this round's coordinates, the same on every node
     compression_full: bool = False  # the periodic full-precision sync: send update + residual as is
+    dp: str = "none"  # none | local (DP-SGD on the node, quorumfl.privacy)
+    dp_epsilon: float = 0.0  # target ε of the whole run per department (0: use dp_noise_multiplier)
+    dp_noise_multiplier: float = 0.0
+    dp_clip: float = 1.0  # per-example gradient norm bound C
+    dp_delta: float = 1e-5
+    num_rounds: int = 1  # the run's length: the noise for a target ε is spread over all its rounds
 
     def to_record(self) -> ConfigRecord:
         return ConfigRecord(
@@ -77,6 +83,12 @@ class TrainConfig:
                 "compression-fraction": self.compression_fraction,
                 "compression-seed": self.compression_seed,
                 "compression-full": self.compression_full,
+                "dp": self.dp,
+                "dp-epsilon": self.dp_epsilon,
+                "dp-noise-multiplier": self.dp_noise_multiplier,
+                "dp-clip": self.dp_clip,
+                "dp-delta": self.dp_delta,
+                "num-rounds": self.num_rounds,
             }
         )
 
@@ -112,10 +124,17 @@ class TrainConfig:
             compression_fraction=get("compression-fraction", float, 0.01),
             compression_seed=get("compression-seed", int, 0),
             compression_full=get("compression-full", bool, False),
+            dp=get("dp", str, "none"),
+            dp_epsilon=get("dp-epsilon", float, 0.0),
+            dp_noise_multiplier=get("dp-noise-multiplier", float, 0.0),
+            dp_clip=get("dp-clip", float, 1.0),
+            dp_delta=get("dp-delta", float, 1e-5),
+            num_rounds=get("num-rounds", int, 1),
         )
 
 
 UPDATE = "update"  # a compressed update (instead of ``arrays``)
+REFUSAL = "refusal"  # a node that will not train this round says why (``reason``), e.g. its ε budget
 COMPRESSION = "compression"
 
 

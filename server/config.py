@@ -18,7 +18,7 @@ from typing import Any
 from quorumfl.aggregation.ckks import CkksParams
 from quorumfl.aggregation.errors import ConfigError
 
-__all__ = ["DEFAULTS", "Compression", "RunConfig", "SecureMode", "StartFrom", "StrategyName", "load_run_config_file"]
+__all__ = ["DEFAULTS", "Compression", "DpMode", "RunConfig", "SecureMode", "StartFrom", "StrategyName", "load_run_config_file"]
 
 
 class StrategyName(StrEnum):
@@ -41,6 +41,11 @@ class Compression(StrEnum):
     SIGN = "sign"  # 1 bit per entry and a scale
     INT8 = "int8"  # 8-bit stochastic quantisation
     RANDK = "randk"  # the same random coordinates on every node (a per-round seed from the server)
+
+
+class DpMode(StrEnum):
+    NONE = "none"
+    LOCAL = "local"  # DP-SGD (Opacus) on every node; each department's ledger enforces its ε budget
 
 
 class StartFrom(StrEnum):
@@ -87,6 +92,11 @@ DEFAULTS: dict[str, Any] = {
     "compression": "none",
     "compression-fraction": 0.01,
     "compression-sync-every": 0,
+    "dp": "none",
+    "dp-epsilon": 3.0,
+    "dp-noise-multiplier": 0.0,
+    "dp-clip": 1.0,
+    "dp-delta": 1e-5,
 }
 
 
@@ -130,6 +140,11 @@ class RunConfig:
     compression: Compression
     compression_fraction: float
     compression_sync_every: int
+    dp: DpMode
+    dp_epsilon: float
+    dp_noise_multiplier: float
+    dp_clip: float
+    dp_delta: float
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
@@ -218,6 +233,11 @@ class RunConfig:
             compression=choice("compression", Compression),
             compression_fraction=number("compression-fraction", float, low=0.0, high=1.0, open_low=True),
             compression_sync_every=number("compression-sync-every", int, low=0),
+            dp=choice("dp", DpMode),
+            dp_epsilon=number("dp-epsilon", float, low=0.0),
+            dp_noise_multiplier=number("dp-noise-multiplier", float, low=0.0),
+            dp_clip=number("dp-clip", float, low=0.0, open_low=True),
+            dp_delta=number("dp-delta", float, low=0.0, high=0.1, open_low=True),
         )
         if config.secagg_modulus_bits not in (32, 64):
             problems.append(f"secagg-modulus-bits must be 32 or 64, got {config.secagg_modulus_bits}")
@@ -240,6 +260,9 @@ class RunConfig:
             problems.append(f"compression {config.compression.value} with secure-aggregation "
                             f"{config.secure_aggregation.value} is not supported: the server only sees the sum, "
                             "so compressed updates need shared coordinates; use compression = 'none'")
+        if config.dp is DpMode.LOCAL and (config.dp_epsilon > 0) == (config.dp_noise_multiplier > 0):
+            problems.append("dp 'local' needs exactly one of dp-epsilon (the run's target per department) and "
+                            "dp-noise-multiplier; set the other to 0")
         if problems:
             raise ConfigError(problems)
         return config

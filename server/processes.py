@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -78,9 +78,15 @@ def superlink_command(
 
 
 def supernode_command(
-    *, superlink: str, port: int, data_path: Path, department: str, insecure: bool = True
+    *, superlink: str, port: int, data_path: Path, department: str, insecure: bool = True,
+    node_config: Mapping[str, bool | int | float | str] | None = None,
 ) -> list[str]:
+    """``node_config``: more node-config keys (``dp-budget``, ``train-workers``, …) as TOML values."""
     config = f"data-path='{data_path}' department='{department}'"
+    for key, value in (node_config or {}).items():
+        shown = ("true" if value else "false") if isinstance(value, bool) else (
+            f"'{value}'" if isinstance(value, str) else repr(value))
+        config += f" {key}={shown}"
     cmd = [
         _bin("flower-supernode"),
         "--superlink", superlink,

@@ -32,6 +32,7 @@ from quorumfl.client.wire import (
     COMPRESSION,
     CONFIG,
     METRICS,
+    REFUSAL,
     UPDATE,
     TrainConfig,
     cluster_key,
@@ -61,6 +62,16 @@ class ReplyError(QuorumError):
     """A node's reply does not follow the message contract."""
 
 
+class RefusedError(ReplyError):
+    """The node declined to train this round (its ε budget, or it requires DP); ``reason`` is its own."""
+
+
+def check_refusal(reply: Message) -> None:
+    if REFUSAL in reply.content.config_records:
+        reason = reply.content.config_records[REFUSAL].get("reason", "no reason given")
+        raise RefusedError(f"refused: {reason!s}")
+
+
 @dataclass(frozen=True)
 class TrainReply:
     node_id: int
@@ -85,6 +96,7 @@ def parse_train_reply(node_id: int, reply: Message, bases: Sequence[Arrays]) -> 
     sent (``bases``: the global model, or the K cluster models); the arrays themselves are checked by
     the aggregator. The payload's size goes into the metrics as ``uplink-bytes``."""
     content = reply.content
+    check_refusal(reply)
     if ARRAYS not in content.array_records and UPDATE not in content.array_records:
         raise ReplyError("reply has no 'arrays' or 'update' record")
     if METRICS not in content.metric_records:
@@ -158,6 +170,12 @@ class Federation:
             lr_reference_batch=config.lr_reference_batch,
             compression=config.compression.value,
             compression_fraction=config.compression_fraction,
+            dp=config.dp.value,
+            dp_epsilon=config.dp_epsilon,
+            dp_noise_multiplier=config.dp_noise_multiplier,
+            dp_clip=config.dp_clip,
+            dp_delta=config.dp_delta,
+            num_rounds=config.num_rounds,
         )
         self._last_round_id: int | None = None
         self.ckks: CkksSession | None = None
@@ -501,7 +519,7 @@ class Federation:
                 if len(models) > 1:
                     clusters[node] = item.cluster(len(models))
             except ReplyError as exc:
-                outcome.failures[node] = ("train", str(exc))
+                outcome.failures[node] = ("dp-budget" if isinstance(exc, RefusedError) else "train", str(exc))
                 continue
             parsed.append(item)
         phase = TrainPhase(arrays=None)

@@ -52,6 +52,7 @@ from quorumfl.client.secure_wire import (
 from quorumfl.client.wire import (
     ARRAYS,
     CONFIG,
+    REFUSAL,
     TrainConfig,
     to_array_record,
 )
@@ -219,6 +220,9 @@ class MaskingSession:
         for node, reply in self.exchange(messages, failures, "train", config.round_timeout):
             try:
                 content = reply.content
+                if REFUSAL in content.config_records:
+                    failures[node] = ("dp-budget", f"refused: {content.config_records[REFUSAL].get('reason')!s}")
+                    continue
                 if MASKED not in content.array_records:
                     raise SecureAggregationError("reply has no 'masked' record")
                 vector, epoch_id, slot = decode_masked(content.array_records[MASKED], _secagg(reply))

@@ -242,3 +242,15 @@ def follow_run(
         if time.monotonic() > deadline:
             raise FederationError(f"run {flower_run_id} did not finish within {timeout:.0f}s")
         time.sleep(poll)
+
+
+def budget_view(ledger: Any, *, delta: float, budget: float | None) -> dict[str, Any]:
+    """A department's privacy ledger for people and scripts: ε per run, the total, refusals."""
+    runs = [{"run": r.run, "rounds": r.rounds, "epsilon": r.epsilon} for r in ledger.by_run(delta)]
+    total = ledger.spent(delta)
+    view: dict[str, Any] = {"delta": delta, "runs": runs, "total": total, "refusals": [
+        {"run": r.run, "round": r.round, "epsilon_would_be": r.epsilon_would_be, "budget": r.budget,
+         "reason": r.reason} for r in ledger.refusals()]}
+    if budget is not None:
+        view["budget"], view["left"] = budget, max(0.0, budget - total)
+    return view

@@ -25,11 +25,11 @@ from ..processes import (
     supernode_command,
     wait_for_port,
 )
-from ..services import run_view
+from ..services import budget_view, run_view
 from ..state.database import connect
 from .cmd_runs import round_progress, round_reporter
 from .context import DEFAULT_SUPERLINK, settings
-from .output import console, err_console, table
+from .output import console, err_console, print_json, table
 
 server_app = typer.Typer(help="The coordinating server (Flower SuperLink + QuorumFL state).", no_args_is_help=True)
 node_app = typer.Typer(help="A department node (Flower SuperNode running the QuorumFL ClientApp).", no_args_is_help=True)
@@ -111,17 +111,54 @@ def node_start(
     data: Annotated[Path, typer.Option(help="This department's partition directory.")],
     superlink: Annotated[str, typer.Option(help="SuperLink address HOST:PORT.")] = DEFAULT_SUPERLINK,
     port: Annotated[int, typer.Option(help="Local port of the SuperNode's own API (0 = a free one).")] = 0,
+    dp_budget: Annotated[float | None, typer.Option(
+        help="The department's total privacy budget ε over all runs (default 10); DP rounds past it are refused.")] = None,
+    require_dp: Annotated[bool, typer.Option(help="Refuse every round that is not differentially private.")] = False,
+    train_workers: Annotated[int, typer.Option(
+        help="Training processes: gloo workers on CPU; on CUDA the GPUs to use (0 = every GPU, or 1 on CPU).")] = 0,
+    checkpoint_every: Annotated[int, typer.Option(
+        help="Checkpoint local training every N steps; a crashed round resumes from it (0 = off).")] = 0,
 ) -> None:
     """Run a Flower SuperNode that serves the QuorumFL ClientApp on DATA, until Ctrl-C."""
     state = settings(ctx)
+    extra: dict[str, bool | int | float | str] = {"train-workers": train_workers, "checkpoint-every": checkpoint_every,
+                                                  "require-dp": require_dp}
+    if dp_budget is not None:
+        if not dp_budget > 0:
+            raise typer.BadParameter(f"--dp-budget must be > 0, got {dp_budget}")
+        extra["dp-budget"] = dp_budget
     err_console.print(INSECURE_WARNING)
     part = read_partition(data)  # fail here, clearly, rather than in every round
     console.print(f"{department}: {len(part.train)} training and {len(part.test)} test examples of {part.dataset}")
-    cmd = supernode_command(superlink=superlink, port=port or free_port(), data_path=data.resolve(), department=department)
+    cmd = supernode_command(superlink=superlink, port=port or free_port(), data_path=data.resolve(), department=department,
+                            node_config=extra)
     _run_in_foreground(
         flower_env(state.home), state.home / "logs", f"node-{department}", cmd,
         lambda child: console.print(f"[green]node {department} started[/green]; log {child.log}"),
     )
+
+
+@node_app.command("budget")
+def node_budget(
+    data: Annotated[Path, typer.Option(help="The department's partition directory (its privacy ledger lives there).")],
+    delta: Annotated[float, typer.Option(help="δ at which ε is reported.")] = 1e-5,
+    budget: Annotated[float | None, typer.Option(help="Also show what is left of this budget ε.")] = None,
+    output: Annotated[str, typer.Option("--format", help="table or json.")] = "table",
+) -> None:
+    """The ε this department has spent, per run and in total (PRV accountant), and the rounds it refused."""
+    from quorumfl.privacy.ledger import Ledger
+
+    if output not in ("table", "json"):
+        raise typer.BadParameter(f"--format must be table or json, got {output!r}")
+    view = budget_view(Ledger.open(data), delta=delta, budget=budget)
+    if output == "json":
+        print_json(view)
+        return
+    console.print(table(f"privacy spent by {data.name} (δ = {delta:g})", view["runs"], ["run", "rounds", "epsilon"]))
+    left = f", {view['left']:.3f} left of {budget:g}" if budget is not None else ""
+    console.print(f"total ε = {view['total']:.3f}{left}")
+    if view["refusals"]:
+        console.print(table("refused rounds", view["refusals"], ["run", "round", "epsilon_would_be", "budget"]))
 
 
 def _run_in_foreground(

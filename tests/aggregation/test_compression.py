@@ -42,6 +42,23 @@ def test_topk_keeps_the_largest_entries(x: np.ndarray, fraction: float) -> None:
     assert np.all(np.abs(out - x)[~kept] == np.abs(x)[~kept])
 
 
+@given(st.lists(vectors, min_size=1, max_size=4), fractions)
+def test_model_topk_keeps_the_largest_entries_of_the_whole_update(parts: list[np.ndarray], fraction: float) -> None:
+    arrays_ = {f"layer{i}": p for i, p in enumerate(parts)}
+    encoded = encode_arrays(arrays_, Scheme.TOPK, fraction=fraction, seed=0)
+    whole = np.concatenate([arrays_[n] for n in sorted(arrays_)])
+    k = max(1, int(np.ceil(fraction * whole.size)))
+    kept = np.concatenate([np.abs(arrays_[n][encoded[n].parts["idx"]]) for n in sorted(arrays_)])
+    assert kept.size == k
+    dropped = np.concatenate([np.delete(np.abs(arrays_[n]), encoded[n].parts["idx"]) for n in sorted(arrays_)])
+    if dropped.size:
+        assert dropped.max() <= kept.min()
+    decoded = decode_arrays(encoded, fraction=fraction, seed=0)
+    for n, value in arrays_.items():
+        idx = encoded[n].parts["idx"]
+        np.testing.assert_array_equal(decoded[n][idx], value[idx].astype(np.float16).astype(np.float32))
+
+
 @given(vectors)
 def test_scaled_sign_error_identity(x: np.ndarray) -> None:
     enc = encode(x, Scheme.SIGN)
