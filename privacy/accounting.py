@@ -8,6 +8,7 @@ up to its stated ``eps_error``). Nothing here is hand-written accounting: it is 
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Sequence
@@ -46,6 +47,7 @@ def epsilon(entries: Sequence[Entry], delta: float) -> float:
         return float(accountant.get_epsilon(delta=delta, eps_error=EPS_ERROR))
 
 
+@functools.lru_cache(maxsize=64)  # a binary search of PRV evaluations: seconds; the same plan recurs per round
 def noise_for_target(target_epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
     """The smallest σ (within Opacus' tolerance) whose schedule of ``steps`` stays within ``target_epsilon``."""
     if not target_epsilon > 0:

@@ -59,3 +59,15 @@ def test_dp_refuses_engine_only_settings() -> None:
     with pytest.raises(ConfigError, match="dp-clip clips each example"):
         train_private(build_model("mlp", (1, 8, 8), 10), _data(), job, plan)
     assert torch.isfinite(torch.tensor(plan.noise_multiplier))
+
+
+def test_noise_and_sampling_are_secret_from_the_run_seed() -> None:
+    # The server knows the run's seed; if it fixed the noise, the server could subtract it.
+    data = _data()
+    job = TrainJob(epochs=1, batch_size=30, learning_rate=0.1, seed=5)
+    plan = plan_round(len(data), job, rounds=1, max_grad_norm=1.0, delta=1e-5, noise_multiplier=1.0)
+    first, second = build_model("mlp", (1, 8, 8), 10, seed=1), build_model("mlp", (1, 8, 8), 10, seed=1)
+    train_private(first, data, job, plan)
+    train_private(second, data, job, plan)
+    assert max(float((a.detach() - b.detach()).abs().max())
+               for a, b in zip(first.parameters(), second.parameters(), strict=True)) > 1e-3
