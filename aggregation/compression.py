@@ -33,7 +33,7 @@ from .errors import AggregationError, ConfigError
 
 __all__ = [
     "Encoded", "ErrorFeedback", "Scheme", "decode", "decode_arrays", "encode", "encode_arrays", "payload_bytes",
-    "shared_indices",
+    "shared_indices", "shared_positions",
 ]
 
 F32 = NDArray[np.float32]
@@ -167,6 +167,18 @@ def encode_arrays(arrays: Mapping[str, NDArray[np.generic]], scheme: Scheme, *, 
 def decode_arrays(encoded: Mapping[str, Encoded], *, fraction: float, seed: int) -> dict[str, F32]:
     names = sorted(encoded)
     return {n: decode(encoded[n], fraction=fraction, seed=_seed(seed, n, names)) for n in names}
+
+
+def shared_positions(shapes: Mapping[str, tuple[int, ...]], fraction: float, seed: int) -> NDArray[np.int64]:
+    """Where the shared random-k coordinates of every array sit in the model's flat vector (arrays in
+    sorted name order, as ``secagg.flatten`` lays them out); the same on every node and the server."""
+    names = sorted(shapes)
+    out, offset = [], 0
+    for name in names:
+        size = math.prod(shapes[name])
+        out.append(offset + shared_indices(size, fraction, _seed(seed, name, names)))
+        offset += size
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
 def payload_bytes(encoded: Mapping[str, Encoded]) -> int:

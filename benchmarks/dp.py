@@ -94,7 +94,7 @@ def run(private: bool, setup: Setup) -> dict[str, Any]:
             config = replace(base, server_round=number)
             updates = []
             for i, data in enumerate(depts):
-                gate = (lambda entry, i=i: ledgers[i].reserve("bench", number, entry, delta=setup.delta,
+                gate = (lambda entry, i=i, number=number: ledgers[i].reserve("bench", number, entry, delta=setup.delta,
                                                                 budget=setup.epsilon * 1.01)) if private else None
                 work = train_round(config, [global_arrays], None, data, data.subset(np.arange(min(len(data), 64))),
                                    privacy=gate)

@@ -31,10 +31,8 @@ app = ClientApp()
 
 @app.train()
 def train_handler(msg: Message, context: Context) -> Message:
-    from .steps import (  # torch loads here, only for messages that train
-        compressed_update,
-        train_received,
-    )
+    from .compress import compressed_update
+    from .steps import train_received  # torch loads here, only for messages that train
 
     try:
         local = train_received(msg, context)

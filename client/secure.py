@@ -83,7 +83,15 @@ def masked_train_reply(msg: Message, context: Context, local: LocalTraining) -> 
     """The train reply in masked mode: only the masked weighted update and the training time."""
     state = _load(context)
     request, max_weight = decode_mask_request(_record(msg), node=int(context.node_id))
-    update = flatten(local.trained) - flatten(local.received)
+    if local.config.compression == "randk":  # shared coordinates: the masked sum is the sum of encodings
+        from .compress import shared_update_vector
+
+        update = shared_update_vector(context, local)
+    elif local.config.compression != "none":
+        raise SecureAggregationError(f"compression {local.config.compression} cannot be masked: only randk keeps "
+                                     "the same coordinates on every node")
+    else:
+        update = flatten(local.trained) - flatten(local.received)
     payload = weighted_payload(update, examples=local.num_examples, loss=local.train_loss, max_weight=max_weight)
     masked = state.mask(request, payload, np.random.default_rng(secrets.randbits(128)))
     _store(context, state)

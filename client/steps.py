@@ -13,19 +13,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message
+from flwr.app import Context, Message
 from numpy.typing import NDArray
 
-from quorumfl.aggregation.compression import ErrorFeedback, Scheme
 from quorumfl.aggregation.errors import ConfigError, DataError, PrivacyBudgetError
 
 from .data.store import Partition, read_partition
 from .engine import EngineSettings
 from .node_round import Personalisation, PrivacyGate, evaluate_round, pick_round, train_round
 from .personal_store import PersonalStore, node_state_dir
-from .wire import CONFIG, TrainConfig, candidate_models, encode_update
+from .wire import CONFIG, TrainConfig, candidate_models
 
-__all__ = ["LocalTraining", "compressed_update", "evaluate_received", "pick_received", "train_received"]
+__all__ = ["LocalTraining", "evaluate_received", "pick_received", "train_received"]
 
 log = logging.getLogger(__name__)
 Arrays = dict[str, NDArray[np.generic]]
@@ -113,24 +112,6 @@ def train_received(msg: Message, context: Context) -> LocalTraining:
     log.info("round %s: %s trained on %s examples", config.server_round, department, work.num_examples)
     return LocalTraining(config, department, work.received, work.shared, work.num_examples, work.train_loss,
                          work.metrics, work.cluster)
-
-
-def compressed_update(context: Context, local: LocalTraining) -> tuple[ArrayRecord, ConfigRecord]:
-    """Encode ``trained − received`` with error feedback; the residual stays on the node's disk.
-
-    In a full-precision sync round the update and the whole residual go out uncompressed and the
-    residual is cleared.
-    """
-    config = local.config
-    feedback = ErrorFeedback(Scheme(config.compression), config.compression_fraction)
-    store = PersonalStore.for_node(dict(context.node_config), int(context.node_id), kind="residual")
-    residual = store.load(str(context.run_id))
-    update = {k: np.asarray(local.trained[k], np.float32) - np.asarray(local.received[k], np.float32)
-              for k in local.trained}
-    encoded, new_residual = feedback.step(update, residual, seed=config.compression_seed,
-                                          full=config.compression_full)
-    store.save(str(context.run_id), dict(new_residual))
-    return encode_update(encoded, config)
 
 
 def pick_received(msg: Message, context: Context) -> tuple[int, str]:

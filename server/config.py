@@ -256,10 +256,14 @@ class RunConfig:
         if config.strategy is StrategyName.IFCA and config.secure_aggregation is SecureMode.CKKS and config.clusters > 1:
             problems.append("strategy ifca with secure-aggregation ckks is not supported yet; use masking "
                             "(sums per cluster) or clusters = 1")
-        if config.secure_aggregation is not SecureMode.NONE and config.compression is not Compression.NONE:
-            problems.append(f"compression {config.compression.value} with secure-aggregation "
-                            f"{config.secure_aggregation.value} is not supported: the server only sees the sum, "
-                            "so compressed updates need shared coordinates; use compression = 'none'")
+        if config.secure_aggregation is SecureMode.MASKING and config.compression not in (Compression.NONE,
+                                                                                          Compression.RANDK):
+            problems.append(f"compression {config.compression.value} with secure-aggregation masking is not possible: "
+                            "the server only sees the sum, so every node must send the same coordinates; use "
+                            "compression = 'randk' (or 'none')")
+        if config.secure_aggregation is SecureMode.CKKS and config.compression is not Compression.NONE:
+            problems.append(f"compression {config.compression.value} with secure-aggregation ckks is not supported "
+                            "yet; use compression = 'none'")
         if config.dp is DpMode.LOCAL and (config.dp_epsilon > 0) == (config.dp_noise_multiplier > 0):
             problems.append("dp 'local' needs exactly one of dp-epsilon (the run's target per department) and "
                             "dp-noise-multiplier; set the other to 0")

@@ -19,6 +19,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from numpy.typing import NDArray
 
+from quorumfl.aggregation.compression import shared_positions
 from quorumfl.aggregation.errors import (
     EmptyAggregationError,
     QuorumError,
@@ -198,7 +199,13 @@ class MaskingSession:
         order = sorted(members)  # masking group i sums cluster order[i]
         participants = sorted(n for k in order for n in members[k])
         bases = {k: flatten(models[k]) for k in order}
-        length = 2 + next(iter(bases.values())).shape[0]
+        # Shared random-k: every node masks the values at the round's shared coordinates only.
+        round_config = next(iter(configs.values()))
+        positions: NDArray[np.int64] | None = None
+        if round_config.compression == "randk" and not round_config.compression_full:
+            shapes = {name: tuple(np.shape(v)) for name, v in models[order[0]].items()}
+            positions = shared_positions(shapes, round_config.compression_fraction, round_config.compression_seed)
+        length = 2 + (len(positions) if positions is not None else next(iter(bases.values())).shape[0])
         rnd = epoch.start_round([members[k] for k in order], length=length)
         records = {k: to_array_record(models[k]) for k in order}
         messages = [
@@ -273,7 +280,11 @@ class MaskingSession:
             except EmptyAggregationError as exc:
                 errors.append(f"cluster {k}: {exc}")
                 continue
-            new_models[k] = unflatten(bases[k] + mean.update, models[k])
+            delta = mean.update
+            if positions is not None:
+                delta = np.zeros_like(bases[k])
+                delta[positions] = mean.update
+            new_models[k] = unflatten(bases[k] + delta, models[k])
             result.accepted.extend(group.survivors)
             result.assignments.update({n: k for n in group.survivors})
             weight += mean.total_weight

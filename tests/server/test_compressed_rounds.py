@@ -96,3 +96,33 @@ def test_compression_with_secure_aggregation_is_refused() -> None:
         RunConfig.from_mapping({"compression": "topk", "secure-aggregation": "masking"})
     with pytest.raises(ConfigError, match="compression must be one of"):
         RunConfig.from_mapping({"compression": "zip"})
+
+
+def test_shared_randk_under_masking_equals_the_plaintext_run(tmp_path: Path) -> None:
+    randk = {"num-rounds": 2, "compression": "randk", "compression-fraction": 0.1, "strategy": "fedavg"}
+    plain_grid = LoopbackGrid(_contexts(tmp_path / "plain"))
+    plain, plain_repo = _federation(tmp_path / "plain", plain_grid, **randk)
+    masked_grid = LoopbackGrid(_contexts(tmp_path / "masked"))
+    masked, masked_repo = _federation(tmp_path / "masked", masked_grid, **randk, **{"secure-aggregation": "masking"})
+    plain_models = _round_models(plain_repo, plain.run())
+    masked_run = masked.run()
+    assert masked_repo.get_run(masked_run).status == RunStatus.COMPLETED
+    masked_models = _round_models(masked_repo, masked_run)
+    # The masked vectors carry only the shared coordinates: 2 header values + 10 % of the model.
+    from quorumfl.client.secure_wire import MASKED
+    masked_replies = [r for r in masked_grid.replies if MASKED in r.content.array_records]
+    sizes = {sum(int(np.prod(a.shape)) for a in r.content.array_records[MASKED].values()) for r in masked_replies}
+    model_size = sum(v.size for v in plain_models[1].values())
+    assert len(sizes) == 1 and sizes.pop() < 0.11 * model_size + 64
+    for number in (1, 2):
+        for key, value in plain_models[number].items():
+            np.testing.assert_allclose(masked_models[number][key], value, rtol=0, atol=2e-4)
+    # Coordinates outside the round-1 sample did not move in round 1.
+    moved = sum(int(np.count_nonzero(masked_models[1][k] != _initial(masked_repo)[k])) for k in masked_models[1])
+    assert moved <= 0.1 * model_size + 10
+
+
+def _initial(repo: object) -> dict[str, np.ndarray]:
+    from quorumfl.client.models import build_model, model_to_arrays
+
+    return model_to_arrays(build_model("mlp", (1, 8, 8), 10, seed=0))
