@@ -17,7 +17,7 @@ from __future__ import annotations
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from quorumfl.aggregation.errors import PrivacyBudgetError
+from quorumfl.aggregation.errors import PrivacyBudgetError, SecureAggregationError
 
 from . import ckks, secure
 from .ckks_wire import CKKS
@@ -42,6 +42,9 @@ def train_handler(msg: Message, context: Context) -> Message:
         return Message(content=content, reply_to=msg)
     if SECAGG in msg.content.config_records:
         return Message(content=secure.masked_train_reply(msg, context, local), reply_to=msg)
+    if local.config.dp == "distributed":  # fail closed: a noise share alone does not protect a plaintext update
+        raise SecureAggregationError("dp 'distributed' needs a masked round; this request is not one, so the update "
+                                     "is withheld")
     if CKKS in msg.content.config_records:
         return Message(content=ckks.encrypted_train_reply(msg, context, local), reply_to=msg)
     content = RecordDict(

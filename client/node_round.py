@@ -171,11 +171,18 @@ def train_round(
         dp_metrics["dp-noise-multiplier"] = plan.noise_multiplier
         result = train_private(model, train_data, job, plan)
         workers = 1
-    elif config.dp == "none":
+    elif config.dp in ("none", "distributed"):
+        if config.dp == "distributed":  # clipped and noised after training (client.secure); charged here
+            if privacy is None:
+                raise ConfigError("a DP round needs the department's privacy ledger; none was given")
+            # The whole update is one Gaussian mechanism per round; no subsampling is claimed (q = 1):
+            # the node cannot check how the server samples.
+            dp_metrics["dp-epsilon"] = privacy((config.dp_noise_multiplier, 1.0, 1))
+            dp_metrics["dp-noise-multiplier"] = config.dp_noise_multiplier
         run = train_model(model, train_data, job, engine, checkpoint=checkpoint)
         result, workers = run.loop, run.plan.world
     else:
-        raise ConfigError(f"dp must be 'none' or 'local', got {config.dp!r}")
+        raise ConfigError(f"dp must be 'none', 'local' or 'distributed', got {config.dp!r}")
     after = evaluate(model, test_data)
     shared, mine = split_arrays(model_to_arrays(model), names)
     received = split_arrays(start, names)[0]

@@ -92,7 +92,14 @@ def masked_train_reply(msg: Message, context: Context, local: LocalTraining) -> 
                                      "the same coordinates on every node")
     else:
         update = flatten(local.trained) - flatten(local.received)
-    payload = weighted_payload(update, examples=local.num_examples, loss=local.train_loss, max_weight=max_weight)
+    examples = float(local.num_examples)
+    if local.config.dp == "distributed":  # clip, add this node's noise share; every department counts once
+        from quorumfl.privacy.distributed import noisy_share
+
+        update = noisy_share(update, clip=local.config.dp_clip, noise_multiplier=local.config.dp_noise_multiplier,
+                             share=local.config.dp_noise_share, rng=np.random.default_rng(secrets.randbits(128)))
+        examples = max_weight
+    payload = weighted_payload(update, examples=examples, loss=local.train_loss, max_weight=max_weight)
     masked = state.mask(request, payload, np.random.default_rng(secrets.randbits(128)))
     _store(context, state)
     arrays, config = encode_masked(masked, epoch=request.epoch, slot=request.slot)

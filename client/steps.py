@@ -83,7 +83,7 @@ def _privacy_gate(context: Context, config: TrainConfig) -> PrivacyGate | None:
     if config.dp == "none":
         if node_config.get("require-dp") in (True, "true", 1):
             raise PrivacyBudgetError("this department trains only with differential privacy (node config "
-                                     "require-dp); start the run with dp = 'local'")
+                                     "require-dp); start the run with dp = 'local' or 'distributed'")
         return None
     from quorumfl.privacy.ledger import Ledger
 

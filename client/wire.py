@@ -56,12 +56,13 @@ class TrainConfig:
     compression_fraction: float = 0.01  # top-k / random-k: the fraction of entries sent
     compression_seed: int = 0  # random-k: this round's coordinates, the same on every node
     compression_full: bool = False  # the periodic full-precision sync: send update + residual as is
-    dp: str = "none"  # none | local (DP-SGD on the node, quorumfl.privacy)
+    dp: str = "none"  # none | local (DP-SGD on the node) | distributed (noise shares under masking)
     dp_epsilon: float = 0.0  # target ε of the whole run per department (0: use dp_noise_multiplier)
     dp_noise_multiplier: float = 0.0
     dp_clip: float = 1.0  # per-example gradient norm bound C
     dp_delta: float = 1e-5
     num_rounds: int = 1  # the run's length: the noise for a target ε is spread over all its rounds
+    dp_noise_share: int = 0  # distributed DP: the node adds N(0, σ²C²/this); the server sends the threshold t
 
     def to_record(self) -> ConfigRecord:
         return ConfigRecord(
@@ -89,6 +90,7 @@ class TrainConfig:
                 "dp-clip": self.dp_clip,
                 "dp-delta": self.dp_delta,
                 "num-rounds": self.num_rounds,
+                "dp-noise-share": self.dp_noise_share,
             }
         )
 
@@ -130,6 +132,7 @@ class TrainConfig:
             dp_clip=get("dp-clip", float, 1.0),
             dp_delta=get("dp-delta", float, 1e-5),
             num_rounds=get("num-rounds", int, 1),
+            dp_noise_share=get("dp-noise-share", int, 0),
         )
 
 

@@ -13,6 +13,7 @@ import math
 import warnings
 from collections.abc import Sequence
 
+import numpy as np
 from opacus.accountants import PRVAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
@@ -42,7 +43,7 @@ def epsilon(entries: Sequence[Entry], delta: float) -> float:
         merged[(float(s), float(q))] = merged.get((float(s), float(q)), 0) + int(n)
     accountant = PRVAccountant()
     accountant.history = [(s, q, n) for (s, q), n in merged.items()]
-    with warnings.catch_warnings():  # PRV bounds its domain with RDP, which warns about its alpha range
+    with warnings.catch_warnings(), np.errstate(divide="ignore"):  # RDP's alpha range; log(1 − q) at q = 1
         warnings.simplefilter("ignore", UserWarning)
         return float(accountant.get_epsilon(delta=delta, eps_error=EPS_ERROR))
 
@@ -53,7 +54,7 @@ def noise_for_target(target_epsilon: float, delta: float, sample_rate: float, st
     if not target_epsilon > 0:
         raise ConfigError(f"dp-epsilon must be > 0, got {target_epsilon}")
     _check([(1.0, sample_rate, steps)], delta)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), np.errstate(divide="ignore"):
         warnings.simplefilter("ignore", UserWarning)
         return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate,
                                           steps=steps, accountant="prv", epsilon_tolerance=0.01, eps_error=EPS_ERROR))

@@ -46,6 +46,7 @@ class Compression(StrEnum):
 class DpMode(StrEnum):
     NONE = "none"
     LOCAL = "local"  # DP-SGD (Opacus) on every node; each department's ledger enforces its ε budget
+    DISTRIBUTED = "distributed"  # under masking: each node clips its update and adds a share of the noise
 
 
 class StartFrom(StrEnum):
@@ -264,9 +265,14 @@ class RunConfig:
         if config.secure_aggregation is SecureMode.CKKS and config.compression is not Compression.NONE:
             problems.append(f"compression {config.compression.value} with secure-aggregation ckks is not supported "
                             "yet; use compression = 'none'")
-        if config.dp is DpMode.LOCAL and (config.dp_epsilon > 0) == (config.dp_noise_multiplier > 0):
-            problems.append("dp 'local' needs exactly one of dp-epsilon (the run's target per department) and "
+        if config.dp is not DpMode.NONE and (config.dp_epsilon > 0) == (config.dp_noise_multiplier > 0):
+            problems.append(f"dp '{config.dp.value}' needs exactly one of dp-epsilon (the run's target) and "
                             "dp-noise-multiplier; set the other to 0")
+        if config.dp is DpMode.DISTRIBUTED and config.secure_aggregation is not SecureMode.MASKING:
+            problems.append("dp 'distributed' adds each node's share of the noise, which only protects an update "
+                            "inside a masked sum; set secure-aggregation = 'masking' (or use dp = 'local')")
+        if config.dp is DpMode.DISTRIBUTED and config.compression is not Compression.NONE:
+            problems.append("dp 'distributed' with compression is not supported; set compression = 'none'")
         if problems:
             raise ConfigError(problems)
         return config

@@ -43,7 +43,7 @@ from quorumfl.client.wire import (
 )
 
 from .ckks import AuditTrail, CkksSession
-from .config import RunConfig, SecureMode, StartFrom
+from .config import DpMode, RunConfig, SecureMode, StartFrom
 from .model_store import ModelStore
 from .phase import TrainPhase
 from .secure import MaskingSession
@@ -172,7 +172,7 @@ class Federation:
             compression_fraction=config.compression_fraction,
             dp=config.dp.value,
             dp_epsilon=config.dp_epsilon,
-            dp_noise_multiplier=config.dp_noise_multiplier,
+            dp_noise_multiplier=self._distributed_noise(config) or config.dp_noise_multiplier,
             dp_clip=config.dp_clip,
             dp_delta=config.dp_delta,
             num_rounds=config.num_rounds,
@@ -181,6 +181,25 @@ class Federation:
         self.ckks: CkksSession | None = None
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _distributed_noise(self, config: RunConfig) -> float | None:
+        """Distributed DP: σ of the Gaussian mechanism on each revealed sum, for the run's target ε over
+        its rounds with q = fraction-train (or the configured σ)."""
+        self.dp_noise: float | None = None
+        if config.dp is not DpMode.DISTRIBUTED:
+            return None
+        from quorumfl.privacy.accounting import noise_for_target
+
+        self.dp_noise = config.dp_noise_multiplier or noise_for_target(
+            config.dp_epsilon, config.dp_delta, config.fraction_train, config.num_rounds)
+        log.info("distributed DP: noise multiplier %.3f on each revealed sum (clip %s)", self.dp_noise, config.dp_clip)
+        return self.dp_noise
+
+    def _federation_epsilon(self, rounds: int) -> float:
+        from quorumfl.privacy.accounting import epsilon
+
+        assert self.dp_noise is not None
+        return float(epsilon([(self.dp_noise, self.config.fraction_train, rounds)], self.config.dp_delta))
+
     def _compression_round(self, number: int) -> TrainConfig:
         """This round's compression: random-k coordinates from a per-round seed (the same for every
         node), and every ``compression-sync-every``-th round a full-precision sync."""
@@ -411,6 +430,8 @@ class Federation:
             # Peak RSS of the ServerApp process so far (Linux reports KiB).
             "server-peak-rss-mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         }
+        if self.dp_noise is not None:  # distributed DP: the federation's ε after this many rounds
+            round_metrics["dp-federation-epsilon"] = self._federation_epsilon(number)
         if len(new_models) > 1:
             round_metrics["clusters-repaired"] = float(len(phase.repairs))
             for k in range(len(new_models)):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
@@ -68,6 +69,11 @@ Arrays = dict[str, NDArray[np.generic]]
 Failures = dict[int, tuple[str, str]]
 # (messages, failures to fill, stage name, timeout seconds) -> good replies by node
 Exchange = Callable[[list[Message], Failures, str, float], list[tuple[int, Message]]]
+
+
+def _with_noise_share(config: TrainConfig, quorum: int) -> TrainConfig:
+    """Distributed DP: each node adds N(0, σ²C²/quorum), so any revealed sum (≥ quorum inputs) carries σC."""
+    return replace(config, dp_noise_share=quorum) if config.dp == "distributed" else config
 
 
 def _secagg(reply: Message) -> ConfigRecord:
@@ -213,7 +219,7 @@ class MaskingSession:
                 content=RecordDict(
                     {
                         ARRAYS: records[cluster_of[n]],
-                        CONFIG: configs[n].to_record(),
+                        CONFIG: _with_noise_share(configs[n], quorum).to_record(),
                         SECAGG: encode_mask_request(epoch.mask_request(n, rnd), max_weight=config.secagg_max_weight),
                     }
                 ),

@@ -62,3 +62,23 @@ def test_heterogeneity_smoke() -> None:
             "local_only_mean_acc", "fedavg_worst_acc", "best_worst_acc", "best_minus_fedavg_pts", "planted_purity"}
     assert keys <= set(figures)
     assert all(0.0 <= float(figures[k]) <= 1.0 for k in keys - {"best_minus_fedavg_pts"})  # type: ignore[arg-type]
+
+
+def test_compression_smoke() -> None:
+    figures = _run("compression.py")
+    keys = {"none_acc", "topk_acc", "sign_acc", "int8_acc", "shared_randk_acc", "topk_byte_reduction",
+            "topk_acc_loss_pts"}
+    assert keys <= set(figures)
+    assert float(figures["topk_byte_reduction"]) > 20  # type: ignore[arg-type]  # 1 % of a 17k-parameter model
+
+
+def test_dp_smoke() -> None:
+    figures = _run("dp.py")
+    assert {"epsilon", "dp_acc", "nondp_acc"} <= set(figures)
+    assert 0 < float(figures["epsilon"]) <= 3.0 * 1.001  # type: ignore[arg-type]  # the ledger never passes the target
+
+
+def test_gpu_check_smoke() -> None:
+    figures = _run("gpu_check.py")  # without CUDA: the CPU counterparts (bf16, 2 gloo workers)
+    assert {"cuda", "gpus", "bf16_max_diff", "ok"} <= set(figures)
+    assert figures["ok"] is True
