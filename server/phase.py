@@ -36,9 +36,13 @@ class TrainPhase:
     repairs: list[str] = field(default_factory=list)
 
     def note_node(self, node: int, content: RecordDict) -> None:
-        """Keep what a secure-mode reply says in plaintext: the node's training time and department."""
+        """Keep what a secure-mode reply says in plaintext: the node's training time and department,
+        and the size of the arrays it sent (``uplink-bytes``)."""
         metrics = content.metric_records.get(METRICS)
         seconds = metrics.get("train-seconds") if metrics is not None else None
+        noted = self.node_metrics.setdefault(node, {})
         if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
-            self.node_metrics[node] = {"train-seconds": float(seconds)}
+            noted["train-seconds"] = float(seconds)
+        noted["uplink-bytes"] = float(sum(len(a.data) for record in content.array_records.values()
+                                          for a in record.values()))
         self.departments[node] = department_of(content)

@@ -117,6 +117,11 @@ def test_shared_randk_under_masking_equals_the_plaintext_run(tmp_path: Path) -> 
     for number in (1, 2):
         for key, value in plain_models[number].items():
             np.testing.assert_allclose(masked_models[number][key], value, rtol=0, atol=2e-4)
+    # The server recorded each masked reply's size: a tenth of the plaintext update, or less.
+    plain_sent = {m.value for m in plain_repo.metrics(plain_repo.list_runs()[0].id, name="uplink-bytes")}
+    masked_sent = [m.value for m in masked_repo.metrics(masked_run, name="uplink-bytes")]
+    assert len(masked_sent) == 6 and max(masked_sent) < 0.11 * 4 * model_size + 300
+    assert min(plain_sent) > 0
     # Coordinates outside the round-1 sample did not move in round 1.
     moved = sum(int(np.count_nonzero(masked_models[1][k] != _initial(masked_repo)[k])) for k in masked_models[1])
     assert moved <= 0.1 * model_size + 10
