@@ -31,7 +31,7 @@ from quorumfl.aggregation.errors import ConfigError
 from quorumfl.aggregation.personal import merge_arrays, personal_names, split_arrays
 
 from .data.datasets import Dataset
-from .engine import EngineSettings, TrainJob, train_model
+from .engine import EngineSettings, TrainJob, plan_devices, train_model
 from .models import arrays_to_model, build_model, model_to_arrays
 from .training import evaluate, train
 from .wire import TrainConfig
@@ -169,8 +169,15 @@ def train_round(
                           noise_multiplier=config.dp_noise_multiplier)
         dp_metrics["dp-epsilon"] = privacy(plan.entry)  # refuses (raises) past the budget, before any training
         dp_metrics["dp-noise-multiplier"] = plan.noise_multiplier
-        result = train_private(model, train_data, job, plan)
-        workers = 1
+        devices = plan_devices(engine or EngineSettings(), cuda_devices=torch.cuda.device_count())
+        if devices.world > 1:  # Opacus' DPDDP: the same schedule, so the same ledger entry
+            from quorumfl.privacy.dp_ddp import train_private_ddp
+
+            threads = (engine or EngineSettings()).threads_per_worker
+            result = train_private_ddp(model, train_data, job, plan, devices, threads=threads)
+        else:
+            result = train_private(model, train_data, job, plan)
+        workers = devices.world
     elif config.dp in ("none", "distributed"):
         if config.dp == "distributed":  # clipped and noised after training (client.secure); charged here
             if privacy is None:

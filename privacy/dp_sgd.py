@@ -28,7 +28,7 @@ from quorumfl.client.engine import LoopResult, TrainJob
 
 from .accounting import Entry, noise_for_target
 
-__all__ = ["DpPlan", "plan_round", "train_private"]
+__all__ = ["DpPlan", "plan_round", "prepare_module", "private_loop", "train_private"]
 
 
 @dataclass(frozen=True)
@@ -73,25 +73,44 @@ def plan_round(num_examples: int, job: TrainJob, *, rounds: int, max_grad_norm: 
 def train_private(model: nn.Module, data: Dataset, job: TrainJob, plan: DpPlan, *,
                   anchor: list[torch.Tensor] | None = None) -> LoopResult:
     """Train ``model`` in place with DP-SGD for ``plan``; returns the loop figures (mean loss of the last epoch)."""
+    fixed = prepare_module(model, job)
+    result = private_loop(fixed, fixed, data, job, plan, anchor=anchor)
+    if fixed is not model:
+        model.load_state_dict(fixed.state_dict())
+    return result
+
+
+def prepare_module(model: nn.Module, job: TrainJob) -> nn.Module:
+    """The model as DP-SGD can train it (``ModuleValidator.fix``), or a ConfigError naming what cannot be fixed."""
     _check_job(job)
     model.train()
     fixed = ModuleValidator.fix(model)
     problems = ModuleValidator.validate(fixed, strict=False)
     if problems:
         raise ConfigError(f"the model has layers DP-SGD cannot train: {problems}")
-    anchor_t = [p.detach().clone() for p in fixed.parameters()] if anchor is None else list(anchor)
+    return fixed
+
+
+def private_loop(module: nn.Module, wrapped: nn.Module, data: Dataset, job: TrainJob, plan: DpPlan, *,
+                 anchor: list[torch.Tensor] | None = None) -> LoopResult:
+    """The DP-SGD loop on ``wrapped`` (``module`` itself, or Opacus' DPDDP around it in a DDP worker).
+
+    Opacus gives every worker the whole data set: in DDP it samples each worker's shard with the same
+    rate q, so the union is one Poisson sample, and only rank 0 adds the noise.
+    """
+    anchor_t = [p.detach().clone() for p in module.parameters()] if anchor is None else list(anchor)
     # Batch sampling and noise must be secret from everyone, the server included (it knows the run's
     # seed): both generators are seeded from the OS CSPRNG. Opacus' secure_mode (torchcsprng) is not
     # available for this torch; a secret 63-bit seed per round keeps the noise unpredictable.
     generator = torch.Generator().manual_seed(secrets.randbits(63))
     dataset = TensorDataset(torch.from_numpy(data.x), torch.from_numpy(data.y))
     loader = DataLoader(dataset, batch_size=job.batch_size, generator=generator)
-    optimizer = torch.optim.SGD(fixed.parameters(), lr=job.base_lr(), momentum=job.momentum)
+    optimizer = torch.optim.SGD(module.parameters(), lr=job.base_lr(), momentum=job.momentum)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
         engine = PrivacyEngine(accountant="prv")
         private, optimizer, loader = engine.make_private(
-            module=fixed, optimizer=optimizer, data_loader=loader, noise_multiplier=plan.noise_multiplier,
+            module=wrapped, optimizer=optimizer, data_loader=loader, noise_multiplier=plan.noise_multiplier,
             max_grad_norm=plan.max_grad_norm, poisson_sampling=True,
             noise_generator=torch.Generator().manual_seed(secrets.randbits(63)),
         )
@@ -113,7 +132,7 @@ def train_private(model: nn.Module, data: Dataset, job: TrainJob, plan: DpPlan, 
             optimizer.step()
             if job.proximal_mu > 0:
                 with torch.no_grad():
-                    for p, a in zip(fixed.parameters(), anchor_t, strict=True):
+                    for p, a in zip(module.parameters(), anchor_t, strict=True):
                         p.add_(p - a, alpha=-job.base_lr() * job.proximal_mu)
             total += float(loss.detach()) * len(yb)
             seen += len(yb)
@@ -124,6 +143,4 @@ def train_private(model: nn.Module, data: Dataset, job: TrainJob, plan: DpPlan, 
                                   and math.isclose(recorded[0][1], plan.sample_rate) and recorded[0][2] == plan.steps):
         raise PrivacyBudgetError(f"Opacus recorded {recorded}, the ledger was charged {plan.entry}; the update is "
                                  "withheld")
-    if fixed is not model:
-        model.load_state_dict(fixed.state_dict())
     return LoopResult(loss=epoch_loss, num_examples=len(data), steps=steps)

@@ -41,7 +41,7 @@ class EngineResult:
     plan: DevicePlan
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -130,7 +130,7 @@ def train_model(
             # Plain pickle, not torch's: torch.multiprocessing would put the tensors in shared memory and
             # every worker would then step the same weights.
             payload = pickle.dumps((model, anchor))
-            args = (plan, _free_port(), payload, data, job, settings, checkpoint, key, out)
+            args = (plan, free_port(), payload, data, job, settings, checkpoint, key, out)
             try:
                 mp.spawn(_worker,  # type: ignore[attr-defined,no-untyped-call]
                          args=args, nprocs=plan.world, join=True)

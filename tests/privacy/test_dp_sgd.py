@@ -71,3 +71,24 @@ def test_noise_and_sampling_are_secret_from_the_run_seed() -> None:
     train_private(second, data, job, plan)
     assert max(float((a.detach() - b.detach()).abs().max())
                for a, b in zip(first.parameters(), second.parameters(), strict=True)) > 1e-3
+
+
+def test_two_gloo_workers_add_the_same_noise_as_one_process() -> None:
+    from quorumfl.client.engine import DevicePlan
+    from quorumfl.privacy.dp_ddp import train_private_ddp
+
+    # Noise-only regime (C tiny, σ huge): each weight moves by a sum of `steps` draws of N(0, (lr·σC/B)²).
+    rng = np.random.default_rng(0)
+    data = Dataset("synthetic", rng.normal(size=(2000, 1, 8, 8)).astype(np.float32),
+                   rng.integers(0, 10, 2000).astype(np.int64), 10)
+    job = TrainJob(epochs=1, batch_size=100, learning_rate=1.0, momentum=0.0)
+    plan = plan_round(len(data), job, rounds=1, max_grad_norm=1e-6, delta=1e-5, noise_multiplier=1000.0)
+    expected = plan.steps ** 0.5 * 1.0 * 1000.0 * 1e-6 / 100
+    for train in (lambda m: train_private(m, data, job, plan),
+                  lambda m: train_private_ddp(m, data, job, plan, DevicePlan("cpu", 2, "gloo"))):
+        model = build_model("mlp", (1, 8, 8), 10, seed=1)
+        before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+        result = train(model)
+        moved = torch.cat([p.detach().flatten() for p in model.parameters()]) - before
+        assert result.steps == plan.steps  # and Opacus' accountant recorded the charged entry (else it raises)
+        assert float(moved.std()) == pytest.approx(expected, rel=0.05)
