@@ -84,7 +84,7 @@ def prepare_module(model: nn.Module, job: TrainJob) -> nn.Module:
     """The model as DP-SGD can train it (``ModuleValidator.fix``), or a ConfigError naming what cannot be fixed."""
     _check_job(job)
     model.train()
-    fixed = ModuleValidator.fix(model)
+    fixed: nn.Module = ModuleValidator.fix(model)
     problems = ModuleValidator.validate(fixed, strict=False)
     if problems:
         raise ConfigError(f"the model has layers DP-SGD cannot train: {problems}")
