@@ -135,3 +135,35 @@ def bench_federation(size: Sizes) -> Iterator[Bench]:
                 "model-dir": str(home / "models"), "round-timeout": 900.0}
         with local_federation(home, parts, db_url=db_url) as federation:
             yield Bench(home, repo, federation, ours)
+
+
+def department_split(dataset: str, departments: int, *, alpha: float, seed: int) -> tuple[list[Any], Any]:
+    """(each department's data, the global test set): the official test set where the dataset has one
+    (else a held-out fifth), the rest split Dirichlet(α) — or IID for α = 0 — over the departments."""
+    import numpy as np
+
+    from quorumfl.client.data.datasets import load_dataset
+    from quorumfl.client.data.partition import partition_dirichlet, partition_iid
+
+    pool, test = load_dataset(dataset)
+    if test is None:
+        order = np.random.default_rng(seed).permutation(len(pool))
+        cut = len(pool) // 5
+        pool, test = pool.subset(np.sort(order[cut:])), pool.subset(np.sort(order[:cut]))
+    if alpha > 0:
+        parts = partition_dirichlet(pool.y, departments, alpha=alpha, seed=seed, min_size=50)
+    else:
+        parts = partition_iid(pool.y, departments, seed=seed)
+    return [pool.subset(p) for p in parts], test
+
+
+def fedavg_start(model_name: str, test: Any, seed: int) -> tuple[Any, Any, dict[str, Any]]:
+    """The product's FedAvg strategy (built from a run config, as a run does), a model and its initial arrays."""
+    from quorumfl.client.models import model_to_arrays
+    from quorumfl.server.config import RunConfig
+    from quorumfl.server.strategies import build_strategy
+
+    strategy = build_strategy(RunConfig.from_mapping({"strategy": "fedavg", "fraction-train": 1.0, "min-nodes": 1,
+                                                      "seed": seed}))
+    model = build_model(model_name, test.input_shape, test.num_classes, seed=seed)
+    return strategy, model, model_to_arrays(model)

@@ -31,17 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from _common import parser, peak_rss_mb, report
+from _common import department_split, fedavg_start, parser, peak_rss_mb, report
 from quorumfl.aggregation import NodeUpdate
 from quorumfl.aggregation.compression import ErrorFeedback, Scheme
-from quorumfl.client.data.datasets import Dataset, load_dataset
-from quorumfl.client.data.partition import partition_dirichlet
-from quorumfl.client.models import arrays_to_model, build_model, model_to_arrays
+from quorumfl.client.models import arrays_to_model
 from quorumfl.client.node_round import train_round
 from quorumfl.client.training import evaluate
 from quorumfl.client.wire import TrainConfig, decode_update, encode_update
-from quorumfl.server.config import RunConfig
-from quorumfl.server.strategies import build_strategy
 
 SCHEMES = {"none": Scheme.NONE, "topk": Scheme.TOPK, "sign": Scheme.SIGN, "int8": Scheme.INT8,
            "shared_randk": Scheme.RANDK}
@@ -62,26 +58,13 @@ class Setup:
     seed: int
 
 
-def departments(setup: Setup) -> tuple[list[Dataset], Dataset]:
-    pool, test = load_dataset(setup.dataset)
-    if test is None:  # digits: hold out a fifth as the test set
-        order = np.random.default_rng(setup.seed).permutation(len(pool))
-        cut = len(pool) // 5
-        pool, test = pool.subset(np.sort(order[cut:])), pool.subset(np.sort(order[:cut]))
-    parts = partition_dirichlet(pool.y, setup.departments, alpha=setup.alpha, seed=setup.seed, min_size=50)
-    return [pool.subset(p) for p in parts], test
-
-
 def run_scheme(name: str, setup: Setup) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
     started = time.perf_counter()
-    depts, test = departments(setup)
-    strategy = build_strategy(RunConfig.from_mapping({"strategy": "fedavg", "fraction-train": 1.0, "min-nodes": 1,
-                                                      "seed": setup.seed}))
-    model = build_model(setup.model, test.input_shape, test.num_classes, seed=setup.seed)
-    global_arrays = model_to_arrays(model)
+    depts, test = department_split(setup.dataset, setup.departments, alpha=setup.alpha, seed=setup.seed)
+    strategy, model, global_arrays = fedavg_start(setup.model, test, setup.seed)
     shapes = {k: v.shape for k, v in global_arrays.items()}
     fraction = setup.randk_fraction if name == "shared_randk" else setup.fraction
     feedback = ErrorFeedback(SCHEMES[name], fraction)
