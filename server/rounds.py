@@ -91,6 +91,19 @@ def cluster_of_metrics(metrics: dict[str, float], clusters: int) -> int:
     return int(value)
 
 
+def distributed_noise(config: RunConfig) -> float | None:
+    """Distributed DP: σ of the Gaussian mechanism on each revealed sum, for the run's target ε over its
+    rounds with q = fraction-train (or the configured σ); None in the other modes."""
+    if config.dp is not DpMode.DISTRIBUTED:
+        return None
+    from quorumfl.privacy.accounting import noise_for_target
+
+    sigma = config.dp_noise_multiplier or noise_for_target(config.dp_epsilon, config.dp_delta, config.fraction_train,
+                                                           config.num_rounds)
+    log.info("distributed DP: noise multiplier %.3f on each revealed sum (clip %s)", sigma, config.dp_clip)
+    return sigma
+
+
 def parse_train_reply(node_id: int, reply: Message, bases: Sequence[Arrays]) -> TrainReply:
     """Check a train reply's structure and decode a compressed update against the model the node was
     sent (``bases``: the global model, or the K cluster models); the arrays themselves are checked by
@@ -157,6 +170,7 @@ class Federation:
         self.secure: MaskingSession | None = (
             MaskingSession(config, self._exchange, clock=clock) if config.secure_aggregation is SecureMode.MASKING else None
         )
+        self.dp_noise = distributed_noise(config)  # distributed DP: σ on each revealed sum, else None
         self._base = TrainConfig(
             server_round=0,
             model=config.model,
@@ -172,7 +186,7 @@ class Federation:
             compression_fraction=config.compression_fraction,
             dp=config.dp.value,
             dp_epsilon=config.dp_epsilon,
-            dp_noise_multiplier=self._distributed_noise(config) or config.dp_noise_multiplier,
+            dp_noise_multiplier=self.dp_noise or config.dp_noise_multiplier,
             dp_clip=config.dp_clip,
             dp_delta=config.dp_delta,
             num_rounds=config.num_rounds,
@@ -181,19 +195,6 @@ class Federation:
         self.ckks: CkksSession | None = None
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _distributed_noise(self, config: RunConfig) -> float | None:
-        """Distributed DP: σ of the Gaussian mechanism on each revealed sum, for the run's target ε over
-        its rounds with q = fraction-train (or the configured σ)."""
-        self.dp_noise: float | None = None
-        if config.dp is not DpMode.DISTRIBUTED:
-            return None
-        from quorumfl.privacy.accounting import noise_for_target
-
-        self.dp_noise = config.dp_noise_multiplier or noise_for_target(
-            config.dp_epsilon, config.dp_delta, config.fraction_train, config.num_rounds)
-        log.info("distributed DP: noise multiplier %.3f on each revealed sum (clip %s)", self.dp_noise, config.dp_clip)
-        return self.dp_noise
-
     def _federation_epsilon(self, rounds: int) -> float:
         from quorumfl.privacy.accounting import epsilon
 
