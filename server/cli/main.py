@@ -7,10 +7,11 @@ Errors of the QuorumFL tree print as one red line and exit with the code documen
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -58,6 +59,23 @@ def root(
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
 
+def _exit_interrupted() -> NoReturn:
+    """Exit with status 130 after an interrupt (Ctrl-C or SIGTERM), once every child is stopped.
+
+    ``os._exit`` rather than ``sys.exit``: when the KeyboardInterrupt had passed through code that the
+    interpreter runs from a string (``exec``/``eval``, which dataclasses and SQLAlchemy use for
+    generated code), CPython 3.11 run as ``python -m`` remembers it as unhandled and ends the process
+    by SIGINT (status -2) whatever ``sys.exit`` asked for. The clean-up that matters (child
+    processes, open files, the DB session) has already run while the interrupt unwound.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a late Ctrl-C must not cut the exit short
+    err_console.print("[red]interrupted[/red]")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
+
+
 def main() -> None:
     debug = "--debug" in sys.argv
     try:
@@ -66,8 +84,7 @@ def main() -> None:
             code = app(standalone_mode=False)
         if isinstance(code, int) and code:
             if code == 130:
-                signal.signal(signal.SIGINT, signal.SIG_IGN)  # exiting on an interrupt: a late one must not
-                err_console.print("[red]interrupted[/red]")  # turn exit status 130 into death by SIGINT
+                _exit_interrupted()
             sys.exit(code)
     except QuorumError as exc:
         if debug:
@@ -75,9 +92,7 @@ def main() -> None:
         err_console.print(f"[red]error: {exc}[/red]", highlight=False, soft_wrap=True)
         sys.exit(exit_code(exc))
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        err_console.print("[red]interrupted[/red]")
-        sys.exit(130)
+        _exit_interrupted()
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except typer.Abort:

@@ -179,3 +179,21 @@ def test_per_run_node_view_shows_cluster_and_personal_accuracy(tmp_path: Path) -
     split = quorumfl("data", "split", "--out", str(tmp_path / "parts"), "--departments", "a,b,c,d", "--method", "iid",
                      "--planted-groups", "2")
     assert split.returncode == 0 and split.stdout.count("planted group") == 4, split.stderr
+
+
+@pytest.mark.parametrize("source", ["raise KeyboardInterrupt", "exec('raise KeyboardInterrupt')"])
+def test_interrupt_exits_130_under_python_m(tmp_path: Path, source: str) -> None:
+    """An interrupt that unwinds through exec'd code (dataclasses and SQLAlchemy generate code that
+    way) still exits with the documented 130 when run as ``python -m``, where CPython 3.11 would
+    otherwise end the process by SIGINT (-2) after ``sys.exit(130)``."""
+    (tmp_path / "interrupted_cli.py").write_text(
+        "import sys\n"
+        "from quorumfl.server.cli import main as cli\n"
+        f"cli.app.command('interrupt-me')(lambda: exec({source!r}))\n"
+        "sys.argv = ['quorumfl', 'interrupt-me']\n"
+        "cli.main()\n"
+    )
+    done = subprocess.run([sys.executable, "-m", "interrupted_cli"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 130, done.stderr
+    assert "interrupted" in done.stderr
