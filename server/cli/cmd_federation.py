@@ -192,7 +192,8 @@ def data_split(
                                labels_per_node=labels_per_node, seed=seed, data_dir=data_dir)
     groups = plant_partitions(paths, planted_groups, seed=seed) if planted_groups else {}
     for name, path in paths.items():
-        console.print(f"{name}: {path}" + (f" (planted group {groups[name]})" if groups else ""))
+        # soft_wrap: one line per department, so paths stay whole for copying and for scripts
+        console.print(f"{name}: {path}" + (f" (planted group {groups[name]})" if groups else ""), soft_wrap=True)
 
 
 @db_app.command("upgrade")
