@@ -4,8 +4,9 @@ Pure numpy, used by both sides: a node encodes its update (with error feedback, 
 the server decodes. Each named array is encoded on its own (per-tensor k, scale), so every layer
 moves each round. What travels:
 
-- ``topk``: the k = ⌈fraction·d⌉ largest-magnitude entries as int32 indices + float16 values (6 bytes
-  per kept entry: 66× smaller than float32 at 1 %).
+- ``topk``: the k = ⌈fraction·d⌉ largest-magnitude entries as float16 values and their positions as
+  uint16 gaps (``gap``: how many entries were skipped since the previous kept one; 0xFFFF means "skip
+  65535 more" without an entry), so about 4 bytes per kept entry: ~100× smaller than float32 at 1 %.
 - ``sign``: one bit per entry (``np.packbits``) and one float32 scale, mean |x| (Karimireddy et al.,
   2019, EF-SignSGD); ``||x − s·sign(x)||² = ||x||² − ||x||₁²/d``.
 - ``int8``: ``round_stochastic(x / s)`` with s = max|x| / 127, one byte per entry, unbiased, error < s.
@@ -32,8 +33,8 @@ from numpy.typing import NDArray
 from .errors import AggregationError, ConfigError
 
 __all__ = [
-    "Encoded", "ErrorFeedback", "Scheme", "decode", "decode_arrays", "encode", "encode_arrays", "payload_bytes",
-    "shared_indices", "shared_positions",
+    "Encoded", "ErrorFeedback", "Scheme", "decode", "decode_arrays", "encode", "encode_arrays", "gaps_to_positions",
+    "payload_bytes", "positions_to_gaps", "shared_indices", "shared_positions",
 ]
 
 F32 = NDArray[np.float32]
@@ -65,6 +66,30 @@ def _k(size: int, fraction: float) -> int:
     return max(1, min(size, math.ceil(fraction * size)))
 
 
+_SKIP = 0xFFFF
+
+
+def positions_to_gaps(positions: NDArray[np.integer]) -> NDArray[np.uint16]:
+    """Sorted, distinct positions as uint16 gaps: each kept entry is preceded by the number of entries
+    skipped since the previous one; a gap of 65535 or more is spelt with 0xFFFF words first."""
+    pos = np.asarray(positions, np.int64)
+    gaps = np.diff(pos, prepend=-1) - 1
+    if gaps.size and gaps.min() < 0:
+        raise AggregationError("top-k positions must be sorted and distinct")
+    skips, rest = np.divmod(gaps, _SKIP)
+    out = np.full(int(skips.sum()) + pos.size, _SKIP, np.uint16)
+    out[np.cumsum(skips + 1) - 1] = rest
+    return out
+
+
+def gaps_to_positions(gaps: NDArray[np.generic]) -> NDArray[np.int64]:
+    """The positions ``positions_to_gaps`` spelt."""
+    words = np.asarray(gaps).astype(np.int64)
+    skip = words == _SKIP
+    ends = np.cumsum(np.where(skip, _SKIP, words + 1))
+    return ends[~skip] - 1
+
+
 def shared_indices(size: int, fraction: float, seed: int) -> NDArray[np.int64]:
     """The coordinates every node keeps in shared random-k mode: the same for the same seed."""
     rng = np.random.default_rng(seed)
@@ -83,8 +108,8 @@ def encode(x: NDArray[np.floating], scheme: Scheme, *, fraction: float = 0.01, s
     if scheme is Scheme.TOPK:
         k = _k(flat.size, fraction)
         idx = np.argpartition(np.abs(flat), flat.size - k)[flat.size - k:] if k < flat.size else np.arange(flat.size)
-        idx = np.sort(idx).astype(np.int32)
-        return Encoded(scheme, shape, {"idx": idx, "val": flat[idx].astype(np.float16)})
+        idx = np.sort(idx)
+        return Encoded(scheme, shape, {"gap": positions_to_gaps(idx), "val": flat[idx].astype(np.float16)})
     if scheme is Scheme.SIGN:
         scale = np.float32(np.abs(flat).mean()) if flat.size else np.float32(0)
         return Encoded(scheme, shape, {"bits": np.packbits(flat >= 0), "scale": np.array([scale], np.float32)})
@@ -113,8 +138,10 @@ def decode(enc: Encoded, *, fraction: float = 0.01, seed: int = 0) -> F32:
         if enc.scheme is Scheme.NONE:
             out[:] = p["val"]
         elif enc.scheme is Scheme.TOPK:
-            idx = p["idx"].astype(np.int64)
-            if idx.size != p["val"].size or (idx.size and (idx.min() < 0 or idx.max() >= size)):
+            if p["gap"].dtype != np.uint16:
+                raise AggregationError(f"top-k gaps must be uint16, got {p['gap'].dtype}")
+            idx = gaps_to_positions(p["gap"])
+            if idx.size != p["val"].size or (idx.size and idx.max() >= size):
                 raise AggregationError(f"top-k indices do not fit an array of {size} entries")
             out[idx] = p["val"].astype(np.float32)
         elif enc.scheme is Scheme.SIGN:
@@ -147,8 +174,9 @@ def _global_topk(arrays: Mapping[str, NDArray[np.generic]], names: list[str], fr
     start = 0
     for name, flat in zip(names, flats, strict=True):
         lo, hi = np.searchsorted(keep, [start, start + flat.size])
-        idx = (keep[lo:hi] - start).astype(np.int32)
-        out[name] = Encoded(Scheme.TOPK, tuple(np.shape(arrays[name])), {"idx": idx, "val": flat[idx].astype(np.float16)})
+        idx = keep[lo:hi] - start
+        out[name] = Encoded(Scheme.TOPK, tuple(np.shape(arrays[name])),
+                            {"gap": positions_to_gaps(idx), "val": flat[idx].astype(np.float16)})
         start += flat.size
     return out
 

@@ -142,7 +142,7 @@ COMPRESSION = "compression"
 
 
 def encode_update(encoded: dict[str, Encoded], config: TrainConfig) -> tuple[ArrayRecord, ConfigRecord]:
-    """A compressed update on the wire: each part (``idx``, ``val``, ``bits``, ``q``, ``scale``) of all
+    """A compressed update on the wire: each part (``gap``, ``val``, ``bits``, ``q``, ``scale``) of all
     arrays concatenated into one Array (Flower adds a ~128-byte header per Array), with the array names
     and the part lengths in the config record."""
     names = sorted(encoded)

@@ -16,7 +16,9 @@ from quorumfl.aggregation.compression import (
     decode_arrays,
     encode,
     encode_arrays,
+    gaps_to_positions,
     payload_bytes,
+    positions_to_gaps,
     shared_indices,
 )
 from quorumfl.aggregation.errors import AggregationError, ConfigError
@@ -32,9 +34,9 @@ def test_topk_keeps_the_largest_entries(x: np.ndarray, fraction: float) -> None:
     out = decode(enc)
     k = max(1, int(np.ceil(fraction * x.size)))
     kept = out != 0
-    assert enc.parts["idx"].size == k
+    idx = gaps_to_positions(enc.parts["gap"])
+    assert idx.size == enc.parts["val"].size == k
     # Dropped entries are never larger than kept ones; kept ones carry float16 rounding only.
-    idx = enc.parts["idx"]
     dropped = np.setdiff1d(np.arange(x.size), idx)
     if dropped.size:
         assert np.abs(x[dropped]).max() <= np.abs(x[idx]).min()
@@ -48,14 +50,15 @@ def test_model_topk_keeps_the_largest_entries_of_the_whole_update(parts: list[np
     encoded = encode_arrays(arrays_, Scheme.TOPK, fraction=fraction, seed=0)
     whole = np.concatenate([arrays_[n] for n in sorted(arrays_)])
     k = max(1, int(np.ceil(fraction * whole.size)))
-    kept = np.concatenate([np.abs(arrays_[n][encoded[n].parts["idx"]]) for n in sorted(arrays_)])
+    positions = {n: gaps_to_positions(encoded[n].parts["gap"]) for n in arrays_}
+    kept = np.concatenate([np.abs(arrays_[n][positions[n]]) for n in sorted(arrays_)])
     assert kept.size == k
-    dropped = np.concatenate([np.delete(np.abs(arrays_[n]), encoded[n].parts["idx"]) for n in sorted(arrays_)])
+    dropped = np.concatenate([np.delete(np.abs(arrays_[n]), positions[n]) for n in sorted(arrays_)])
     if dropped.size:
         assert dropped.max() <= kept.min()
     decoded = decode_arrays(encoded, fraction=fraction, seed=0)
     for n, value in arrays_.items():
-        idx = encoded[n].parts["idx"]
+        idx = positions[n]
         np.testing.assert_array_equal(decoded[n][idx], value[idx].astype(np.float16).astype(np.float32))
 
 
@@ -135,12 +138,29 @@ def test_bytes_and_bad_input() -> None:
     arrays_ = {"a": np.ones((100, 100), np.float32), "b": np.ones(10, np.float32)}
     full = payload_bytes(encode_arrays(arrays_, Scheme.NONE, fraction=0.01, seed=0))
     topk = payload_bytes(encode_arrays(arrays_, Scheme.TOPK, fraction=0.01, seed=0))
-    assert full == 4 * 10010 and topk == 6 * (100 + 1)
+    assert full == 4 * 10010 and topk == 4 * (100 + 1)  # uint16 gap + float16 value per kept entry
     with pytest.raises(AggregationError, match="NaN"):
         encode(np.array([1.0, np.nan], np.float32), Scheme.TOPK)
     with pytest.raises(AggregationError, match="indices"):
-        decode(Encoded(Scheme.TOPK, (3,), {"idx": np.array([7], np.int32), "val": np.ones(1, np.float16)}))
+        decode(Encoded(Scheme.TOPK, (3,), {"gap": np.array([7], np.uint16), "val": np.ones(1, np.float16)}))
+    with pytest.raises(AggregationError, match="indices"):  # two positions, one value
+        decode(Encoded(Scheme.TOPK, (3,), {"gap": np.array([0, 0], np.uint16), "val": np.ones(1, np.float16)}))
+    with pytest.raises(AggregationError, match="uint16"):
+        decode(Encoded(Scheme.TOPK, (3,), {"gap": np.array([1], np.int32), "val": np.ones(1, np.float16)}))
     with pytest.raises(ConfigError, match="compression-fraction"):
         ErrorFeedback(Scheme.TOPK, fraction=0.0)
     with pytest.raises(AggregationError, match="residual"):
         ErrorFeedback(Scheme.TOPK).step({"a": np.ones(3, np.float32)}, {"b": np.ones(3, np.float32)}, seed=0)
+
+
+@given(st.lists(st.integers(0, 3 * 65535 + 7), max_size=60, unique=True),
+       st.sampled_from([0, 65534, 65535, 65536, 131070, 200000]))
+def test_position_gaps_round_trip(raw: list[int], far: int) -> None:
+    """Any sorted distinct positions, with gaps around and beyond the 0xFFFF escape, come back exactly;
+    each kept entry costs one uint16 word, plus one per 65535 skipped entries."""
+    positions = np.array(sorted(set(raw) | {max(raw, default=0) + far}), np.int64)
+    gaps = positions_to_gaps(positions)
+    assert gaps.dtype == np.uint16
+    np.testing.assert_array_equal(gaps_to_positions(gaps), positions)
+    skipped = np.diff(positions, prepend=-1) - 1
+    assert gaps.size == positions.size + int((skipped // 65535).sum())
