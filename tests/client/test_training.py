@@ -61,13 +61,20 @@ def test_training_learns_digits() -> None:
     assert before < 0.3 and after.accuracy > 0.85
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "mlp-wide"])
+@pytest.mark.parametrize("name", ["mlp", "mlp-tanh", "cnn", "mlp-wide"])
 def test_models_build_deterministically(name: str) -> None:
     a = model_to_arrays(build_model(name, (1, 8, 8), 10, seed=4))
     b = model_to_arrays(build_model(name, (1, 8, 8), 10, seed=4))
     assert all(np.array_equal(a[k], b[k]) for k in a)
     out = build_model(name, (1, 8, 8), 10)(torch.zeros(2, 1, 8, 8))
     assert out.shape == (2, 10)
+
+
+def test_mlp_tanh_is_the_mlp_with_tanh() -> None:
+    relu, tanh = build_model("mlp", (1, 8, 8), 10, seed=3), build_model("mlp-tanh", (1, 8, 8), 10, seed=3)
+    assert [type(m).__name__ for m in tanh] == ["Flatten", "Linear", "Tanh", "Linear", "Tanh", "Linear"]
+    a, b = model_to_arrays(relu), model_to_arrays(tanh)  # same shapes and initial weights
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
 def test_model_errors() -> None:
