@@ -5,8 +5,10 @@ the server decodes. Each named array is encoded on its own (per-tensor k, scale)
 moves each round. What travels:
 
 - ``topk``: the k = ⌈fraction·d⌉ largest-magnitude entries as float16 values and their positions as
-  uint16 gaps (``gap``: how many entries were skipped since the previous kept one; 0xFFFF means "skip
-  65535 more" without an entry), so about 4 bytes per kept entry: ~100× smaller than float32 at 1 %.
+  gaps (``gap``: how many entries were skipped since the previous kept one), in uint8 or uint16
+  words, whichever is smaller for the update; the largest word (0xFF or 0xFFFF) means "skip that many
+  more" without an entry. At 1 % a position takes about 1.08 bytes (uint8; a gap of 255 or more
+  needs an extra word), so about 3.1 bytes per kept entry: ~125× smaller than float32.
 - ``sign``: one bit per entry (``np.packbits``) and one float32 scale, mean |x| (Karimireddy et al.,
   2019, EF-SignSGD); ``||x − s·sign(x)||² = ||x||² − ||x||₁²/d``.
 - ``int8``: ``round_stochastic(x / s)`` with s = max|x| / 127, one byte per entry, unbiased, error < s.
@@ -23,7 +25,7 @@ new residual, so nothing is lost, only delayed. No library implements this for f
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -33,7 +35,7 @@ from numpy.typing import NDArray
 from .errors import AggregationError, ConfigError
 
 __all__ = [
-    "Encoded", "ErrorFeedback", "Scheme", "decode", "decode_arrays", "encode", "encode_arrays", "gaps_to_positions",
+    "Encoded", "ErrorFeedback", "Scheme", "decode", "decode_arrays", "encode", "encode_arrays", "gap_words", "gaps_to_positions",
     "payload_bytes", "positions_to_gaps", "shared_indices", "shared_positions",
 ]
 
@@ -66,28 +68,52 @@ def _k(size: int, fraction: float) -> int:
     return max(1, min(size, math.ceil(fraction * size)))
 
 
-_SKIP = 0xFFFF
+_WORDS = (np.dtype(np.uint8), np.dtype(np.uint16))
 
 
-def positions_to_gaps(positions: NDArray[np.integer]) -> NDArray[np.uint16]:
-    """Sorted, distinct positions as uint16 gaps: each kept entry is preceded by the number of entries
-    skipped since the previous one; a gap of 65535 or more is spelt with 0xFFFF words first."""
+def _skipped(positions: NDArray[np.integer]) -> NDArray[np.int64]:
     pos = np.asarray(positions, np.int64)
-    gaps = np.diff(pos, prepend=-1) - 1
+    gaps = pos.copy()  # entries skipped before each kept one
+    gaps[1:] = pos[1:] - pos[:-1] - 1
     if gaps.size and gaps.min() < 0:
         raise AggregationError("top-k positions must be sorted and distinct")
-    skips, rest = np.divmod(gaps, _SKIP)
-    out = np.full(int(skips.sum()) + pos.size, _SKIP, np.uint16)
+    return gaps
+
+
+def gap_words(positions: Sequence[NDArray[np.integer]]) -> np.dtype[np.unsignedinteger]:
+    """The gap word (uint8 or uint16) that spells all these arrays' positions in fewer bytes."""
+    gaps = [_skipped(p) for p in positions]
+    def cost(word: np.dtype[np.unsignedinteger]) -> int:
+        skip = int(np.iinfo(word).max)
+        return word.itemsize * sum(int(g.size) + int((g // skip).sum()) for g in gaps)
+    return min(_WORDS, key=cost)
+
+
+def positions_to_gaps(positions: NDArray[np.integer], word: np.dtype[np.unsignedinteger] | type = np.uint16
+                      ) -> NDArray[np.unsignedinteger]:
+    """Sorted, distinct positions as gaps in ``word``s: each kept entry is preceded by the number of
+    entries skipped since the previous one; a gap of ``max(word)`` or more is spelt with that many
+    skip words (the word's largest value) first."""
+    word = np.dtype(word)
+    if word not in _WORDS:
+        raise ConfigError(f"top-k gap words must be uint8 or uint16, got {word}")
+    skip = int(np.iinfo(word).max)
+    gaps = _skipped(positions)
+    skips, rest = np.divmod(gaps, skip)
+    out = np.full(int(skips.sum()) + gaps.size, skip, word)
     out[np.cumsum(skips + 1) - 1] = rest
     return out
 
 
 def gaps_to_positions(gaps: NDArray[np.generic]) -> NDArray[np.int64]:
-    """The positions ``positions_to_gaps`` spelt."""
+    """The positions ``positions_to_gaps`` spelt (the word is the array's dtype, uint8 or uint16)."""
+    if np.dtype(gaps.dtype) not in _WORDS:
+        raise AggregationError(f"top-k gaps must be uint8 or uint16 words, got {gaps.dtype}")
+    skip = 0xFF if np.dtype(gaps.dtype) == np.uint8 else 0xFFFF
     words = np.asarray(gaps).astype(np.int64)
-    skip = words == _SKIP
-    ends = np.cumsum(np.where(skip, _SKIP, words + 1))
-    return ends[~skip] - 1
+    is_skip = words == skip
+    ends = np.cumsum(np.where(is_skip, skip, words + 1))
+    return np.asarray(ends[~is_skip] - 1, np.int64)
 
 
 def shared_indices(size: int, fraction: float, seed: int) -> NDArray[np.int64]:
@@ -109,7 +135,8 @@ def encode(x: NDArray[np.floating], scheme: Scheme, *, fraction: float = 0.01, s
         k = _k(flat.size, fraction)
         idx = np.argpartition(np.abs(flat), flat.size - k)[flat.size - k:] if k < flat.size else np.arange(flat.size)
         idx = np.sort(idx)
-        return Encoded(scheme, shape, {"gap": positions_to_gaps(idx), "val": flat[idx].astype(np.float16)})
+        return Encoded(scheme, shape, {"gap": positions_to_gaps(idx, gap_words([idx])),
+                                       "val": flat[idx].astype(np.float16)})
     if scheme is Scheme.SIGN:
         scale = np.float32(np.abs(flat).mean()) if flat.size else np.float32(0)
         return Encoded(scheme, shape, {"bits": np.packbits(flat >= 0), "scale": np.array([scale], np.float32)})
@@ -138,8 +165,6 @@ def decode(enc: Encoded, *, fraction: float = 0.01, seed: int = 0) -> F32:
         if enc.scheme is Scheme.NONE:
             out[:] = p["val"]
         elif enc.scheme is Scheme.TOPK:
-            if p["gap"].dtype != np.uint16:
-                raise AggregationError(f"top-k gaps must be uint16, got {p['gap'].dtype}")
             idx = gaps_to_positions(p["gap"])
             if idx.size != p["val"].size or (idx.size and idx.max() >= size):
                 raise AggregationError(f"top-k indices do not fit an array of {size} entries")
@@ -170,15 +195,15 @@ def _global_topk(arrays: Mapping[str, NDArray[np.generic]], names: list[str], fr
     whole = np.concatenate(flats)
     k = _k(whole.size, fraction)
     keep = np.sort(np.argpartition(np.abs(whole), whole.size - k)[whole.size - k:])
-    out: dict[str, Encoded] = {}
-    start = 0
-    for name, flat in zip(names, flats, strict=True):
+    positions, start = [], 0
+    for flat in flats:
         lo, hi = np.searchsorted(keep, [start, start + flat.size])
-        idx = keep[lo:hi] - start
-        out[name] = Encoded(Scheme.TOPK, tuple(np.shape(arrays[name])),
-                            {"gap": positions_to_gaps(idx), "val": flat[idx].astype(np.float16)})
+        positions.append(keep[lo:hi] - start)
         start += flat.size
-    return out
+    word = gap_words(positions)  # one word for the whole update: the wire concatenates the arrays' gaps
+    return {name: Encoded(Scheme.TOPK, tuple(np.shape(arrays[name])),
+                          {"gap": positions_to_gaps(idx, word), "val": flat[idx].astype(np.float16)})
+            for name, flat, idx in zip(names, flats, positions, strict=True)}
 
 
 def encode_arrays(arrays: Mapping[str, NDArray[np.generic]], scheme: Scheme, *, fraction: float, seed: int,

@@ -109,6 +109,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=min(os.cpu_count() or 1, 5), help="schemes run in parallel")
     ap.add_argument("--schemes", default=",".join(SCHEMES))
+    ap.add_argument("--topk-fraction", type=float, default=0.01, help="entries kept by top-k (the issue's 1 %%)")
     ap.add_argument("--randk-fraction", type=float, default=0.1,
                     help="coordinates kept by shared random-k (1 %% moves each coordinate once in ~100 rounds)")
     args = ap.parse_args()
@@ -116,7 +117,8 @@ def main() -> None:
         setup = Setup("digits", 4, 0.3, 3, 1, 32, 0.05, "mlp", 0.01, args.randk_fraction, args.seed)
     else:
         setup = Setup("fashion-mnist", 10, 0.3, 30, 1, 32, 0.05, "mlp", 0.01, args.randk_fraction, args.seed)
-    setup = replace(setup, rounds=args.rounds or setup.rounds, local_epochs=args.local_epochs or setup.local_epochs)
+    setup = replace(setup, rounds=args.rounds or setup.rounds, local_epochs=args.local_epochs or setup.local_epochs,
+                    fraction=args.topk_fraction)
     names = [n for n in SCHEMES if n in args.schemes.split(",")]
     started = time.perf_counter()
     with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:

@@ -16,6 +16,7 @@ from quorumfl.aggregation.compression import (
     decode_arrays,
     encode,
     encode_arrays,
+    gap_words,
     gaps_to_positions,
     payload_bytes,
     positions_to_gaps,
@@ -138,14 +139,17 @@ def test_bytes_and_bad_input() -> None:
     arrays_ = {"a": np.ones((100, 100), np.float32), "b": np.ones(10, np.float32)}
     full = payload_bytes(encode_arrays(arrays_, Scheme.NONE, fraction=0.01, seed=0))
     topk = payload_bytes(encode_arrays(arrays_, Scheme.TOPK, fraction=0.01, seed=0))
-    assert full == 4 * 10010 and topk == 4 * (100 + 1)  # uint16 gap + float16 value per kept entry
+    encoded = encode_arrays(arrays_, Scheme.TOPK, fraction=0.01, seed=0)
+    gap_bytes = sum(e.parts["gap"].nbytes for e in encoded.values())
+    assert full == 4 * 10010 and topk == 2 * 101 + gap_bytes  # float16 values + the cheaper gap words
+    assert gap_bytes <= 2 * 101 + 2  # at most one uint16 per entry, and one escape per array
     with pytest.raises(AggregationError, match="NaN"):
         encode(np.array([1.0, np.nan], np.float32), Scheme.TOPK)
     with pytest.raises(AggregationError, match="indices"):
         decode(Encoded(Scheme.TOPK, (3,), {"gap": np.array([7], np.uint16), "val": np.ones(1, np.float16)}))
     with pytest.raises(AggregationError, match="indices"):  # two positions, one value
         decode(Encoded(Scheme.TOPK, (3,), {"gap": np.array([0, 0], np.uint16), "val": np.ones(1, np.float16)}))
-    with pytest.raises(AggregationError, match="uint16"):
+    with pytest.raises(AggregationError, match="uint8 or uint16"):
         decode(Encoded(Scheme.TOPK, (3,), {"gap": np.array([1], np.int32), "val": np.ones(1, np.float16)}))
     with pytest.raises(ConfigError, match="compression-fraction"):
         ErrorFeedback(Scheme.TOPK, fraction=0.0)
@@ -154,13 +158,17 @@ def test_bytes_and_bad_input() -> None:
 
 
 @given(st.lists(st.integers(0, 3 * 65535 + 7), max_size=60, unique=True),
-       st.sampled_from([0, 65534, 65535, 65536, 131070, 200000]))
-def test_position_gaps_round_trip(raw: list[int], far: int) -> None:
-    """Any sorted distinct positions, with gaps around and beyond the 0xFFFF escape, come back exactly;
-    each kept entry costs one uint16 word, plus one per 65535 skipped entries."""
+       st.sampled_from([0, 254, 255, 256, 65534, 65535, 65536, 131070, 200000]),
+       st.sampled_from([np.uint8, np.uint16]))
+def test_position_gaps_round_trip(raw: list[int], far: int, word: type) -> None:
+    """Any sorted distinct positions, with gaps around and beyond each word's escape, come back exactly;
+    each kept entry costs one word, plus one per max(word) skipped entries."""
     positions = np.array(sorted(set(raw) | {max(raw, default=0) + far}), np.int64)
-    gaps = positions_to_gaps(positions)
-    assert gaps.dtype == np.uint16
+    gaps = positions_to_gaps(positions, word)
+    assert gaps.dtype == word
     np.testing.assert_array_equal(gaps_to_positions(gaps), positions)
     skipped = np.diff(positions, prepend=-1) - 1
-    assert gaps.size == positions.size + int((skipped // 65535).sum())
+    assert gaps.size == positions.size + int((skipped // np.iinfo(word).max).sum())
+    chosen = gap_words([positions])  # the cheaper word is never more bytes than the other one
+    for other in (np.uint8, np.uint16):
+        assert positions_to_gaps(positions, chosen).nbytes <= positions_to_gaps(positions, other).nbytes

@@ -42,14 +42,16 @@ def _round_models(repo: object, run_id: int) -> dict[int, dict[str, np.ndarray]]
 def _topk_delta(reply: object, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
     record = reply.content.array_records[UPDATE]  # type: ignore[attr-defined]
     layout = reply.content.config_records[COMPRESSION]  # type: ignore[attr-defined]
-    gaps, val = record["gap"].numpy().tolist(), record["val"].numpy().astype(np.float64)
+    gap_array = record["gap"].numpy()
+    skip = int(np.iinfo(gap_array.dtype).max)  # uint8 or uint16 words; the largest one skips that many
+    gaps, val = gap_array.tolist(), record["val"].numpy().astype(np.float64)
     out, word, at = {}, 0, 0
     for name, words in zip(layout["names"], layout["gap-lengths"], strict=True):
         flat = np.zeros(int(np.prod(shapes[name])), np.float64)
-        position = 0  # a plain reading of the gap code: 0xFFFF skips 65535 entries, any other g skips g
+        position = 0  # a plain reading of the gap code: `skip` skips that many entries, any other g skips g
         for g in gaps[word : word + words]:
-            if g == 0xFFFF:
-                position += 65535
+            if g == skip:
+                position += skip
             else:
                 flat[position + g] = val[at]
                 position, at = position + g + 1, at + 1
