@@ -67,6 +67,7 @@ DEFAULTS: dict[str, Any] = {
     "fraction-train": 1.0,
     "min-nodes": 2,
     "round-timeout": 300.0,
+    "train-retries": 1,
     "node-wait-timeout": 120.0,
     "seed": 0,
     "state-url": "",
@@ -115,6 +116,7 @@ class RunConfig:
     fraction_train: float
     min_nodes: int
     round_timeout: float
+    train_retries: int
     node_wait_timeout: float
     seed: int
     state_url: str
@@ -208,6 +210,7 @@ class RunConfig:
             fraction_train=number("fraction-train", float, low=0.0, high=1.0, open_low=True),
             min_nodes=number("min-nodes", int, low=1),
             round_timeout=number("round-timeout", float, low=0.0, open_low=True),
+            train_retries=number("train-retries", int, low=0, high=10),
             node_wait_timeout=number("node-wait-timeout", float, low=0.0, open_low=True),
             seed=number("seed", int, low=0),
             state_url=text("state-url"),

@@ -6,7 +6,7 @@ integration tests and the benchmarks; every process is stopped when the ``with``
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,10 +53,11 @@ class LocalFederation:
 
 @contextmanager
 def local_federation(
-    home: Path, departments: dict[str, Path], *, db_url: str, connect_timeout: float = 120.0
+    home: Path, departments: dict[str, Path], *, db_url: str, connect_timeout: float = 120.0,
+    node_config: Mapping[str, bool | int | float | str] | None = None,
 ) -> Iterator[LocalFederation]:
     """Start the SuperLink (Flower's link state in memory) and the SuperNodes, with logs under
-    ``home``; wait until all nodes are online."""
+    ``home``; wait until all nodes are online. ``node_config``: more node-config keys for every node."""
     port = free_port()
     address = f"127.0.0.1:{port}"
     with ProcessGroup(home / "logs", flower_env(home, db_url=db_url)) as group:
@@ -66,7 +67,8 @@ def local_federation(
         except FederationError as exc:
             raise FederationError(f"{exc}\n{group.tail(link)}") from exc
         nodes = {
-            name: group.start(name, supernode_command(superlink=address, port=free_port(), data_path=path, department=name))
+            name: group.start(name, supernode_command(superlink=address, port=free_port(), data_path=path, department=name,
+                                                      node_config=node_config))
             for name, path in departments.items()
         }
         federation = LocalFederation(address, Control(address), group, link, nodes)

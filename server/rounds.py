@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Message, MessageType, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from numpy.typing import NDArray
 
@@ -277,6 +278,8 @@ class Federation:
         stage: str,
         timeout: float,
         consume: Callable[[int, Message], None] | None = None,
+        retries: int = 0,
+        retried: dict[int, int] | None = None,
     ) -> list[tuple[int, Message]]:
         """Send, wait up to ``timeout`` seconds, and record error replies and missing nodes.
 
@@ -284,20 +287,36 @@ class Federation:
         writes for an unreachable node carries the SuperLink's own id as its source. With ``consume``
         each good reply is handed over as soon as it is pulled and not kept (a running sum then
         holds one aggregate, not every node's reply); without it the good replies are returned.
+
+        A node whose ClientApp crashed (Flower's ``CLIENT_APP_CRASHED``: killed, out of memory) is
+        sent the same request again, up to ``retries`` times while the deadline allows; the same
+        job resumes from the node's training checkpoint. ``retried`` counts the re-sends per node.
+        Other errors (the app raised, the node is gone) are final: asking again would fail again.
         """
         expected = {int(m.metadata.dst_node_id) for m in messages}
+        request = {int(m.metadata.dst_node_id): m for m in messages}
         message_ids = list(self.grid.push_messages(messages))  # Flower sends an object shared by messages once
         destination = {mid: int(m.metadata.dst_node_id) for mid, m in zip(message_ids, messages, strict=True)}
         good: list[tuple[int, Message]] = []
+        attempts: dict[int, int] = retried if retried is not None else {}
+        again: list[int] = []
 
         def take(reply: Message) -> None:
             node = destination.get(reply.metadata.reply_to_message_id)
             if node is None or node not in expected:
                 log.warning("ignoring a reply that answers no open request (from node %s)", reply.metadata.src_node_id)
                 return
+            if (reply.has_error() and reply.error.code == ErrorCode.CLIENT_APP_CRASHED
+                    and attempts.get(node, 0) < retries and self.clock() < deadline):
+                attempts[node] = attempts.get(node, 0) + 1
+                log.warning("node %s: its ClientApp crashed during %s (%s); asking again (%d of %d)",
+                            node, stage, reply.error.reason, attempts[node], retries)
+                again.append(node)
+                return
             expected.discard(node)
             if reply.has_error():
-                failures[node] = (stage, f"node error {reply.error.code}: {reply.error.reason}")
+                failures[node] = (stage, f"node error {reply.error.code}: {reply.error.reason}"
+                                  + (f" (after {attempts[node]} retries)" if attempts.get(node) else ""))
             elif reply.metadata.src_node_id != node:
                 failures[node] = (stage, f"reply came from node {reply.metadata.src_node_id}, not {node}")
             elif consume is not None:
@@ -315,6 +334,13 @@ class Federation:
                 for reply in self.grid.pull_messages(batch):
                     waiting.discard(reply.metadata.reply_to_message_id)
                     take(reply)
+            if again:
+                copies = [Message(content=request[n].content, dst_node_id=n,
+                                  message_type=request[n].metadata.message_type) for n in again]
+                for mid, node in zip(self.grid.push_messages(copies), again, strict=True):
+                    destination[mid] = node
+                    waiting.add(mid)
+                again.clear()
             if not waiting or self.clock() >= deadline:
                 break
             time.sleep(REPLY_POLL_SECONDS)
@@ -529,7 +555,9 @@ class Federation:
         """Train round trip with plaintext updates; each update is validated, then averaged (per cluster)."""
         start = self.clock()
         messages = self._messages(MessageType.TRAIN, models, configs)
-        replies = self._exchange(messages, outcome.failures, "train", self.config.round_timeout)
+        retried: dict[int, int] = {}
+        replies = self._exchange(messages, outcome.failures, "train", self.config.round_timeout,
+                                 retries=self.config.train_retries, retried=retried)
         timings["train"] = self.clock() - start
 
         start = self.clock()
@@ -569,7 +597,8 @@ class Federation:
         )
         phase.accepted = list(accepted_ids)
         phase.train_loss = train_metrics.get("train-loss", math.nan)
-        phase.node_metrics = {p.node_id: p.metrics for p in accepted}
+        phase.node_metrics = {p.node_id: {**p.metrics, **({"train-retries": float(retried[p.node_id])}
+                                                            if p.node_id in retried else {})} for p in accepted}
         phase.departments = {p.node_id: p.department for p in parsed}
         return phase
 

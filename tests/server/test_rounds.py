@@ -239,3 +239,58 @@ def test_too_few_valid_updates_fails_the_round_not_the_model(tmp_path: Path, fed
     assert run.status == RunStatus.FAILED and run.rounds[0].status == RoundStatus.FAILED
     assert "1 valid update(s) of 3 selected" in (run.rounds[0].error or "")
     assert repo.list_model_versions() == []
+
+
+def crashes(times: int) -> Fault:
+    """A ClientApp killed mid-training ``times`` times (Flower's CLIENT_APP_CRASHED), honest after."""
+    left = [times]
+
+    def fault(request: Message, reply: Message) -> Message:
+        if left[0] <= 0:
+            return reply
+        left[0] -= 1
+        return Message(Error(code=8, reason="ClientApp stopped responding."), reply_to=request)
+
+    return fault
+
+
+def _train_sent(grid: LoopbackGrid, node: int) -> int:
+    return sum(1 for m in grid.sent if m.metadata.dst_node_id == node and m.metadata.message_type == "train")
+
+
+def test_a_crashed_clientapp_is_asked_again_within_the_round(tmp_path: Path, federation_parts: dict[str, Path]) -> None:
+    contexts = _contexts(dict(list(federation_parts.items())[:3]))
+    ids = list(contexts)
+    grid = LoopbackGrid(contexts, {ids[2]: crashes(1)})
+    federation, repo = _federation(tmp_path, grid, **{"num-rounds": 1})
+    run_id = federation.run()
+
+    [first] = repo.get_run(run_id).rounds
+    assert sorted(first.participants) == ids and first.failures == []
+    assert _train_sent(grid, ids[2]) == 2 and _train_sent(grid, ids[0]) == 1
+    retries = {m.node_id: m.value for m in repo.metrics(run_id) if m.name == "train-retries"}
+    assert retries == {ids[2]: 1.0}
+    # The model is the mean of the three good replies, the retried node's second one included.
+    good = [r for r in grid.replies if not r.has_error() and r.metadata.message_type == "train"]
+    assert sorted(int(r.metadata.src_node_id) for r in good) == ids
+    weights = np.array([r.content.metric_records[METRICS]["num-examples"] for r in good], dtype=np.float64)
+    version = repo.list_model_versions(run_id=run_id)[0]
+    stored = ModelStore.load(version.path, version.sha256)
+    for key, value in stored.items():
+        stack = np.stack([from_array_record(r.content.array_records[ARRAYS])[key] for r in good]).astype(np.float64)
+        np.testing.assert_allclose(value, np.tensordot(weights / weights.sum(), stack, axes=1), rtol=1e-5, atol=1e-6)
+
+
+def test_retries_are_bounded_and_other_errors_are_final(tmp_path: Path, federation_parts: dict[str, Path]) -> None:
+    contexts = _contexts(dict(list(federation_parts.items())[:4]))
+    ids = list(contexts)
+    grid = LoopbackGrid(contexts, {ids[2]: crashes(5), ids[3]: error_reply})
+    federation, repo = _federation(tmp_path, grid, **{"num-rounds": 1, "train-retries": 2})
+    run_id = federation.run()
+
+    [first] = repo.get_run(run_id).rounds
+    assert sorted(first.participants) == ids[:2]
+    reasons = {f.node_id: f.reason for f in first.failures}
+    assert "node error 8" in reasons[ids[2]] and "after 2 retries" in reasons[ids[2]]
+    assert "partition missing" in reasons[ids[3]] and "retries" not in reasons[ids[3]]
+    assert _train_sent(grid, ids[2]) == 3 and _train_sent(grid, ids[3]) == 1
