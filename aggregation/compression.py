@@ -36,7 +36,7 @@ from .errors import AggregationError, ConfigError
 
 __all__ = [
     "Encoded", "ErrorFeedback", "Scheme", "decode", "decode_arrays", "encode", "encode_arrays", "gap_words", "gaps_to_positions",
-    "payload_bytes", "positions_to_gaps", "shared_indices", "shared_positions",
+    "payload_bytes", "positions_to_gaps", "shared_indices", "shared_positions", "warmup_fraction",
 ]
 
 F32 = NDArray[np.float32]
@@ -114,6 +114,16 @@ def gaps_to_positions(gaps: NDArray[np.generic]) -> NDArray[np.int64]:
     is_skip = words == skip
     ends = np.cumsum(np.where(is_skip, skip, words + 1))
     return np.asarray(ends[~is_skip] - 1, np.int64)
+
+
+def warmup_fraction(fraction: float, round_number: int, warmup_rounds: int) -> float:
+    """The share of entries a round keeps when compression warms up (Lin et al., "Deep Gradient
+    Compression", ICLR 2018): 25 % in round 1, a quarter of that each next round, never below
+    ``fraction``, and ``fraction`` after ``warmup_rounds`` rounds. Early updates are large and change
+    fast; sending them sparsely leaves most of them in the residuals for many rounds."""
+    if round_number <= warmup_rounds:
+        return max(fraction, min(1.0, 0.25 * 4.0 ** -(round_number - 1)))
+    return fraction
 
 
 def shared_indices(size: int, fraction: float, seed: int) -> NDArray[np.int64]:

@@ -94,6 +94,7 @@ DEFAULTS: dict[str, Any] = {
     "compression": "none",
     "compression-fraction": 0.01,
     "compression-sync-every": 0,
+    "compression-warmup-rounds": 0,
     "dp": "none",
     "dp-epsilon": 3.0,
     "dp-noise-multiplier": 0.0,
@@ -143,6 +144,7 @@ class RunConfig:
     compression: Compression
     compression_fraction: float
     compression_sync_every: int
+    compression_warmup_rounds: int
     dp: DpMode
     dp_epsilon: float
     dp_noise_multiplier: float
@@ -237,6 +239,7 @@ class RunConfig:
             compression=choice("compression", Compression),
             compression_fraction=number("compression-fraction", float, low=0.0, high=1.0, open_low=True),
             compression_sync_every=number("compression-sync-every", int, low=0),
+            compression_warmup_rounds=number("compression-warmup-rounds", int, low=0),
             dp=choice("dp", DpMode),
             dp_epsilon=number("dp-epsilon", float, low=0.0),
             dp_noise_multiplier=number("dp-noise-multiplier", float, low=0.0),
@@ -274,6 +277,9 @@ class RunConfig:
         if config.dp is DpMode.DISTRIBUTED and config.secure_aggregation is not SecureMode.MASKING:
             problems.append("dp 'distributed' adds each node's share of the noise, which only protects an update "
                             "inside a masked sum; set secure-aggregation = 'masking' (or use dp = 'local')")
+        if config.compression_warmup_rounds and config.compression is not Compression.TOPK:
+            problems.append(f"compression-warmup-rounds applies to compression = 'topk' only (got "
+                            f"'{config.compression.value}'); set it to 0")
         if config.dp is DpMode.DISTRIBUTED and config.compression is not Compression.NONE:
             problems.append("dp 'distributed' with compression is not supported; set compression = 'none'")
         if problems:

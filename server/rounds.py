@@ -24,6 +24,7 @@ from numpy.typing import NDArray
 
 from quorumfl.aggregation import NodeUpdate, aggregate_weighted_metrics
 from quorumfl.aggregation.clustering import Repair
+from quorumfl.aggregation.compression import warmup_fraction
 from quorumfl.aggregation.errors import FederationError, QuorumError
 from quorumfl.client.data.datasets import Dataset, holdout_split
 from quorumfl.client.models import architecture_key, arrays_to_model, build_model, model_to_arrays
@@ -204,10 +205,13 @@ class Federation:
 
     def _compression_round(self, number: int) -> TrainConfig:
         """This round's compression: random-k coordinates from a per-round seed (the same for every
-        node), and every ``compression-sync-every``-th round a full-precision sync."""
+        node), every ``compression-sync-every``-th round a full-precision sync, and top-k's share
+        of entries during its warm-up (``compression-warmup-rounds``)."""
         every = self.config.compression_sync_every
         seed = int.from_bytes(hashlib.sha256(f"{self.config.seed}:{number}".encode()).digest()[:4], "big")
-        return replace(self._base, compression_seed=seed, compression_full=bool(every) and number % every == 0)
+        fraction = warmup_fraction(self.config.compression_fraction, number, self.config.compression_warmup_rounds)
+        return replace(self._base, compression_seed=seed, compression_full=bool(every) and number % every == 0,
+                       compression_fraction=fraction)
 
     def _lineages(self, arch: str) -> list[str]:
         """The model-version lineage of each server model: the architecture, or a cluster of it, or

@@ -21,6 +21,7 @@ from quorumfl.aggregation.compression import (
     payload_bytes,
     positions_to_gaps,
     shared_indices,
+    warmup_fraction,
 )
 from quorumfl.aggregation.errors import AggregationError, ConfigError
 
@@ -172,3 +173,9 @@ def test_position_gaps_round_trip(raw: list[int], far: int, word: type) -> None:
     chosen = gap_words([positions])  # the cheaper word is never more bytes than the other one
     for other in (np.uint8, np.uint16):
         assert positions_to_gaps(positions, chosen).nbytes <= positions_to_gaps(positions, other).nbytes
+
+
+def test_warmup_fraction_follows_deep_gradient_compression() -> None:
+    assert [warmup_fraction(0.01, r, 4) for r in range(1, 7)] == [0.25, 0.0625, 0.015625, 0.01, 0.01, 0.01]
+    assert [warmup_fraction(0.1, r, 3) for r in (1, 2, 3)] == [0.25, 0.1, 0.1]  # never below the fraction
+    assert warmup_fraction(0.01, 1, 0) == 0.01

@@ -95,8 +95,23 @@ def test_topk_rounds_average_the_decoded_updates_and_record_bytes(tmp_path: Path
     assert len(sent) == 9
     for node in contexts:
         assert full_bytes < sent[(3, node)] < full_bytes + 200  # one Array's header on top of the floats
-        # This 17k-parameter model keeps ~175 entries (6 bytes each) plus two Array headers.
+        # This 17k-parameter model keeps ~175 entries (~3 bytes each) plus two Array headers.
         assert full_bytes / sent[(2, node)] > 40
+
+
+def test_topk_warmup_sends_denser_updates_in_the_first_rounds(tmp_path: Path) -> None:
+    grid = LoopbackGrid(_contexts(tmp_path))
+    federation, repo = _federation(tmp_path, grid, **{"num-rounds": 3, "compression": "topk", "compression-fraction": 0.01,
+                                                      "compression-warmup-rounds": 2})
+    run_id = federation.run()
+    assert repo.get_run(run_id).status == RunStatus.COMPLETED
+    train = [r for r in grid.replies if COMPRESSION in r.content.config_records]
+    assert [r.content.config_records[COMPRESSION]["fraction"] for r in train[::3]] == [0.25, 0.0625, 0.01]
+    kept = [r.content.array_records[UPDATE]["val"].numpy().size for r in train[::3]]
+    size = sum(int(np.prod(v.shape)) for v in _round_models(repo, run_id)[1].values())
+    assert kept == [int(np.ceil(f * size)) for f in (0.25, 0.0625, 0.01)]
+    with pytest.raises(ConfigError, match="compression-warmup-rounds applies to compression = 'topk'"):
+        RunConfig.from_mapping({"compression": "sign", "compression-warmup-rounds": 2})
 
 
 def test_compression_with_secure_aggregation_is_refused() -> None:
