@@ -147,6 +147,16 @@ def _federation(tmp_path: Path, grid: Grid, **overrides: object) -> tuple[Federa
     return Federation(grid, config, repo, ModelStore(tmp_path / "models"), flower_run_id=flower_run_id), repo
 
 
+def _assert_first_model_is_weighted_mean(repo: Repository, run_id: int, replies: list[Message]) -> None:
+    """The stored round-1 model equals the example-weighted mean of ``replies`` (a plain numpy reference)."""
+    weights = np.array([r.content.metric_records[METRICS]["num-examples"] for r in replies], dtype=np.float64)
+    version = repo.list_model_versions(run_id=run_id)[0]
+    stored = ModelStore.load(version.path, version.sha256)
+    for key, value in stored.items():
+        stack = np.stack([from_array_record(r.content.array_records[ARRAYS])[key] for r in replies]).astype(np.float64)
+        np.testing.assert_allclose(value, np.tensordot(weights / weights.sum(), stack, axes=1), rtol=1e-5, atol=1e-6)
+
+
 def test_bad_nodes_are_left_out_and_recorded(tmp_path: Path, federation_parts: dict[str, Path]) -> None:
     contexts = _contexts(federation_parts)
     ids = list(contexts)
@@ -169,12 +179,7 @@ def test_bad_nodes_are_left_out_and_recorded(tmp_path: Path, federation_parts: d
 
     # The stored round-1 model is exactly the example-weighted mean of the honest replies.
     honest = [r for r in grid.replies[: len(ids) - 1] if r.metadata.src_node_id in ids[:3]]
-    weights = np.array([r.content.metric_records[METRICS]["num-examples"] for r in honest], dtype=np.float64)
-    version = repo.list_model_versions(run_id=run_id)[0]
-    stored = ModelStore.load(version.path, version.sha256)
-    for key, value in stored.items():
-        stack = np.stack([from_array_record(r.content.array_records[ARRAYS])[key] for r in honest]).astype(np.float64)
-        np.testing.assert_allclose(value, np.tensordot(weights / weights.sum(), stack, axes=1), rtol=1e-5, atol=1e-6)
+    _assert_first_model_is_weighted_mean(repo, run_id, honest)
 
     departments = {n.node_id: n.department for n in repo.list_nodes()}
     assert departments[ids[0]] == "tax-office"
@@ -273,12 +278,7 @@ def test_a_crashed_clientapp_is_asked_again_within_the_round(tmp_path: Path, fed
     # The model is the mean of the three good replies, the retried node's second one included.
     good = [r for r in grid.replies if not r.has_error() and r.metadata.message_type == "train"]
     assert sorted(int(r.metadata.src_node_id) for r in good) == ids
-    weights = np.array([r.content.metric_records[METRICS]["num-examples"] for r in good], dtype=np.float64)
-    version = repo.list_model_versions(run_id=run_id)[0]
-    stored = ModelStore.load(version.path, version.sha256)
-    for key, value in stored.items():
-        stack = np.stack([from_array_record(r.content.array_records[ARRAYS])[key] for r in good]).astype(np.float64)
-        np.testing.assert_allclose(value, np.tensordot(weights / weights.sum(), stack, axes=1), rtol=1e-5, atol=1e-6)
+    _assert_first_model_is_weighted_mean(repo, run_id, good)
 
 
 def test_retries_are_bounded_and_other_errors_are_final(tmp_path: Path, federation_parts: dict[str, Path]) -> None:
