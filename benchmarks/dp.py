@@ -36,7 +36,7 @@ import numpy as np
 from _common import department_split, fedavg_start, parser, peak_rss_mb, report
 from quorumfl.aggregation import NodeUpdate
 from quorumfl.client.models import arrays_to_model
-from quorumfl.client.node_round import train_round
+from quorumfl.client.node_round import PrivacyGate, train_round
 from quorumfl.client.training import evaluate
 from quorumfl.client.wire import TrainConfig
 from quorumfl.privacy.ledger import Ledger
@@ -80,8 +80,10 @@ def run(private: bool, setup: Setup) -> dict[str, Any]:
             config = replace(base, server_round=number)
             updates = []
             for i, data in enumerate(depts):
-                gate = (lambda entry, i=i, number=number: ledgers[i].reserve("bench", number, entry, delta=setup.delta,
-                                                                budget=setup.epsilon * 1.01)) if private else None
+                gate = PrivacyGate(
+                    charge=lambda entry, i=i, number=number: ledgers[i].reserve(
+                        "bench", number, entry, delta=setup.delta, budget=setup.epsilon * 1.01),
+                    noise_for=ledgers[i].noise_for_target) if private else None
                 work = train_round(config, [global_arrays], None, data, data.subset(np.arange(min(len(data), 64))),
                                    privacy=gate)
                 sigma = work.metrics.get("dp-noise-multiplier", 0.0)

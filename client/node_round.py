@@ -123,7 +123,14 @@ def pick_round(
     return 0 if cluster is None else cluster
 
 
-PrivacyGate = Callable[[tuple[float, float, int]], float]  # (σ, q, steps) -> the department's ε after it, or raise
+@dataclass(frozen=True)
+class PrivacyGate:
+    """The department's ledger as a DP round uses it: ``charge`` a round's mechanism (σ, q, steps) and
+    get the department's ε after it, or raise past the budget; ``noise_for`` finds σ for a target ε
+    (``privacy.accounting.noise_for_target``'s arguments; the ledger's keeps what it found)."""
+
+    charge: Callable[[tuple[float, float, int]], float]
+    noise_for: Callable[[float, float, float, int], float] | None = None
 
 
 def train_job(config: TrainConfig, *, seed: int) -> TrainJob:
@@ -166,8 +173,8 @@ def train_round(
             raise ConfigError("a DP round needs the department's privacy ledger; none was given")
         plan = plan_round(len(train_data), job, rounds=config.num_rounds, max_grad_norm=config.dp_clip,
                           delta=config.dp_delta, target_epsilon=config.dp_epsilon,
-                          noise_multiplier=config.dp_noise_multiplier)
-        dp_metrics["dp-epsilon"] = privacy(plan.entry)  # refuses (raises) past the budget, before any training
+                          noise_multiplier=config.dp_noise_multiplier, noise_for=privacy.noise_for)
+        dp_metrics["dp-epsilon"] = privacy.charge(plan.entry)  # refuses (raises) past the budget, before any training
         dp_metrics["dp-noise-multiplier"] = plan.noise_multiplier
         devices = plan_devices(engine or EngineSettings(), cuda_devices=torch.cuda.device_count())
         if devices.world > 1:  # Opacus' DPDDP: the same schedule, so the same ledger entry
@@ -184,7 +191,7 @@ def train_round(
                 raise ConfigError("a DP round needs the department's privacy ledger; none was given")
             # The whole update is one Gaussian mechanism per round; no subsampling is claimed (q = 1):
             # the node cannot check how the server samples.
-            dp_metrics["dp-epsilon"] = privacy((config.dp_noise_multiplier, 1.0, 1))
+            dp_metrics["dp-epsilon"] = privacy.charge((config.dp_noise_multiplier, 1.0, 1))
             dp_metrics["dp-noise-multiplier"] = config.dp_noise_multiplier
         run = train_model(model, train_data, job, engine, checkpoint=checkpoint)
         result, workers = run.loop, run.plan.world

@@ -92,7 +92,9 @@ def _privacy_gate(context: Context, config: TrainConfig) -> PrivacyGate | None:
         raise ConfigError(f"node config 'dp-budget' must be a number > 0, got {budget!r}")
     ledger = Ledger.open(Path(str(node_config["data-path"])))
     run, number = str(context.run_id), config.server_round
-    return lambda entry: ledger.reserve(run, number, entry, delta=config.dp_delta, budget=float(budget))
+    return PrivacyGate(charge=lambda entry: ledger.reserve(run, number, entry, delta=config.dp_delta,
+                                                           budget=float(budget)),
+                       noise_for=ledger.noise_for_target)
 
 
 def train_received(msg: Message, context: Context) -> LocalTraining:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import secrets
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,8 +50,10 @@ def _check_job(job: TrainJob) -> None:
 
 
 def plan_round(num_examples: int, job: TrainJob, *, rounds: int, max_grad_norm: float, delta: float,
-               target_epsilon: float = 0.0, noise_multiplier: float = 0.0) -> DpPlan:
-    """The round's DP-SGD schedule: Opacus' sample rate 1/⌈N/B⌉ and ⌈N/B⌉ steps per epoch."""
+               target_epsilon: float = 0.0, noise_multiplier: float = 0.0,
+               noise_for: Callable[[float, float, float, int], float] | None = None) -> DpPlan:
+    """The round's DP-SGD schedule: Opacus' sample rate 1/⌈N/B⌉ and ⌈N/B⌉ steps per epoch. ``noise_for``
+    finds σ for the target (default ``noise_for_target``; the node passes its ledger's, which keeps it)."""
     _check_job(job)
     problems = []
     if not max_grad_norm > 0:
@@ -66,7 +69,7 @@ def plan_round(num_examples: int, job: TrainJob, *, rounds: int, max_grad_norm: 
     per_epoch = math.ceil(num_examples / job.batch_size)
     sample_rate = 1 / per_epoch
     steps = job.epochs * per_epoch
-    sigma = noise_multiplier or noise_for_target(target_epsilon, delta, sample_rate, rounds * steps)
+    sigma = noise_multiplier or (noise_for or noise_for_target)(target_epsilon, delta, sample_rate, rounds * steps)
     return DpPlan(sigma, max_grad_norm, sample_rate, steps)
 
 

@@ -7,7 +7,7 @@ from datetime import datetime
 from sqlalchemy import DateTime, Float, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-__all__ = ["Base", "Refusal", "Spend"]
+__all__ = ["Base", "NoisePlan", "Refusal", "Spend"]
 
 
 class Base(DeclarativeBase):
@@ -43,3 +43,18 @@ class Refusal(Base):
     budget: Mapped[float] = mapped_column(Float)
     reason: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class NoisePlan(Base):
+    """A noise multiplier found for a target ε (a binary search of PRV evaluations: seconds), kept so
+    the next round of the run reads it back; checked against its target each time it is read."""
+
+    __tablename__ = "privacy_noise_plans"
+    __table_args__ = (UniqueConstraint("target_epsilon", "delta", "sample_rate", "steps", name="uq_noise_plan"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    target_epsilon: Mapped[float] = mapped_column(Float)
+    delta: Mapped[float] = mapped_column(Float)
+    sample_rate: Mapped[float] = mapped_column(Float)
+    steps: Mapped[int] = mapped_column(Integer)
+    noise_multiplier: Mapped[float] = mapped_column(Float)

@@ -16,13 +16,14 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event, select
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from quorumfl.aggregation.errors import ConfigError, PrivacyBudgetError, StateError
 
+from .. import accounting
 from ..accounting import Entry, epsilon
-from .orm import Refusal, Spend
+from .orm import NoisePlan, Refusal, Spend
 
 __all__ = ["LEDGER_FILE", "Ledger", "RunSpend"]
 
@@ -89,6 +90,33 @@ class Ledger:
         for spend in self.spends():
             runs.setdefault(spend.run, []).append(spend)
         return [RunSpend(run, len(items), epsilon(self._entries(items), delta)) for run, items in runs.items()]
+
+    def noise_for_target(self, target_epsilon: float, delta: float, sample_rate: float, steps: int) -> float:
+        """``accounting.noise_for_target``, found once per schedule and read back after that.
+
+        Every round of a run plans the same σ, and each round runs in a fresh ClientApp process, so
+        without this each would repeat the binary search (seconds). A stored σ is used only if one
+        accountant evaluation confirms its schedule stays within the target (fail closed: an edited
+        row is searched again and replaced)."""
+        key = (float(target_epsilon), float(delta), float(sample_rate), int(steps))
+        with self._session() as s:
+            stored = s.scalars(select(NoisePlan).where(
+                NoisePlan.target_epsilon == key[0], NoisePlan.delta == key[1], NoisePlan.sample_rate == key[2],
+                NoisePlan.steps == key[3])).first()
+        if stored is not None and stored.noise_multiplier > 0 and \
+                epsilon([(stored.noise_multiplier, key[2], key[3])], key[1]) <= key[0]:
+            return float(stored.noise_multiplier)
+        sigma = accounting.noise_for_target(*key)
+        try:
+            with self._session() as s, s.begin():
+                if stored is not None:
+                    s.get_one(NoisePlan, stored.id).noise_multiplier = sigma
+                else:
+                    s.add(NoisePlan(target_epsilon=key[0], delta=key[1], sample_rate=key[2], steps=key[3],
+                                    noise_multiplier=sigma))
+        except IntegrityError:
+            pass  # another process of this node stored the same plan first; σ is the same
+        return sigma
 
     def reserve(self, run: str, round_number: int, entry: Entry, *, delta: float, budget: float) -> float:
         """Record the round's spend and return the department's new total ε, or refuse (and record why)."""

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from quorumfl.aggregation.errors import ConfigError, PrivacyBudgetError
+from quorumfl.privacy import accounting
 from quorumfl.privacy.accounting import epsilon
 from quorumfl.privacy.ledger import LEDGER_FILE, Ledger
 
@@ -49,8 +50,54 @@ def test_schema_is_migrated_and_bad_input_named(tmp_path: Path) -> None:
     Ledger.open(tmp_path)
     with sqlite3.connect(tmp_path / LEDGER_FILE) as db:
         tables = {r[0] for r in db.execute("select name from sqlite_master where type='table'")}
-    assert {"privacy_spend", "privacy_refusals", "privacy_ledger_version"} <= tables
+    assert {"privacy_spend", "privacy_refusals", "privacy_noise_plans", "privacy_ledger_version"} <= tables
     with pytest.raises(ConfigError, match="not a directory"):
         Ledger.open(tmp_path / "missing")
     with pytest.raises(ConfigError, match="dp-budget"):
         Ledger.open(tmp_path).reserve("7", 1, ROUND, delta=1e-5, budget=0)
+
+
+def test_noise_plans_are_found_once_and_checked_when_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    searches: list[tuple[float, float, float, int]] = []
+    search = accounting.noise_for_target
+
+    def counted(*key: float) -> float:
+        searches.append(key)  # type: ignore[arg-type]
+        return search(*key)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(accounting, "noise_for_target", counted)
+    key = (3.0, 1e-5, 1 / 47, 470)
+    sigma = Ledger.open(tmp_path).noise_for_target(*key)
+    assert sigma == search(*key) and len(searches) == 1
+    # A later round runs in a fresh process: it reads the plan back without searching.
+    assert Ledger.open(tmp_path).noise_for_target(*key) == sigma and len(searches) == 1
+    assert Ledger.open(tmp_path).noise_for_target(3.0, 1e-5, 1 / 47, 940) > sigma and len(searches) == 2
+    # Fail closed: a stored σ too small for its target is not used; it is searched again and replaced.
+    with sqlite3.connect(tmp_path / LEDGER_FILE) as db:
+        db.execute("update privacy_noise_plans set noise_multiplier = 0.3 where steps = 470")
+    assert Ledger.open(tmp_path).noise_for_target(*key) == sigma and len(searches) == 3
+    assert Ledger.open(tmp_path).noise_for_target(*key) == sigma and len(searches) == 3
+    assert epsilon([(sigma, 1 / 47, 470)], 1e-5) <= 3.0
+
+
+def test_a_ledger_of_the_first_schema_keeps_its_spends(tmp_path: Path) -> None:
+    """A department's ledger written before noise plans existed upgrades in place; nothing is lost."""
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import create_engine
+
+    from quorumfl.privacy.ledger.store import MIGRATIONS
+
+    engine = create_engine(f"sqlite:///{tmp_path / LEDGER_FILE}")
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.attributes["engine"] = engine
+    command.upgrade(config, "0001_privacy_ledger")
+    with sqlite3.connect(tmp_path / LEDGER_FILE) as db:
+        db.execute("insert into privacy_spend (run, round, noise_multiplier, sample_rate, steps, delta, epsilon_total, "
+                   "created_at) values ('7', 1, 1.1, 0.02, 50, 1e-5, 0.5, '2026-11-29 00:00:00')")
+    engine.dispose()
+    ledger = Ledger.open(tmp_path)
+    assert [(s.run, s.round, s.noise_multiplier) for s in ledger.spends()] == [("7", 1, 1.1)]
+    assert ledger.spent(1e-5) == pytest.approx(epsilon([(1.1, 0.02, 50)], 1e-5))
+    assert ledger.noise_for_target(3.0, 1e-5, 0.02, 50) > 0
