@@ -34,7 +34,9 @@ def test_six_nodes_ifca_with_masking(tmp_path: Path) -> None:
     repo = Repository(connect(db_url, migrate=True))
     parts = prepare_partitions(tmp_path / "data", DEPARTMENTS, seed=1, method="iid")
     groups = plant_partitions(parts, 2, seed=3)
-    with local_federation(home, parts, db_url=db_url) as federation:
+    # Up to 10 SuperNodes (and their SuperExecs) start at once on a 2-core CI machine: one was not yet
+    # online after the default 120 s in one CI run, so these tests wait longer.
+    with local_federation(home, parts, db_url=db_url, connect_timeout=300) as federation:
         flower_run_id = federation.control.start_run(
             {"strategy": "ifca", "clusters": 2, "proximal-mu": 0.0, "num-rounds": 3, "local-epochs": 5,
              "min-nodes": 2, "seed": 2, "start-from": "fresh", "state-url": db_url, "model-dir": str(home / "models"),
