@@ -16,6 +16,7 @@ every other layer (client, server, CLI) can import it::
     ├── ModelStoreError      a model file missing, tampered or unreadable
     ├── TrainingError        local training failed (a DDP worker died, a checkpoint is unusable)
     ├── PrivacyBudgetError   the next round would spend more ε than the department allows (refused)
+    ├── SelectionError       a client selector broke its contract, or its stored state is unusable
     └── FederationError      the Flower SuperLink/SuperNodes (unreachable, failed to start, run failed)
 
 The CLI maps each branch to a documented exit code (see ``quorumfl.server.cli.errors``).
@@ -36,6 +37,7 @@ __all__ = [
     "QuorumNotMetError",
     "SecureAggregationError",
     "PrivacyBudgetError",
+    "SelectionError",
     "StateError",
     "TrainingError",
 ]
@@ -103,3 +105,8 @@ class TrainingError(QuorumError):
 
 class PrivacyBudgetError(QuorumError):
     """Training would take a department past its privacy budget; the node refuses (fails closed)."""
+
+
+class SelectionError(QuorumError):
+    """A client selector chose outside the available nodes or the round's count, or its saved state
+    (agent weights, node statistics) cannot be restored."""

@@ -259,7 +259,7 @@ class CkksSession:
             result.note_node(node, content)
 
         start = self.clock()
-        self.exchange(messages, failures, "train", config.round_timeout, add)
+        self.exchange(messages, failures, "train", config.train_deadline(), add)
         timings["train"] = self.clock() - start
 
         start = self.clock()

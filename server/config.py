@@ -49,6 +49,9 @@ class DpMode(StrEnum):
     DISTRIBUTED = "distributed"  # under masking: each node clips its update and adds a share of the noise
 
 
+SELECTORS = ("random", "oort", "rl")  # quorumfl.server.selection.build_selector's names
+
+
 class StartFrom(StrEnum):
     HEAD = "head"  # the architecture's head model version (see 'quorumfl models rollback')
     FRESH = "fresh"  # new weights from the seed
@@ -100,6 +103,11 @@ DEFAULTS: dict[str, Any] = {
     "dp-noise-multiplier": 0.0,
     "dp-clip": 1.0,
     "dp-delta": 1e-5,
+    "selector": "random",
+    "selection-epochs": "",
+    "selection-key": "",
+    "round-deadline": 0.0,
+    "over-selection": 0.0,
 }
 
 
@@ -150,6 +158,11 @@ class RunConfig:
     dp_noise_multiplier: float
     dp_clip: float
     dp_delta: float
+    selector: str
+    selection_epochs: tuple[int, ...]
+    selection_key: str
+    round_deadline: float
+    over_selection: float
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
@@ -189,6 +202,20 @@ class RunConfig:
                 problems.append(f"{key} must be a string, got {value!r}")
                 return str(DEFAULTS[key])
             return value
+
+        def epoch_list() -> tuple[int, ...]:
+            value = text("selection-epochs").replace(" ", "")
+            if not value:
+                return ()
+            try:
+                epochs = tuple(sorted({int(v) for v in value.split(",")}))
+            except ValueError:
+                epochs = ()
+            if not epochs or epochs[0] < 1 or epochs[-1] > 1000:
+                problems.append(f"selection-epochs must be local-epoch counts in 1..1000 separated by commas, such "
+                                f"as '1,2,4'; got {value!r}")
+                return ()
+            return epochs
 
         from quorumfl.client.data.datasets import DATASETS
         from quorumfl.client.models import MODELS
@@ -245,7 +272,23 @@ class RunConfig:
             dp_noise_multiplier=number("dp-noise-multiplier", float, low=0.0),
             dp_clip=number("dp-clip", float, low=0.0, open_low=True),
             dp_delta=number("dp-delta", float, low=0.0, high=0.1, open_low=True),
+            selector=text("selector"),
+            selection_epochs=epoch_list(),
+            selection_key=text("selection-key"),
+            round_deadline=number("round-deadline", float, low=0.0),
+            over_selection=number("over-selection", float, low=0.0, high=10.0),
         )
+        if config.selector not in SELECTORS:
+            problems.append(f"selector must be one of {list(SELECTORS)}, got {config.selector!r}")
+        if config.selection_epochs and config.local_epochs not in config.selection_epochs:
+            problems.append(f"selection-epochs {list(config.selection_epochs)} must include local-epochs "
+                            f"{config.local_epochs} (what the heuristic fallback gives)")
+        if config.selection_epochs and config.selector != "rl":
+            problems.append("selection-epochs is the RL selector's set of local-epoch choices; set selector = 'rl' "
+                            "or leave selection-epochs empty")
+        if config.round_deadline > config.round_timeout:
+            problems.append(f"round-deadline {config.round_deadline} is longer than round-timeout "
+                            f"{config.round_timeout}; lower it or raise round-timeout")
         if config.secagg_modulus_bits not in (32, 64):
             problems.append(f"secagg-modulus-bits must be 32 or 64, got {config.secagg_modulus_bits}")
         if 1 < config.secagg_threshold and not float(config.secagg_threshold).is_integer():
@@ -288,11 +331,26 @@ class RunConfig:
 
     def resolved(self) -> dict[str, Any]:
         """Kebab-case mapping of every setting, as stored with the run."""
-        return {k.replace("_", "-"): (v.value if isinstance(v, StrEnum) else v) for k, v in asdict(self).items()}
+        values = {k.replace("_", "-"): (v.value if isinstance(v, StrEnum) else v) for k, v in asdict(self).items()}
+        values["selection-epochs"] = ",".join(str(e) for e in self.selection_epochs)
+        return values
 
     def ckks_params(self) -> CkksParams:
         """The threshold-CKKS parameter set: N from the config, a (60, 60, 60)-bit chain, Δ = 2^96."""
         return CkksParams(poly_degree=self.ckks_poly_degree)
+
+    def epoch_choices(self) -> tuple[int, ...]:
+        """The local epochs a selector may give a node: ``selection-epochs``, or just ``local-epochs``."""
+        return self.selection_epochs or (self.local_epochs,)
+
+    def resolved_selection_key(self) -> str:
+        """Where the selector's state is kept: ``selection-key``, or selector, dataset and model, so a
+        restarted server (a new run of the same federation) continues with what was learned."""
+        return self.selection_key or f"{self.selector}:{self.dataset}:{self.model}"
+
+    def train_deadline(self) -> float:
+        """How long the train stage waits for replies: ``round-deadline`` if set, else ``round-timeout``."""
+        return self.round_deadline or self.round_timeout
 
     def data_path(self) -> Path | None:
         return Path(self.data_dir).expanduser() if self.data_dir else None

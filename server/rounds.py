@@ -25,7 +25,7 @@ from numpy.typing import NDArray
 from quorumfl.aggregation import NodeUpdate, aggregate_weighted_metrics
 from quorumfl.aggregation.clustering import Repair
 from quorumfl.aggregation.compression import warmup_fraction
-from quorumfl.aggregation.errors import FederationError, QuorumError
+from quorumfl.aggregation.errors import ConfigError, FederationError, QuorumError
 from quorumfl.client.data.datasets import Dataset, holdout_split
 from quorumfl.client.models import architecture_key, arrays_to_model, build_model, model_to_arrays
 from quorumfl.client.training import evaluate
@@ -49,6 +49,7 @@ from .config import DpMode, RunConfig, SecureMode, StartFrom
 from .model_store import ModelStore
 from .phase import TrainPhase
 from .secure import MaskingSession
+from .selection import NodeResult, Outcome, RoundFeedback, Selection, Selector, build_selector, check_selection
 from .state.repository import Repository, RoundStatus, RunStatus
 from .strategies import ClusteredFedAvg, ClusteredResult, FedAvg, FedPer, build_strategy
 
@@ -195,6 +196,12 @@ class Federation:
         )
         self._last_round_id: int | None = None
         self.ckks: CkksSession | None = None
+        self.selector: Selector = build_selector(config.selector, seed=config.seed, epochs=config.local_epochs,
+                                                 epoch_choices=config.epoch_choices(), clusters=config.clusters)
+        self._accuracy = math.nan  # the global (main cluster's) accuracy after the last round
+        self._quota: int | None = None  # over-selection: the train stage stops after this many good replies
+        self._arrivals: dict[int, float] = {}  # seconds from sending the train request to each reply
+        self._cut_at: float | None = None  # when the train stage stopped waiting for the over-selected
 
     # ---- helpers ----------------------------------------------------------------------------
     def _federation_epsilon(self, rounds: int) -> float:
@@ -304,6 +311,10 @@ class Federation:
         good: list[tuple[int, Message]] = []
         attempts: dict[int, int] = retried if retried is not None else {}
         again: list[int] = []
+        train = stage == "train"
+        quota = self._quota if train else None
+        received = 0
+        started = self.clock()
 
         def take(reply: Message) -> None:
             node = destination.get(reply.metadata.reply_to_message_id)
@@ -323,10 +334,15 @@ class Federation:
                                   + (f" (after {attempts[node]} retries)" if attempts.get(node) else ""))
             elif reply.metadata.src_node_id != node:
                 failures[node] = (stage, f"reply came from node {reply.metadata.src_node_id}, not {node}")
-            elif consume is not None:
-                consume(node, reply)
             else:
-                good.append((node, reply))
+                nonlocal received
+                received += 1
+                if train:
+                    self._arrivals[node] = self.clock() - started
+                if consume is not None:
+                    consume(node, reply)
+                else:
+                    good.append((node, reply))
 
         # Grid.send_and_receive sleeps 3 s between pulls; every round trip would pay up to that again.
         # With ``consume`` replies are pulled one request at a time, so only one is ever in memory.
@@ -337,7 +353,8 @@ class Federation:
             for batch in batches:
                 for reply in self.grid.pull_messages(batch):
                     waiting.discard(reply.metadata.reply_to_message_id)
-                    take(reply)
+                    if quota is None or received < quota:  # a reply after the cut leaves its node late
+                        take(reply)
             if again:
                 copies = [Message(content=request[n].content, dst_node_id=n,
                                   message_type=request[n].metadata.message_type) for n in again]
@@ -345,11 +362,20 @@ class Federation:
                     destination[mid] = node
                     waiting.add(mid)
                 again.clear()
+            if quota is not None and received >= quota:
+                self._cut_at = self.clock() - started
+                for node in expected:  # over-selection: the first ``quota`` replies are the round's
+                    failures[node] = ("late", f"not among the first {quota} replies (over-selection); "
+                                              f"the round stopped waiting after {self._cut_at:.1f}s")
+                return good
             if not waiting or self.clock() >= deadline:
                 break
             time.sleep(REPLY_POLL_SECONDS)
         for node in expected:
-            failures[node] = (stage, f"no reply within the {stage} deadline ({timeout:.0f}s)")
+            if train and self.config.round_deadline:
+                failures[node] = ("deadline", f"no reply within the round deadline ({timeout:.0f}s)")
+            else:
+                failures[node] = (stage, f"no reply within the {stage} deadline ({timeout:.0f}s)")
         return good
 
     # ---- the loop ---------------------------------------------------------------------------
@@ -369,6 +395,8 @@ class Federation:
             _, test = holdout_split(config.dataset, seed=config.seed, data_dir=config.data_path())
             lineages, models, parents = self._initial(test)
             model = build_model(config.model, test.input_shape, test.num_classes)
+            self._restore_selector()
+            self._accuracy = self._server_evaluation(model, models[0], test)[0]
             seen: set[int] = set()
             completed = 0
             for number in range(1, config.num_rounds + 1):
@@ -412,13 +440,15 @@ class Federation:
         available = self._available_nodes()
         for node in available:  # registry: connected nodes, named once they reply
             self.repo.touch_node(node)
-        selected = self.strategy.select(number, available)
+        selection = self._select(available)
+        selected = sorted(selection.nodes)
         rnd = self.repo.start_round(run_id, number, selected)
         self._last_round_id = rnd.id
         outcome = RoundOutcome()
         timings: dict[str, float] = {}
 
-        configs = self.strategy.configure_train(number, selected, self._compression_round(number))
+        configs = {node: replace(cfg, local_epochs=selection.epochs[node]) for node, cfg in
+                   self.strategy.configure_train(number, selected, self._compression_round(number)).items()}
         if self.ckks is not None:
             phase = self.ckks.round(number, available, models[0], configs, outcome.failures, timings)
         elif self.secure is not None and len(models) > 1:
@@ -445,6 +475,7 @@ class Federation:
             )
             self.repo.finish_round(rnd.id, RoundStatus.FAILED, participants=phase.accepted, timings=timings, error=why)
             log.warning("round %s failed: %s; the global model is unchanged", number, why)
+            self._learn_selection(run_id, number, selection, phase, outcome, timings, self._accuracy)
             return models, parents, {}
 
         start = self.clock()
@@ -499,11 +530,82 @@ class Federation:
                 self.repo.add_metrics(run_id, number, values, node_id=node)
         timings["store"] = self.clock() - start
         self.repo.finish_round(rnd.id, RoundStatus.COMPLETED, participants=phase.accepted, timings=timings)
+        self._learn_selection(run_id, number, selection, phase, outcome, timings, evals[main][0])
         log.info(
             "round %s/%s: accuracy %.4f, %s of %s nodes, %.1fs",
             number, config.num_rounds, evals[main][0], len(phase.accepted), len(selected), sum(timings.values()),
         )
         return new_models, versions, round_metrics
+
+    # ---- client selection --------------------------------------------------------------------
+    def _restore_selector(self) -> None:
+        """Continue from the selector state kept under the run's selection key (a restarted server)."""
+        key = self.config.resolved_selection_key()
+        row = self.repo.selector_state(key) if self.selector.name != "random" else None  # random learns nothing
+        if row is None:
+            return
+        if row.kind != self.selector.name:
+            raise ConfigError(f"selection-key {key!r} holds a '{row.kind}' selector's state, this run uses "
+                              f"'{self.selector.name}'; choose another selection-key")
+        self.selector.restore(row.state)
+        log.info("selector '%s' continues from %s learned round(s) (key %s)", row.kind, row.rounds, key)
+
+    def _selection_step(self) -> int:
+        """The selector's own round count (+1): run round numbers restart with each run, while a kept
+        selector's statistics ("last chosen in round t") continue across runs."""
+        return self.selector.book.rounds + 1
+
+    def _select(self, available: list[int]) -> Selection:
+        """K nodes from the selector (K·(1 + over-selection) asked for), checked against its contract."""
+        count = self.strategy.count(len(available))
+        asked = min(len(available), count + math.ceil(count * self.config.over_selection))
+        selection = self.selector.select(self._selection_step(), available, asked)
+        check_selection(selection, available, asked, self.config.epoch_choices())
+        self._quota = count if asked > count else None
+        self._arrivals, self._cut_at = {}, None
+        return selection
+
+    def _learn_selection(self, run_id: int, number: int, selection: Selection, phase: TrainPhase,
+                         outcome: RoundOutcome, timings: dict[str, float], accuracy: float) -> None:
+        """Tell the selector how the round went, record its choice and reward, keep its state."""
+        results: dict[int, NodeResult] = {}
+        for node in selection.nodes:
+            epochs = selection.epochs[node]
+            if node in phase.accepted:
+                values = phase.node_metrics.get(node, {})
+                results[node] = NodeResult(
+                    Outcome.OK, epochs, seconds=self._arrivals.get(node, values.get("train-seconds")),
+                    loss=values.get("train-loss"), samples=values.get("num-examples"),
+                    cluster=phase.assignments.get(node),
+                )
+                continue
+            stage = outcome.failures.get(node, ("", ""))[0]
+            if stage == "late":
+                results[node] = NodeResult(Outcome.LATE, epochs, seconds=self._cut_at)
+            elif stage == "deadline":
+                results[node] = NodeResult(Outcome.LATE, epochs)
+            else:
+                results[node] = NodeResult(Outcome.FAILED, epochs)
+        before = self._accuracy if math.isfinite(self._accuracy) else accuracy
+        after = accuracy if math.isfinite(accuracy) else before
+        seconds = sum(v for k, v in timings.items() if k != "local_train_max")
+        feedback = RoundFeedback(self._selection_step(), results, seconds, before if math.isfinite(before) else 0.0,
+                                 after if math.isfinite(after) else 0.0,
+                                 deadline=self.config.round_deadline or None)
+        reward = self.selector.observe(feedback)
+        self._accuracy = after
+        details = {"round-seconds": seconds, "accuracy-gain": feedback.accuracy_after - feedback.accuracy_before}
+        guard = getattr(self.selector, "guard", None)
+        if guard is not None:
+            details.update({k: v for k, v in (("agent-avg", guard.agent_avg), ("heuristic-avg", guard.heuristic_avg))
+                            if v is not None})
+        self.repo.add_selection(run_id, number, policy=selection.policy,
+                                choices=[(n, selection.epochs[n]) for n in selection.nodes],
+                                outcomes={n: r.outcome.value for n, r in results.items()}, reward=reward,
+                                details=details)
+        if self.selector.name != "random":
+            self.repo.save_selector_state(self.config.resolved_selection_key(), kind=self.selector.name,
+                                          rounds=self.selector.book.rounds, state=self.selector.state())
 
     def _server_evaluation(self, model: Any, arrays: Arrays, test: Dataset) -> tuple[float, float]:
         """(accuracy, loss) on the server's held-out set; NaN for FedPer, whose server model has no head."""
@@ -560,7 +662,7 @@ class Federation:
         start = self.clock()
         messages = self._messages(MessageType.TRAIN, models, configs)
         retried: dict[int, int] = {}
-        replies = self._exchange(messages, outcome.failures, "train", self.config.round_timeout,
+        replies = self._exchange(messages, outcome.failures, "train", self.config.train_deadline(),
                                  retries=self.config.train_retries, retried=retried)
         timings["train"] = self.clock() - start
 

@@ -230,7 +230,7 @@ class MaskingSession:
         ]
         result = TrainPhase(arrays=None)
         start = self.clock()
-        for node, reply in self.exchange(messages, failures, "train", config.round_timeout):
+        for node, reply in self.exchange(messages, failures, "train", config.train_deadline()):
             try:
                 content = reply.content
                 if REFUSAL in content.config_records:

@@ -169,6 +169,47 @@ def keys_view(repo: Repository, ref: int) -> dict[str, Any]:
     return {"run": run.id, "ceremonies": ceremonies, "decryptions": decryptions}
 
 
+def selection_view(repo: Repository, ref: int) -> dict[str, Any]:
+    """A run's client selection: per node how often it was chosen and how it did, per round which
+    policy chose (the RL agent or its fallback) and the reward, and the selector state's key."""
+    run = repo.get_run(ref)
+    records = repo.selections(run.id)
+    departments = {n.node_id: n.department for n in repo.list_nodes()}
+    nodes: dict[int, dict[str, Any]] = {}
+    for record in records:
+        for node, epochs in record.choices:
+            row = nodes.setdefault(node, {"node_id": node, "department": departments.get(node), "selected": 0,
+                                          "epochs": 0, "ok": 0, "late": 0, "failed": 0})
+            row["selected"] += 1
+            row["epochs"] += epochs
+            outcome = record.outcomes.get(str(node), "failed")
+            row[outcome] = row.get(outcome, 0) + 1
+    for row in nodes.values():
+        row["mean_epochs"] = row.pop("epochs") / row["selected"]
+    policies: dict[str, int] = {}
+    for record in records:
+        policies[record.policy] = policies.get(record.policy, 0) + 1
+    config = run.config
+    return {
+        "run": run.id,
+        "selector": config.get("selector", "random"),
+        "selection_key": config.get("selection-key") or f"{config.get('selector', 'random')}:{config.get('dataset')}:"
+                                                        f"{config.get('model')}",
+        "round_deadline": config.get("round-deadline"),
+        "over_selection": config.get("over-selection"),
+        "policies": policies,
+        "nodes": sorted(nodes.values(), key=lambda r: (-r["selected"], r["node_id"])),
+        "rounds": [
+            {"round": r.round, "policy": r.policy, "reward": r.reward, "chosen": len(r.choices),
+             "late": sum(1 for o in r.outcomes.values() if o == "late"),
+             "failed": sum(1 for o in r.outcomes.values() if o == "failed"),
+             "agent_avg": r.details.get("agent-avg"), "heuristic_avg": r.details.get("heuristic-avg"),
+             "seconds": r.details.get("round-seconds")}
+            for r in records
+        ],
+    }
+
+
 def model_view(version: ModelVersion, heads: dict[str, int]) -> dict[str, Any]:
     return {
         "version": version.id,

@@ -43,7 +43,8 @@ class AggregateResult:
 
 
 class FedAvg:
-    """Sample ``fraction_train`` of the available nodes (at least ``min_nodes``); weighted mean."""
+    """``fraction_train`` of the available nodes (at least ``min_nodes``) train, chosen by the run's
+    selector (``server.selection``); weighted mean."""
 
     name = StrategyName.FEDAVG
     clusters = 1
@@ -61,13 +62,9 @@ class FedAvg:
         self.min_nodes = min_nodes
         self.seed = seed
 
-    def select(self, server_round: int, available: Sequence[int]) -> list[int]:
-        """Seeded sample of the available (enabled, connected) nodes for this round."""
-        pool = sorted(available)
-        count = min(len(pool), max(self.min_nodes, math.ceil(self.fraction_train * len(pool))))
-        rng = np.random.default_rng([self.seed, server_round])
-        # Sample positions, not ids: Flower's ids are uint64 and would lose precision in a float array.
-        return sorted(pool[int(i)] for i in rng.choice(len(pool), size=count, replace=False))
+    def count(self, available: int) -> int:
+        """How many nodes a round aggregates: ``fraction_train`` of the available, at least ``min_nodes``."""
+        return min(available, max(self.min_nodes, math.ceil(self.fraction_train * available)))
 
     def configure_train(self, server_round: int, nodes: Iterable[int], base: TrainConfig) -> dict[int, TrainConfig]:
         config = replace(base, server_round=server_round, proximal_mu=0.0)

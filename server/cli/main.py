@@ -22,6 +22,7 @@ from ..state.database import default_home, default_url
 from .cmd_federation import data_app, db_app, demo, node_app, server_app
 from .cmd_keys import keys_app
 from .cmd_runs import rounds_app, runs_app
+from .cmd_selection import selection_app
 from .cmd_state import models_app, nodes_app
 from .context import Settings
 from .errors import exit_code
@@ -45,6 +46,7 @@ app.add_typer(models_app, name="models")
 app.add_typer(data_app, name="data")
 app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
+app.add_typer(selection_app, name="selection")
 
 
 @app.callback()

@@ -1,5 +1,6 @@
 """SQLAlchemy 2 typed ORM: runs, rounds, round failures, nodes, metrics, model versions, heads,
-key ceremonies and threshold decryptions (the audit trail of who could decrypt what).
+key ceremonies and threshold decryptions (the audit trail of who could decrypt what), and client
+selection (each selector's learned state, and what it chose each round with its reward).
 
 The schema is created and changed only by the Alembic migrations in ``migrations/``; a test checks
 that the migrations and these classes agree.
@@ -38,6 +39,8 @@ __all__ = [
     "Round",
     "RoundFailure",
     "Run",
+    "SelectionRecord",
+    "SelectorState",
     "UInt64",
 ]
 
@@ -210,3 +213,34 @@ class Decryption(Base):
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class SelectorState(Base):
+    """A client selector's learned state (node statistics; the RL agent's weights, optimiser and
+    guard), kept under a key that outlives runs, so a restarted server continues from it."""
+
+    __tablename__ = "selector_states"
+
+    key: Mapped[str] = mapped_column(String(128), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    rounds: Mapped[int] = mapped_column(Integer)  # rounds it has learned from
+    state: Mapped[dict[str, Any]] = mapped_column(JSON)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class SelectionRecord(Base):
+    """What a run's selector chose in one round (nodes and their local epochs), which policy chose
+    it (``rl`` or its ``oort`` fallback, ``random``…), and the reward the round earned."""
+
+    __tablename__ = "selection_records"
+    __table_args__ = (UniqueConstraint("run_id", "round", name="uq_selection_records_run_round"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    round: Mapped[int] = mapped_column(Integer)
+    policy: Mapped[str] = mapped_column(String(16))
+    choices: Mapped[list[list[int]]] = mapped_column(JSON)  # [[node id, local epochs], …] in choice order
+    outcomes: Mapped[dict[str, str]] = mapped_column(JSON)  # node id -> ok | late | failed
+    reward: Mapped[float] = mapped_column(Float)
+    details: Mapped[dict[str, float]] = mapped_column(JSON)  # the guard's averages, round seconds…
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
