@@ -38,10 +38,12 @@ class LocalFederation:
     def logs(self, lines: int = 30) -> str:
         return "\n".join(f"--- {c.name} ({c.log})\n{self.group.tail(c, lines)}" for c in self.group.children)
 
-    def add_node(self, name: str, data_path: Path) -> Child:
-        """Start one more SuperNode (e.g. a department's node again after it crashed)."""
+    def add_node(self, name: str, data_path: Path, *, superlink: str | None = None) -> Child:
+        """Start one more SuperNode (e.g. a department's node again after it crashed); ``superlink``:
+        another address that reaches the SuperLink (a department behind a proxy)."""
         child = self.group.start(
-            name, supernode_command(superlink=self.address, port=free_port(), data_path=data_path, department=name)
+            name, supernode_command(superlink=superlink or self.address, port=free_port(), data_path=data_path,
+                                    department=name)
         )
         self.nodes[name] = child
         return child

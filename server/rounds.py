@@ -48,6 +48,7 @@ from .ckks import AuditTrail, CkksSession
 from .config import DpMode, RunConfig, SecureMode, StartFrom
 from .model_store import ModelStore
 from .phase import TrainPhase
+from .pulling import ReplyPuller
 from .secure import MaskingSession
 from .selection import NodeResult, Outcome, RoundFeedback, Selection, Selector, build_selector, check_selection
 from .state.repository import Repository, RoundStatus, RunStatus
@@ -345,32 +346,32 @@ class Federation:
                     good.append((node, reply))
 
         # Grid.send_and_receive sleeps 3 s between pulls; every round trip would pay up to that again.
-        # With ``consume`` replies are pulled one request at a time, so only one is ever in memory.
+        # Replies are pulled one request per call on a few threads (``ReplyPuller``): a reply whose
+        # arrays are still uploading over a slow link then holds up neither the others nor the deadline.
         waiting = set(message_ids)
         deadline = self.clock() + timeout
-        while waiting:
-            batches = [[mid] for mid in sorted(waiting)] if consume is not None else [list(waiting)]
-            for batch in batches:
-                for reply in self.grid.pull_messages(batch):
+        with ReplyPuller(self.grid) as puller:
+            while waiting:
+                for reply in puller.poll(sorted(waiting)):
                     waiting.discard(reply.metadata.reply_to_message_id)
                     if quota is None or received < quota:  # a reply after the cut leaves its node late
                         take(reply)
-            if again:
-                copies = [Message(content=request[n].content, dst_node_id=n,
-                                  message_type=request[n].metadata.message_type) for n in again]
-                for mid, node in zip(self.grid.push_messages(copies), again, strict=True):
-                    destination[mid] = node
-                    waiting.add(mid)
-                again.clear()
-            if quota is not None and received >= quota:
-                self._cut_at = self.clock() - started
-                for node in expected:  # over-selection: the first ``quota`` replies are the round's
-                    failures[node] = ("late", f"not among the first {quota} replies (over-selection); "
-                                              f"the round stopped waiting after {self._cut_at:.1f}s")
-                return good
-            if not waiting or self.clock() >= deadline:
-                break
-            time.sleep(REPLY_POLL_SECONDS)
+                if again:
+                    copies = [Message(content=request[n].content, dst_node_id=n,
+                                      message_type=request[n].metadata.message_type) for n in again]
+                    for mid, node in zip(self.grid.push_messages(copies), again, strict=True):
+                        destination[mid] = node
+                        waiting.add(mid)
+                    again.clear()
+                if quota is not None and received >= quota:
+                    self._cut_at = self.clock() - started
+                    for node in expected:  # over-selection: the first ``quota`` replies are the round's
+                        failures[node] = ("late", f"not among the first {quota} replies (over-selection); "
+                                                  f"the round stopped waiting after {self._cut_at:.1f}s")
+                    return good
+                if not waiting or self.clock() >= deadline:
+                    break
+                time.sleep(REPLY_POLL_SECONDS)
         for node in expected:
             if train and self.config.round_deadline:
                 failures[node] = ("deadline", f"no reply within the round deadline ({timeout:.0f}s)")

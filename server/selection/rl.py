@@ -1,10 +1,13 @@
 """``RLSelector``: a small torch policy that scores each candidate node from its features
 (``stats.FEATURES``), draws K nodes without replacement from the Plackett–Luce distribution of those
 scores (Gumbel top-k) and a number of local epochs per node from a small set, and learns online by
-REINFORCE with a moving baseline on ``base.round_reward``.
+policy-gradient with a moving baseline on ``base.round_reward``: PPO's clipped surrogate over the
+last ``memory`` rounds, ``steps`` passes per round (a round is one sample, so reusing a few recent
+ones, with the ratio keeping the steps near the policy that chose them, learns much faster than
+one REINFORCE step per round).
 
 No FL framework ships a learned selector, so this is written here. Two choices go beyond textbook
-REINFORCE and are stated plainly: each chosen node's log-probability is weighted by the round's
+policy gradients and are stated plainly: each chosen node's log-probability is weighted by the round's
 advantage minus a shaping term for that node (missed the deadline or failed: one standard
 deviation; finished much later than the round's median: up to one more), which assigns blame to
 the node that cost the time; and rounds chosen by the heuristic also train the policy, weighted by
@@ -110,12 +113,30 @@ class Guard:
 
 
 @dataclass
-class _Pending:
+class _Sample:
+    """One round to learn from: who chose, the candidates' features, the choice, and (once the round
+    is over) each chosen node's weight; ``old_*`` are the agent's log-probabilities when it chose."""
+
     who: str
     nodes: list[int]
     x: np.ndarray
     order: list[int]  # positions in ``nodes`` of the chosen, in choice order
     epoch_index: list[int]
+    old_select: list[float]
+    old_epochs: list[float]
+    weights: list[float] | None = None
+
+    def to_state(self) -> dict[str, Any]:
+        return {"who": self.who, "x": self.x.tolist(), "order": self.order, "epoch-index": self.epoch_index,
+                "old-select": self.old_select, "old-epochs": self.old_epochs, "weights": self.weights}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> _Sample:
+        x = np.asarray(state["x"], dtype=np.float32).reshape(-1, len(FEATURES))
+        return cls(str(state["who"]), list(range(len(x))), x, [int(i) for i in state["order"]],
+                   [int(i) for i in state["epoch-index"]], [float(v) for v in state["old-select"]],
+                   [float(v) for v in state["old-epochs"]],
+                   None if state["weights"] is None else [float(w) for w in state["weights"]])
 
 
 class RLSelector:
@@ -134,6 +155,9 @@ class RLSelector:
         late_penalty: float = 1.0,
         entropy: float = 0.003,
         imitation: float = 1.0,
+        memory: int = 16,
+        steps: int = 4,
+        clip: float = 0.2,
         guard: Guard | None = None,
     ) -> None:
         choices = sorted({int(e) for e in epoch_choices})
@@ -143,6 +167,8 @@ class RLSelector:
             raise SelectionError(f"the run's local-epochs {epochs} must be one of the epoch choices {choices}")
         self.seed, self.epochs, self.epoch_choices, self.clusters = seed, epochs, choices, clusters
         self.late_penalty, self.entropy, self.imitation = late_penalty, entropy, imitation
+        self.memory_size, self.steps, self.clip = memory, steps, clip
+        self.memory: list[_Sample] = []
         self.book = NodeBook()
         self.heuristic = OortSelector(seed=seed, epochs=epochs, book=self.book, late_penalty=late_penalty)
         self.guard = guard or Guard()
@@ -153,7 +179,7 @@ class RLSelector:
         self.optimizer = torch.optim.Adam(self.policy.parameters(), lr=learning_rate)
         self.baseline: float | None = None
         self.spread = 1.0  # running standard deviation of the reward
-        self.pending: _Pending | None = None
+        self.pending: _Sample | None = None
         self.updates = 0
 
     def select(self, number: int, available: Sequence[int], count: int) -> Selection:
@@ -175,7 +201,9 @@ class RLSelector:
             order = [int(i) for i in np.argsort(-keys, kind="stable")[:count]]
             probs = torch.softmax(logits, dim=-1).numpy().astype(np.float64)
             epoch_index = [int(rng.choice(len(self.epoch_choices), p=probs[i] / probs[i].sum())) for i in order]
-        self.pending = _Pending(who, pool, x, order, epoch_index)
+        with torch.no_grad():
+            old_select, old_epochs = self._log_probs(x, order, epoch_index)
+        self.pending = _Sample(who, pool, x, order, epoch_index, old_select.tolist(), old_epochs.tolist())
         nodes = [pool[i] for i in order]
         epochs = {pool[i]: self.epoch_choices[e] for i, e in zip(order, epoch_index, strict=True)}
         return Selection(nodes=nodes, epochs=epochs, policy=who)
@@ -197,8 +225,15 @@ class RLSelector:
         self._learn(pending, feedback, float(np.clip(advantage, -3.0, 3.0)))
         return reward
 
-    def _learn(self, pending: _Pending, feedback: RoundFeedback, advantage: float) -> None:
-        chosen = [pending.nodes[i] for i in pending.order]
+    def _log_probs(self, x: np.ndarray, order: Sequence[int], epoch_index: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per chosen node: log P(its place in the ranking) and log P(its epochs) under the current policy."""
+        scores, logits = self.policy(torch.from_numpy(x))
+        log_epochs = torch.log_softmax(logits[list(order)], dim=-1)
+        return plackett_luce_log_prob(scores, order), log_epochs[torch.arange(len(order)), torch.tensor(epoch_index)]
+
+    def _weights(self, sample: _Sample, feedback: RoundFeedback, advantage: float) -> list[float]:
+        """The round's advantage per chosen node, minus its own share of the blame (module docstring)."""
+        chosen = [sample.nodes[i] for i in sample.order]
         on_time = [r.seconds for n in chosen if (r := feedback.results.get(n)) and r.outcome is Outcome.OK and r.seconds]
         median = float(np.median(on_time)) if on_time else 0.0
         weights = []
@@ -210,20 +245,38 @@ class RLSelector:
             elif result.seconds and feedback.seconds > 0:
                 shaped -= min(1.0, max(0.0, (result.seconds - median) / feedback.seconds))
             weights.append(shaped)
-        scores, logits = self.policy(torch.from_numpy(pending.x))
-        log_select = plackett_luce_log_prob(scores, pending.order)
-        log_epochs = torch.log_softmax(logits[pending.order], dim=-1)
-        picked = log_epochs[torch.arange(len(pending.order)), torch.tensor(pending.epoch_index)]
-        entropy = -(log_epochs.exp() * log_epochs).sum(-1).mean()
-        node_weights = torch.tensor(weights, dtype=torch.float32)
-        # The heuristic's ranking is also a demonstration: imitate it (its epochs are fixed, so not those).
-        imitation = self.imitation if pending.who == HEURISTIC else 0.0
-        loss = (-((node_weights + imitation) * log_select).mean() - (node_weights * picked).mean()
-                - self.entropy * entropy)
-        self.optimizer.zero_grad()
-        loss.backward()  # type: ignore[no-untyped-call]
-        nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)
-        self.optimizer.step()
+        return weights
+
+    def _learn(self, sample: _Sample, feedback: RoundFeedback, advantage: float) -> None:
+        """PPO over the last ``memory`` rounds: ``steps`` passes of the clipped surrogate on the agent's
+        own rounds (ratio to the probabilities it chose with), and advantage-weighted imitation on
+        the heuristic's."""
+        sample.weights = self._weights(sample, feedback, advantage)
+        self.memory = [*self.memory, sample][-self.memory_size:]
+        low, high = 1.0 - self.clip, 1.0 + self.clip
+        for _ in range(self.steps):
+            losses = []
+            for past in self.memory:
+                assert past.weights is not None
+                weights = torch.tensor(past.weights, dtype=torch.float32)
+                log_select, log_epochs = self._log_probs(past.x, past.order, past.epoch_index)
+                if past.who == AGENT:
+                    objective = torch.zeros(())
+                    for new, old in ((log_select, past.old_select), (log_epochs, past.old_epochs)):
+                        ratio = torch.exp(new - torch.tensor(old, dtype=torch.float32))
+                        objective = objective + torch.minimum(ratio * weights,
+                                                              ratio.clamp(low, high) * weights).mean()
+                    losses.append(-objective)
+                else:  # the heuristic's epochs are fixed, so only its ranking is imitated
+                    losses.append(-((weights + self.imitation) * log_select).mean() - (weights * log_epochs).mean())
+            _, logits = self.policy(torch.from_numpy(sample.x))
+            log_all = torch.log_softmax(logits, dim=-1)
+            entropy = -(log_all.exp() * log_all).sum(-1).mean()
+            loss = torch.stack(losses).mean() - self.entropy * entropy
+            self.optimizer.zero_grad()
+            loss.backward()  # type: ignore[no-untyped-call]
+            nn.utils.clip_grad_norm_(self.policy.parameters(), 1.0)
+            self.optimizer.step()
         self.updates += 1
 
     # ---- persistence ------------------------------------------------------------------------
@@ -237,6 +290,7 @@ class RLSelector:
             "baseline": self.baseline,
             "spread": self.spread,
             "updates": self.updates,
+            "memory": [m.to_state() for m in self.memory],
             "features": list(FEATURES),
             "epoch-choices": self.epoch_choices,
             "weights": base64.b64encode(buffer.getvalue()).decode("ascii"),
@@ -260,6 +314,7 @@ class RLSelector:
             self.baseline = None if state["baseline"] is None else float(state["baseline"])
             self.spread = float(state["spread"])
             self.updates = int(state["updates"])
+            self.memory = [_Sample.from_state(m) for m in state["memory"]]
         except SelectionError:
             raise
         except Exception as exc:  # a corrupt row must not start a silently different agent
