@@ -33,11 +33,14 @@ class ReplyPuller:
         """Start a pull for each id without one in flight; return the replies of the pulls that finished."""
         for mid in message_ids:
             if mid not in self._inflight:
-                self._inflight[mid] = self._pool.submit(lambda m=mid: list(self.grid.pull_messages([m])))
+                self._inflight[mid] = self._pool.submit(self._pull, mid)
         replies: list[Message] = []
         for mid in [m for m, f in self._inflight.items() if f.done()]:
             replies.extend(self._inflight.pop(mid).result())  # a failed pull raises here, as a direct call would
         return replies
+
+    def _pull(self, message_id: str) -> list[Message]:
+        return list(self.grid.pull_messages([message_id]))
 
     def __enter__(self) -> ReplyPuller:
         return self
