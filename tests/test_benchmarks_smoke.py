@@ -82,3 +82,11 @@ def test_gpu_check_smoke() -> None:
     figures = _run("gpu_check.py")  # without CUDA: the CPU counterparts (bf16, 2 gloo workers)
     assert {"cuda", "gpus", "bf16_max_diff", "ok"} <= set(figures)
     assert figures["ok"] is True
+
+
+def test_selection_smoke() -> None:
+    figures = _run("selection.py")
+    keys = {"random_time_to_target", "oort_time_to_target", "rl_time_to_target", "rl_speedup_vs_random",
+            "rl_over_oort", "random_final_acc", "oort_final_acc", "rl_final_acc", "peak_rss_mb"}
+    assert keys <= set(figures)
+    assert all(float(figures[k]) > 0 for k in keys)  # type: ignore[arg-type]

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from quorumfl.client.data import prepare_partitions
+from quorumfl.server.model_store import ModelStore
 from quorumfl.server.state.repository import RoundStatus, RunStatus
 
 from .test_cli import quorumfl
@@ -90,3 +92,24 @@ def test_a_key_holding_another_selectors_state_is_refused(tmp_path: Path, parts:
     with pytest.raises(Exception, match="holds a 'oort' selector's state"):
         other.run()
     assert repo.selector_state("shared").kind == "oort"  # type: ignore[union-attr]
+
+
+def test_over_selection_under_masking_counts_the_cut_nodes_as_dropouts(tmp_path: Path,
+                                                                        six_parts: dict[str, Path]) -> None:
+    contexts = _contexts(six_parts)
+    # K = ceil(0.6 · 6) = 4 aggregated of 4 + ceil(0.5 · 4) = 6 asked; t = ceil(0.6 · 6) = 4.
+    secure = {"secure-aggregation": "masking", "secagg-threshold": 0.6, "fraction-train": 0.6,
+              "over-selection": 0.5, "num-rounds": 1}
+    federation, repo = _federation(tmp_path / "masked", LoopbackGrid(contexts), **secure)
+    run = repo.get_run(federation.run())
+    [rnd] = run.rounds
+    assert rnd.status == RoundStatus.COMPLETED and len(rnd.selected) == 6 and len(rnd.participants) == 4
+    assert {f.stage for f in rnd.failures} == {"late"} and len(rnd.failures) == 2
+    [masked] = [ModelStore.load(v.path, v.sha256) for v in repo.list_model_versions(run_id=run.id)]
+
+    # Reference: plaintext FedAvg of the same four departments alone.
+    kept = {n: c for n, c in contexts.items() if n in rnd.participants}
+    plain_fed, plain_repo = _federation(tmp_path / "plain", LoopbackGrid(kept), **{"num-rounds": 1})
+    [plain] = [ModelStore.load(v.path, v.sha256) for v in plain_repo.list_model_versions(run_id=plain_fed.run())]
+    for key in plain:
+        np.testing.assert_allclose(masked[key], plain[key], rtol=0, atol=1e-5)
