@@ -50,17 +50,23 @@ AGENT, HEURISTIC = "rl", "oort"
 
 
 class Policy(nn.Module):
-    """Node features → (selection score, logits over the epoch choices)."""
+    """Node features → (selection score, logits over the epoch choices).
+
+    The epoch logits also see what each choice costs: ``cost[i, e]``, node i's expected seconds at
+    choice e over the typical node's at the run's epochs, weighted by a learned ``time_weight``
+    (softplus, starts at 1), so a choice's time is known to the policy rather than learned from
+    noise; the learned part decides how much more training is worth it."""
 
     def __init__(self, n_features: int, n_epochs: int, hidden: int = 32) -> None:
         super().__init__()
         self.body = nn.Sequential(nn.Linear(n_features, hidden), nn.Tanh())
         self.score = nn.Linear(hidden, 1)
         self.epochs = nn.Linear(hidden, n_epochs)
+        self.time_weight = nn.Parameter(torch.tensor(0.5413))  # softplus(0.5413) = 1
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, cost: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.body(x)
-        return self.score(h).squeeze(-1), self.epochs(h)
+        return self.score(h).squeeze(-1), self.epochs(h) - nn.functional.softplus(self.time_weight) * cost
 
 
 def plackett_luce_log_prob(scores: torch.Tensor, order: Sequence[int]) -> torch.Tensor:
@@ -79,9 +85,9 @@ class Guard:
     """Which policy chooses the next round: see the module docstring."""
 
     margin: float = 0.1
-    probe_every: int = 4
+    probe_every: int = 5
     smoothing: float = 0.3
-    warmup: int = 3
+    warmup: int = 5
     agent_avg: float | None = None
     heuristic_avg: float | None = None
     agent_rounds: int = 0
@@ -92,7 +98,7 @@ class Guard:
     def choose(self) -> str:
         if self.heuristic_rounds < self.warmup:  # the agent first watches the heuristic (imitation)
             return HEURISTIC
-        if self.agent_rounds < 2:
+        if self.agent_rounds < 1:
             return AGENT
         if self.since_probe >= self.probe_every:
             return HEURISTIC if self.active == AGENT else AGENT
@@ -120,6 +126,7 @@ class _Sample:
     who: str
     nodes: list[int]
     x: np.ndarray
+    cost: np.ndarray
     order: list[int]  # positions in ``nodes`` of the chosen, in choice order
     epoch_index: list[int]
     old_select: list[float]
@@ -127,13 +134,14 @@ class _Sample:
     weights: list[float] | None = None
 
     def to_state(self) -> dict[str, Any]:
-        return {"who": self.who, "x": self.x.tolist(), "order": self.order, "epoch-index": self.epoch_index,
+        return {"who": self.who, "x": self.x.tolist(), "cost": self.cost.tolist(), "order": self.order, "epoch-index": self.epoch_index,
                 "old-select": self.old_select, "old-epochs": self.old_epochs, "weights": self.weights}
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> _Sample:
         x = np.asarray(state["x"], dtype=np.float32).reshape(-1, len(FEATURES))
-        return cls(str(state["who"]), list(range(len(x))), x, [int(i) for i in state["order"]],
+        cost = np.asarray(state["cost"], dtype=np.float32).reshape(len(x), -1)
+        return cls(str(state["who"]), list(range(len(x))), x, cost, [int(i) for i in state["order"]],
                    [int(i) for i in state["epoch-index"]], [float(v) for v in state["old-select"]],
                    [float(v) for v in state["old-epochs"]],
                    None if state["weights"] is None else [float(w) for w in state["weights"]])
@@ -188,6 +196,7 @@ class RLSelector:
             raise SelectionError("no node is available to select")
         count = min(count, len(pool))
         x = features(self.book, pool, number, clusters=self.clusters)
+        cost = self._costs(pool)
         who = self.guard.choose()
         if who == HEURISTIC:
             chosen = self.heuristic.select(number, pool, count)
@@ -196,14 +205,14 @@ class RLSelector:
         else:
             rng = np.random.default_rng([self.seed, number, 2])
             with torch.no_grad():
-                scores, logits = self.policy(torch.from_numpy(x))
+                scores, logits = self.policy(torch.from_numpy(x), torch.from_numpy(cost))
             keys = scores.numpy().astype(np.float64) + rng.gumbel(size=len(pool))
             order = [int(i) for i in np.argsort(-keys, kind="stable")[:count]]
             probs = torch.softmax(logits, dim=-1).numpy().astype(np.float64)
             epoch_index = [int(rng.choice(len(self.epoch_choices), p=probs[i] / probs[i].sum())) for i in order]
         with torch.no_grad():
-            old_select, old_epochs = self._log_probs(x, order, epoch_index)
-        self.pending = _Sample(who, pool, x, order, epoch_index, old_select.tolist(), old_epochs.tolist())
+            old_select, old_epochs = self._log_probs(x, cost, order, epoch_index)
+        self.pending = _Sample(who, pool, x, cost, order, epoch_index, old_select.tolist(), old_epochs.tolist())
         nodes = [pool[i] for i in order]
         epochs = {pool[i]: self.epoch_choices[e] for i, e in zip(order, epoch_index, strict=True)}
         return Selection(nodes=nodes, epochs=epochs, policy=who)
@@ -225,9 +234,17 @@ class RLSelector:
         self._learn(pending, feedback, float(np.clip(advantage, -3.0, 3.0)))
         return reward
 
-    def _log_probs(self, x: np.ndarray, order: Sequence[int], epoch_index: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _costs(self, pool: Sequence[int]) -> np.ndarray:
+        """Expected seconds of each node at each epoch choice over the typical node's at the run's epochs."""
+        typical = self.book.typical_seconds_per_epoch(pool)
+        per_epoch = np.array([s.seconds_per_epoch if (s := self.book.nodes.get(n)) and s.seconds_per_epoch else typical
+                              for n in pool])
+        return (per_epoch[:, None] * np.array(self.epoch_choices)[None, :] / (typical * self.epochs)).astype(np.float32)
+
+    def _log_probs(self, x: np.ndarray, cost: np.ndarray, order: Sequence[int],
+                   epoch_index: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Per chosen node: log P(its place in the ranking) and log P(its epochs) under the current policy."""
-        scores, logits = self.policy(torch.from_numpy(x))
+        scores, logits = self.policy(torch.from_numpy(x), torch.from_numpy(cost))
         log_epochs = torch.log_softmax(logits[list(order)], dim=-1)
         return plackett_luce_log_prob(scores, order), log_epochs[torch.arange(len(order)), torch.tensor(epoch_index)]
 
@@ -259,7 +276,7 @@ class RLSelector:
             for past in self.memory:
                 assert past.weights is not None
                 weights = torch.tensor(past.weights, dtype=torch.float32)
-                log_select, log_epochs = self._log_probs(past.x, past.order, past.epoch_index)
+                log_select, log_epochs = self._log_probs(past.x, past.cost, past.order, past.epoch_index)
                 if past.who == AGENT:
                     objective = torch.zeros(())
                     for new, old in ((log_select, past.old_select), (log_epochs, past.old_epochs)):
@@ -269,7 +286,7 @@ class RLSelector:
                     losses.append(-objective)
                 else:  # the heuristic's epochs are fixed, so only its ranking is imitated
                     losses.append(-((weights + self.imitation) * log_select).mean() - (weights * log_epochs).mean())
-            _, logits = self.policy(torch.from_numpy(sample.x))
+            _, logits = self.policy(torch.from_numpy(sample.x), torch.from_numpy(sample.cost))
             log_all = torch.log_softmax(logits, dim=-1)
             entropy = -(log_all.exp() * log_all).sum(-1).mean()
             loss = torch.stack(losses).mean() - self.entropy * entropy
