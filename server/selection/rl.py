@@ -239,7 +239,8 @@ class RLSelector:
         typical = self.book.typical_seconds_per_epoch(pool)
         per_epoch = np.array([s.seconds_per_epoch if (s := self.book.nodes.get(n)) and s.seconds_per_epoch else typical
                               for n in pool])
-        return (per_epoch[:, None] * np.array(self.epoch_choices)[None, :] / (typical * self.epochs)).astype(np.float32)
+        cost = per_epoch[:, None] * np.array(self.epoch_choices)[None, :] / (typical * self.epochs)
+        return np.asarray(cost, dtype=np.float32)
 
     def _log_probs(self, x: np.ndarray, cost: np.ndarray, order: Sequence[int],
                    epoch_index: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
