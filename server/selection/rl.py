@@ -19,7 +19,7 @@ extra constant weight ``imitation`` (behaviour cloning of Oort's ranking, so the
 what works and RL improves on it, notably the epochs, which Oort does not choose).
 
 A ``Guard`` keeps a moving average of the reward under each policy. The heuristic (Oort) chooses
-the first ``warmup`` rounds while the agent watches, then the agent gets two rounds; from then on
+the first ``warmup`` rounds while the agent watches, then the agent gets one round; from then on
 the agent leads while its average is within ``margin`` of the heuristic's and the heuristic leads
 while the agent lags, with the other one given a probe round every ``probe_every`` rounds so both
 averages stay current.
