@@ -190,11 +190,13 @@ def selection_view(repo: Repository, ref: int) -> dict[str, Any]:
     for record in records:
         policies[record.policy] = policies.get(record.policy, 0) + 1
     config = run.config
+    selector = config.get("selector", "random")
     return {
         "run": run.id,
-        "selector": config.get("selector", "random"),
-        "selection_key": config.get("selection-key") or f"{config.get('selector', 'random')}:{config.get('dataset')}:"
-                                                        f"{config.get('model')}",
+        "selector": selector,
+        # random learns nothing, so it keeps no state
+        "selection_key": None if selector == "random" else (config.get("selection-key")
+                                                            or f"{selector}:{config.get('dataset')}:{config.get('model')}"),
         "round_deadline": config.get("round-deadline"),
         "over_selection": config.get("over-selection"),
         "policies": policies,

@@ -38,7 +38,8 @@ def show(
         print_json(view)
         return
     policies = ", ".join(f"{name} {count} round(s)" for name, count in view["policies"].items()) or "no rounds yet"
-    console.print(f"[bold]run {view['run']}[/bold]: selector {view['selector']} (state key {view['selection_key']}), "
+    kept = f"state key {view['selection_key']}" if view["selection_key"] else "no state kept"
+    console.print(f"[bold]run {view['run']}[/bold]: selector {view['selector']} ({kept}), "
                   f"deadline {view['round_deadline'] or 'none'}, over-selection {view['over_selection']}; {policies}",
                   soft_wrap=True)
     console.print(table("Nodes", view["nodes"], ["node_id", "department", "selected", "mean_epochs", "ok", "late",
