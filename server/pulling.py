@@ -12,8 +12,9 @@ waiting at its deadline. A pull abandoned at the deadline finishes on its thread
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from flwr.app import Message
 from flwr.serverapp import Grid
@@ -22,29 +23,39 @@ __all__ = ["ReplyPuller"]
 
 
 class ReplyPuller:
-    """One in-flight pull per waiting message id, on up to ``workers`` threads; use as a context manager."""
+    """One in-flight pull per waiting message id, at most ``workers`` at once; use as a context manager.
+
+    Pulls run on daemon threads: one abandoned at the deadline (a node that died half-way through
+    its upload keeps Flower retrying for up to two hours) must not keep the ServerApp process from
+    exiting when the run is over.
+    """
 
     def __init__(self, grid: Grid, *, workers: int = 8) -> None:
         self.grid = grid
-        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="quorumfl-pull")
+        self.workers = max(1, workers)
         self._inflight: dict[str, Future[list[Message]]] = {}
 
     def poll(self, message_ids: Iterable[str]) -> list[Message]:
-        """Start a pull for each id without one in flight; return the replies of the pulls that finished."""
+        """Start a pull for each id without one in flight (while fewer than ``workers`` are); return
+        the replies of the pulls that finished."""
         for mid in message_ids:
-            if mid not in self._inflight:
-                self._inflight[mid] = self._pool.submit(self._pull, mid)
+            if mid not in self._inflight and len(self._inflight) < self.workers:
+                future: Future[list[Message]] = Future()
+                threading.Thread(target=self._pull, args=(mid, future), daemon=True, name="quorumfl-pull").start()
+                self._inflight[mid] = future
         replies: list[Message] = []
         for mid in [m for m, f in self._inflight.items() if f.done()]:
             replies.extend(self._inflight.pop(mid).result())  # a failed pull raises here, as a direct call would
         return replies
 
-    def _pull(self, message_id: str) -> list[Message]:
-        return list(self.grid.pull_messages([message_id]))
+    def _pull(self, message_id: str, future: Future[list[Message]]) -> None:
+        try:
+            future.set_result(list(self.grid.pull_messages([message_id])))
+        except BaseException as exc:  # handed to the caller by ``poll``
+            future.set_exception(exc)
 
     def __enter__(self) -> ReplyPuller:
         return self
 
     def __exit__(self, *_: object) -> None:
-        self._inflight.clear()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._inflight.clear()  # pulls still running finish on their own threads; their replies are dropped
