@@ -97,7 +97,8 @@ def simulate(setup: Setup, name: str, seed: int, parts: list[Any], test: Any) ->
     selector = build_selector(name, seed=seed, epochs=setup.epochs, epoch_choices=setup.epoch_choices)
     model = build_model(setup.model, test.input_shape, test.num_classes, seed=seed)
     arrays = model_to_arrays(model)
-    accuracy = evaluate(model, test).accuracy
+    result = evaluate(model, test)
+    accuracy, loss = result.accuracy, result.loss
     rng = np.random.default_rng([seed, 7])
     now, reached, curve, policies = 0.0, None, [], []
     for number in range(1, setup.rounds + 1):
@@ -127,14 +128,16 @@ def simulate(setup: Setup, name: str, seed: int, parts: list[Any], test: Any) ->
             mean.add(NodeUpdate(node=str(n), arrays=model_to_arrays(model), weight=float(len(parts[n]))))
             results[n] = NodeResult(Outcome.OK, selection.epochs[n], seconds=finish[n], loss=local.loss,
                                     samples=float(len(parts[n])))
-        before = accuracy
+        before, loss_before = accuracy, loss
         if accepted:
             arrays = mean.result()
             arrays_to_model(model, arrays)
-            accuracy = evaluate(model, test).accuracy
+            result = evaluate(model, test)
+            accuracy, loss = result.accuracy, result.loss
         seconds = end + 1.0  # plus the server's own second per round
         now += seconds
-        selector.observe(RoundFeedback(number, results, seconds, before, accuracy, deadline=deadline))
+        selector.observe(RoundFeedback(number, results, seconds, before, accuracy, deadline=deadline,
+                                       loss_before=loss_before, loss_after=loss))
         curve.append((now, accuracy))
         if reached is None and accuracy >= setup.target:
             reached = now

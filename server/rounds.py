@@ -200,6 +200,7 @@ class Federation:
         self.selector: Selector = build_selector(config.selector, seed=config.seed, epochs=config.local_epochs,
                                                  epoch_choices=config.epoch_choices(), clusters=config.clusters)
         self._accuracy = math.nan  # the global (main cluster's) accuracy after the last round
+        self._loss = math.nan  # and its validation loss
         self._quota: int | None = None  # over-selection: the train stage stops after this many good replies
         self._arrivals: dict[int, float] = {}  # seconds from sending the train request to each reply
         self._cut_at: float | None = None  # when the train stage stopped waiting for the over-selected
@@ -397,7 +398,7 @@ class Federation:
             lineages, models, parents = self._initial(test)
             model = build_model(config.model, test.input_shape, test.num_classes)
             self._restore_selector()
-            self._accuracy = self._server_evaluation(model, models[0], test)[0]
+            self._accuracy, self._loss = self._server_evaluation(model, models[0], test)
             seen: set[int] = set()
             completed = 0
             for number in range(1, config.num_rounds + 1):
@@ -476,7 +477,7 @@ class Federation:
             )
             self.repo.finish_round(rnd.id, RoundStatus.FAILED, participants=phase.accepted, timings=timings, error=why)
             log.warning("round %s failed: %s; the global model is unchanged", number, why)
-            self._learn_selection(run_id, number, selection, phase, outcome, timings, self._accuracy)
+            self._learn_selection(run_id, number, selection, phase, outcome, timings, self._accuracy, self._loss)
             return models, parents, {}
 
         start = self.clock()
@@ -531,7 +532,7 @@ class Federation:
                 self.repo.add_metrics(run_id, number, values, node_id=node)
         timings["store"] = self.clock() - start
         self.repo.finish_round(rnd.id, RoundStatus.COMPLETED, participants=phase.accepted, timings=timings)
-        self._learn_selection(run_id, number, selection, phase, outcome, timings, evals[main][0])
+        self._learn_selection(run_id, number, selection, phase, outcome, timings, evals[main][0], evals[main][1])
         log.info(
             "round %s/%s: accuracy %.4f, %s of %s nodes, %.1fs",
             number, config.num_rounds, evals[main][0], len(phase.accepted), len(selected), sum(timings.values()),
@@ -567,7 +568,7 @@ class Federation:
         return selection
 
     def _learn_selection(self, run_id: int, number: int, selection: Selection, phase: TrainPhase,
-                         outcome: RoundOutcome, timings: dict[str, float], accuracy: float) -> None:
+                         outcome: RoundOutcome, timings: dict[str, float], accuracy: float, loss: float) -> None:
         """Tell the selector how the round went, record its choice and reward, keep its state."""
         results: dict[int, NodeResult] = {}
         for node in selection.nodes:
@@ -592,10 +593,13 @@ class Federation:
         seconds = sum(v for k, v in timings.items() if k != "local_train_max")
         feedback = RoundFeedback(self._selection_step(), results, seconds, before if math.isfinite(before) else 0.0,
                                  after if math.isfinite(after) else 0.0,
-                                 deadline=self.config.round_deadline or None)
+                                 deadline=self.config.round_deadline or None, loss_before=self._loss,
+                                 loss_after=loss if math.isfinite(loss) else self._loss)
         reward = self.selector.observe(feedback)
-        self._accuracy = after
+        self._accuracy, self._loss = after, feedback.loss_after if feedback.loss_after is not None else math.nan
         details = {"round-seconds": seconds, "accuracy-gain": feedback.accuracy_after - feedback.accuracy_before}
+        if feedback.loss_before is not None and feedback.loss_after is not None:
+            details["loss-fall"] = feedback.loss_before - feedback.loss_after
         guard = getattr(self.selector, "guard", None)
         if guard is not None:
             details.update({k: v for k, v in (("agent-avg", guard.agent_avg), ("heuristic-avg", guard.heuristic_avg))

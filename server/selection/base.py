@@ -3,6 +3,7 @@ every learning selector uses, and ``RandomSelector``, the seeded uniform baselin
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -65,10 +66,16 @@ def check_selection(selection: Selection, available: Sequence[int], count: int, 
 
 
 def round_reward(feedback: RoundFeedback, *, late_penalty: float) -> float:
-    """Validation-accuracy gain in points per minute of the round, minus ``late_penalty`` times the
-    share of chosen nodes that missed the deadline or failed."""
+    """The round's progress per minute, minus ``late_penalty`` times the share of chosen nodes that
+    missed the deadline or failed. Progress is the fall of the server's validation loss (×100) when
+    the feedback has it, else the validation-accuracy gain in points: the loss moves much more
+    smoothly from round to round, so the agent and the guard learn from less noise."""
     minutes = max(feedback.seconds, 1e-3) / 60.0
-    gain = 100.0 * (feedback.accuracy_after - feedback.accuracy_before) / minutes
+    before, after = feedback.loss_before, feedback.loss_after
+    if before is not None and after is not None and math.isfinite(before) and math.isfinite(after):
+        gain = 100.0 * (before - after) / minutes
+    else:
+        gain = 100.0 * (feedback.accuracy_after - feedback.accuracy_before) / minutes
     chosen = len(feedback.results)
     missed = sum(1 for r in feedback.results.values() if r.outcome is not Outcome.OK)
     return float(gain - late_penalty * (missed / chosen if chosen else 0.0))

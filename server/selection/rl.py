@@ -1,7 +1,8 @@
 """``RLSelector``: a small torch policy that scores each candidate node from its features
 (``stats.FEATURES``), draws K nodes without replacement from the Plackett–Luce distribution of those
 scores (Gumbel top-k) and a number of local epochs per node from a small set, and learns online by
-policy-gradient with a moving baseline on ``base.round_reward``: PPO's clipped surrogate over the
+policy-gradient with a moving baseline on ``base.round_reward`` (the fall of the server's validation
+loss per minute, minus the share of chosen nodes that were late or failed): PPO's clipped surrogate over the
 last ``memory`` rounds, ``steps`` passes per round (a round is one sample, so reusing a few recent
 ones, with the ratio keeping the steps near the policy that chose them, learns much faster than
 one REINFORCE step per round).

@@ -54,6 +54,8 @@ class RoundFeedback:
     accuracy_before: float
     accuracy_after: float
     deadline: float | None = None
+    loss_before: float | None = None  # the server's validation loss, when it has one
+    loss_after: float | None = None
 
 
 @dataclass

@@ -241,6 +241,14 @@ def test_reward_is_accuracy_per_minute_minus_the_late_share() -> None:
     assert round_reward(feedback, late_penalty=2.0) == pytest.approx(100 * 0.01 / 0.5 - 2.0 * 0.5)
 
 
+def test_reward_uses_the_validation_loss_when_there_is_one() -> None:
+    results = {1: NodeResult(Outcome.OK, 1, seconds=10)}
+    feedback = RoundFeedback(3, results, 60.0, 0.50, 0.40, loss_before=0.9, loss_after=0.7)
+    assert round_reward(feedback, late_penalty=1.0) == pytest.approx(100 * 0.2)  # not the accuracy drop
+    nan = RoundFeedback(3, results, 60.0, 0.50, 0.51, loss_before=float("nan"), loss_after=0.7)
+    assert round_reward(nan, late_penalty=1.0) == pytest.approx(1.0)  # no usable loss: accuracy
+
+
 def test_selection_config_is_validated_at_once() -> None:
     with pytest.raises(ConfigError) as info:
         RunConfig.from_mapping({"selector": "greedy", "selection-epochs": "0,x", "round-deadline": 500.0,
