@@ -17,6 +17,8 @@ every other layer (client, server, CLI) can import it::
     ├── TrainingError        local training failed (a DDP worker died, a checkpoint is unusable)
     ├── PrivacyBudgetError   the next round would spend more ε than the department allows (refused)
     ├── SelectionError       a client selector broke its contract, or its stored state is unusable
+    ├── EdgeError            quantisation/export of an edge model failed
+    │   └── ArtifactError    an edge artifact failed its hash or signature, or its sync broke off (fails closed)
     └── FederationError      the Flower SuperLink/SuperNodes (unreachable, failed to start, run failed)
 
 The CLI maps each branch to a documented exit code (see ``quorumfl.server.cli.errors``).
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 __all__ = [
     "AggregationError",
+    "ArtifactError",
+    "EdgeError",
     "ConfigError",
     "DataError",
     "EmptyAggregationError",
@@ -110,3 +114,12 @@ class PrivacyBudgetError(QuorumError):
 class SelectionError(QuorumError):
     """A client selector chose outside the available nodes or the round's count, or its saved state
     (agent weights, node statistics) cannot be restored."""
+
+
+class EdgeError(QuorumError):
+    """An edge model could not be quantised, exported or run (names the step and the fix)."""
+
+
+class ArtifactError(EdgeError):
+    """An edge artifact is refused: its hash, size or Ed25519 signature does not verify, its version
+    is not newer than the installed one, or its download broke off. The installed model is kept."""

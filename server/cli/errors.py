@@ -12,6 +12,7 @@
 | 7    | model file missing or tampered (ModelStoreError) |
 | 8    | Flower federation failed or unreachable (FederationError) |
 | 9    | model or aggregation error (ModelError, AggregationError) |
+| 10   | edge artifact refused or sync failed (ArtifactError); other edge errors (EdgeError) |
 | 130  | interrupted (Ctrl-C) |
 """
 
@@ -19,8 +20,10 @@ from __future__ import annotations
 
 from quorumfl.aggregation.errors import (
     AggregationError,
+    ArtifactError,
     ConfigError,
     DataError,
+    EdgeError,
     FederationError,
     ModelError,
     ModelStoreError,
@@ -41,6 +44,8 @@ EXIT_CODES: list[tuple[type[QuorumError], int]] = [
     (FederationError, 8),
     (ModelError, 9),
     (AggregationError, 9),
+    (ArtifactError, 10),
+    (EdgeError, 10),
 ]
 
 

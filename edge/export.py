@@ -1,0 +1,73 @@
+"""Export of an INT8 (or fp32 reference) model to ONNX and to an ExecuTorch ``.pte``, as bytes.
+
+ONNX: ``torch.onnx.export(dynamo=True)`` of the converted pt2e graph gives QuantizeLinear /
+DequantizeLinear around integer weights, which onnxruntime fuses into INT8 kernels (QLinearConv,
+QGemm); the batch dimension stays dynamic. Stack-trace metadata that the exporter attaches to every
+node is dropped, so the file holds the graph and weights only.
+
+ExecuTorch: the same graph lowered with the XNNPACK partitioner; the program takes batch 1 (an
+ExecuTorch program exported with a bounded dynamic batch refuses larger inputs, so edge devices
+feed it one sample at a time and use the ONNX artifact for batches). No I/O here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from enum import StrEnum
+
+import torch
+from torch import nn
+
+from quorumfl.aggregation.errors import EdgeError
+
+from .qat import MAX_BATCH, QuantizedModel
+
+__all__ = ["ArtifactFormat", "export_artifact", "onnx_bytes", "pte_bytes"]
+
+
+class ArtifactFormat(StrEnum):
+    ONNX = "onnx"
+    PTE = "pte"
+
+
+def onnx_bytes(module: nn.Module | torch.fx.GraphModule, example: torch.Tensor) -> bytes:
+    """An ONNX model with a dynamic batch dimension (opset of the installed exporter)."""
+    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+    if isinstance(module, nn.Module) and not isinstance(module, torch.fx.GraphModule):
+        module = module.eval()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.export.export(module, (example,), dynamic_shapes=({0: batch},))
+            exported = torch.onnx.export(program, (example,), dynamo=True, verbose=False)
+    except Exception as exc:
+        raise EdgeError(f"ONNX export failed: {exc}") from exc
+    if exported is None:
+        raise EdgeError("ONNX export returned no program")
+    proto = exported.model_proto
+    for node in proto.graph.node:
+        del node.metadata_props[:]
+        node.doc_string = ""
+    del proto.metadata_props[:]
+    return bytes(proto.SerializeToString())
+
+
+def pte_bytes(quantized: QuantizedModel) -> bytes:
+    """An ExecuTorch program (XNNPACK delegate) taking one sample of the model's input shape."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.export.export(quantized.module, (quantized.example[:1],))
+            lowered = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
+            return bytes(lowered.to_executorch().buffer)
+    except Exception as exc:
+        raise EdgeError(f"ExecuTorch export failed: {exc}") from exc
+
+
+def export_artifact(quantized: QuantizedModel, fmt: ArtifactFormat) -> bytes:
+    if fmt is ArtifactFormat.ONNX:
+        return onnx_bytes(quantized.module, quantized.example)
+    return pte_bytes(quantized)
