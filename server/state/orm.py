@@ -1,6 +1,7 @@
 """SQLAlchemy 2 typed ORM: runs, rounds, round failures, nodes, metrics, model versions, heads,
 key ceremonies and threshold decryptions (the audit trail of who could decrypt what), and client
-selection (each selector's learned state, and what it chose each round with its reward).
+selection (each selector's learned state, and what it chose each round with its reward), and
+the signed edge artifacts made from promoted model versions.
 
 The schema is created and changed only by the Alembic migrations in ``migrations/``; a test checks
 that the migrations and these classes agree.
@@ -31,6 +32,7 @@ from sqlalchemy.types import TypeDecorator
 __all__ = [
     "Base",
     "Decryption",
+    "EdgeArtifact",
     "KeyCeremony",
     "Metric",
     "ModelHead",
@@ -243,4 +245,27 @@ class SelectionRecord(Base):
     outcomes: Mapped[dict[str, str]] = mapped_column(JSON)  # node id -> ok | late | failed
     reward: Mapped[float] = mapped_column(Float)
     details: Mapped[dict[str, float]] = mapped_column(JSON)  # the guard's averages, round seconds…
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class EdgeArtifact(Base):
+    """A signed INT8 artifact for edge devices: one format of one promotion of a model version.
+
+    ``manifest`` is the exact signed byte string (canonical JSON); the columns repeat its fields for
+    queries. Artifacts are never updated in place; a new promotion gets the next version.
+    """
+
+    __tablename__ = "edge_artifacts"
+    __table_args__ = (UniqueConstraint("version", "format", name="uq_edge_artifacts_version_format"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, index=True)
+    channel: Mapped[str] = mapped_column(String(16), index=True)
+    format: Mapped[str] = mapped_column(String(8))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    signature: Mapped[str] = mapped_column(String(128))  # Ed25519, hex
+    manifest: Mapped[str] = mapped_column(Text)
+    model_version_id: Mapped[int] = mapped_column(ForeignKey("model_versions.id"), index=True)
+    path: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))

@@ -31,7 +31,7 @@ from .orm import (
     SelectorState,
 )
 
-__all__ = ["CeremonyStatus", "Repository", "RoundStatus", "RunStatus", "utcnow"]
+__all__ = ["CeremonyStatus", "Repository", "RoundStatus", "RunStatus", "read", "utcnow", "write"]
 
 
 class RunStatus(StrEnum):
@@ -59,6 +59,23 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def write(sessions: sessionmaker[Session], fn: Any) -> Any:
+    """Run ``fn(session)`` in one transaction; database errors become StateError."""
+    try:
+        with sessions() as session, session.begin():
+            return fn(session)
+    except SQLAlchemyError as exc:
+        raise StateError(f"state database write failed: {exc.__class__.__name__}: {exc}") from exc
+
+
+def read(sessions: sessionmaker[Session], fn: Any) -> Any:
+    try:
+        with sessions() as session:
+            return fn(session)
+    except SQLAlchemyError as exc:
+        raise StateError(f"state database read failed: {exc.__class__.__name__}: {exc}") from exc
+
+
 class Repository:
     """Typed access to runs, rounds, nodes, metrics and model versions."""
 
@@ -68,19 +85,15 @@ class Repository:
     def _session(self) -> Session:
         return self._sessions()
 
+    @property
+    def sessions(self) -> sessionmaker[Session]:
+        return self._sessions
+
     def _write(self, fn: Any) -> Any:
-        try:
-            with self._session() as session, session.begin():
-                return fn(session)
-        except SQLAlchemyError as exc:
-            raise StateError(f"state database write failed: {exc.__class__.__name__}: {exc}") from exc
+        return write(self._sessions, fn)
 
     def _read(self, fn: Any) -> Any:
-        try:
-            with self._session() as session:
-                return fn(session)
-        except SQLAlchemyError as exc:
-            raise StateError(f"state database read failed: {exc.__class__.__name__}: {exc}") from exc
+        return read(self._sessions, fn)
 
     # ---- runs -------------------------------------------------------------------------------
     def create_run(
@@ -466,6 +479,18 @@ class Repository:
         version = self.get_model_version(version_id)
         self._write(lambda s: self._set_head(s, version.architecture, version.id))
         return version
+
+    def add_tag(self, version_id: int, tag: str) -> None:
+        """Add ``tag`` to a model version's tags (idempotent)."""
+
+        def op(s: Session) -> None:
+            version = s.get(ModelVersion, version_id)
+            if version is None:
+                raise NotFoundError(f"model version {version_id} does not exist")
+            if tag not in version.tags:
+                version.tags = [*version.tags, tag]
+
+        self._write(op)
 
     # ---- client selection -------------------------------------------------------------------
     def selector_state(self, key: str) -> SelectorState | None:

@@ -1,0 +1,134 @@
+"""The model-sync gRPC service that edge devices pull artifacts from (``quorumfl edge serve``).
+
+Every call reads the registry afresh, so a newly promoted artifact is offered without a restart.
+Downloads stream fixed-size chunks from the requested offset; an offset outside the artifact is
+refused with OUT_OF_RANGE, an unknown channel/format/version with INVALID_ARGUMENT/NOT_FOUND, a
+file that no longer matches its signed manifest with DATA_LOSS (the server never streams bytes it
+cannot vouch for). TLS is optional (certificate and key PEM files).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from threading import Lock
+from typing import Any
+
+import grpc
+
+from quorumfl.aggregation.errors import ArtifactError, ConfigError, NotFoundError
+from quorumfl.server.state.artifacts import ArtifactRecords
+
+from . import sync_pb2, sync_pb2_grpc
+from .export import ArtifactFormat
+from .manifest import Channel
+from .registry import Registry
+
+__all__ = ["SyncServer", "SyncService", "start_server"]
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 64 * 1024
+
+
+@dataclass
+class SyncService(sync_pb2_grpc.ModelSyncServicer):
+    records: ArtifactRecords
+    chunk_bytes: int = CHUNK_BYTES
+    # (version, format, offset) of each download started, for operators' logs and tests
+    downloads: list[tuple[int, str, int]] = field(default_factory=list)
+    _lock: Lock = field(default_factory=Lock)
+
+    @staticmethod
+    def _format(context: Any, fmt: str) -> ArtifactFormat:
+        try:
+            return ArtifactFormat(fmt)
+        except ValueError:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown format {fmt!r}; formats: onnx, pte")
+            raise  # unreachable: abort raises
+
+    @staticmethod
+    def _channel(context: Any, channel: str) -> Channel:
+        try:
+            return Channel(channel)
+        except ValueError:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown channel {channel!r}; channels: stable, canary")
+            raise
+
+    def GetManifest(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC method name)
+        channel, fmt = self._channel(context, request.channel), self._format(context, request.format)
+        row = self.records.latest(channel.value, fmt.value)
+        if row is None:
+            return sync_pb2.ManifestReply(available=False, newer=False)
+        return sync_pb2.ManifestReply(
+            available=True, newer=row.version > request.current_version,
+            manifest=row.manifest.encode(), signature=bytes.fromhex(row.signature),
+        )
+
+    def Download(self, request: Any, context: Any) -> Iterator[Any]:  # noqa: N802
+        fmt = self._format(context, request.format)
+        try:
+            row = self.records.get(int(request.version), fmt.value)
+            payload = Registry.payload(row)
+        except NotFoundError as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            raise
+        except ArtifactError as exc:
+            log.error("refusing to serve artifact v%s (%s): %s", request.version, fmt.value, exc)
+            context.abort(grpc.StatusCode.DATA_LOSS, f"the server's copy of v{request.version} is damaged")
+            raise
+        if not 0 <= request.offset < len(payload):
+            context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                          f"offset {request.offset} is outside the artifact (0..{len(payload) - 1})")
+        with self._lock:
+            self.downloads.append((row.version, fmt.value, int(request.offset)))
+        for start in range(int(request.offset), len(payload), self.chunk_bytes):
+            yield sync_pb2.Chunk(offset=start, data=payload[start : start + self.chunk_bytes])
+
+
+@dataclass
+class SyncServer:
+    server: grpc.Server
+    service: SyncService
+    port: int
+
+    def stop(self, grace: float = 1.0) -> None:
+        self.server.stop(grace).wait()
+
+
+def start_server(
+    records: ArtifactRecords,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    workers: int = 8,
+    service: SyncService | None = None,
+) -> SyncServer:
+    """Start serving on ``host:port`` (0 = a free port); returns the bound port. ``service`` replaces
+    the default servicer (a subclass that, say, logs or throttles)."""
+    if (tls_cert is None) != (tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together; pass both for TLS or neither")
+    if chunk_bytes < 1:
+        raise ConfigError(f"chunk size must be >= 1 byte, got {chunk_bytes}")
+    service = service or SyncService(records, chunk_bytes=chunk_bytes)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
+    sync_pb2_grpc.add_ModelSyncServicer_to_server(service, server)  # type: ignore[no-untyped-call]
+    address = f"{host}:{port}"
+    if tls_cert is not None and tls_key is not None:
+        try:
+            credentials = grpc.ssl_server_credentials([(tls_key.read_bytes(), tls_cert.read_bytes())])
+        except OSError as exc:
+            raise ConfigError(f"cannot read the TLS certificate/key ({exc})") from exc
+        bound = server.add_secure_port(address, credentials)
+    else:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
+        raise ConfigError(f"cannot listen on {address}: the port is taken or the host is not local")
+    server.start()
+    return SyncServer(server, service, bound)

@@ -1,0 +1,236 @@
+"""The edge device's side of model sync: pull the newest artifact of a channel, verify it, swap it in.
+
+Device folder::
+
+    DIR/installed.json          current and previous artifact (signed manifest + signature), replaced atomically
+    DIR/v7.onnx, DIR/v6.onnx    the current and the previous artifact (older ones are removed)
+    DIR/.partial/v8.onnx.part   a download in progress, with v8.onnx.json (the manifest it belongs to)
+
+A sync verifies the manifest's Ed25519 signature before downloading anything, refuses a version
+that is not newer, resumes a broken download from the bytes already on disk (when they belong to
+the same signed manifest), checks size and SHA-256 of the complete file and that the runtime can
+load it, and only then renames it into place and rewrites ``installed.json``. Whatever fails, the
+installed model stays as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from quorumfl.aggregation.errors import ArtifactError, ConfigError
+from quorumfl.client.files import atomic_write
+
+from . import sync_pb2, sync_pb2_grpc
+from .export import ArtifactFormat
+from .manifest import Channel, Manifest, check_newer, check_payload
+from .runtime import EdgeModel, load_model
+from .signing import load_public_key, verify
+
+__all__ = ["Installed", "SyncResult", "installed", "load_current", "rollback", "sync"]
+
+STATE = "installed.json"
+PARTIAL = ".partial"
+
+
+@dataclass(frozen=True)
+class Signed:
+    manifest: Manifest
+    raw: bytes
+    signature: bytes
+
+    def to_json(self) -> dict[str, str]:
+        return {"manifest": self.raw.decode(), "signature": self.signature.hex()}
+
+    @classmethod
+    def from_json(cls, body: Any) -> Signed:
+        try:
+            raw, signature = body["manifest"].encode(), bytes.fromhex(body["signature"])
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ArtifactError(f"installed-artifact record is damaged ({exc})") from None
+        return cls(Manifest.from_bytes(raw), raw, signature)
+
+
+@dataclass(frozen=True)
+class Installed:
+    current: Signed | None
+    previous: Signed | None
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    status: str  # "updated", "up-to-date" or "none" (the channel has no artifact of this format)
+    version: int | None
+    previous: int | None
+    downloaded_bytes: int
+    resumed_from: int
+
+
+def installed(directory: Path) -> Installed:
+    path = directory / STATE
+    if not path.exists():
+        return Installed(None, None)
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ArtifactError(f"{path} is unreadable ({exc}); remove the folder and sync again") from exc
+    current = Signed.from_json(body["current"]) if body.get("current") else None
+    previous = Signed.from_json(body["previous"]) if body.get("previous") else None
+    return Installed(current, previous)
+
+
+def _write_state(directory: Path, state: Installed) -> None:
+    body = {"current": state.current.to_json() if state.current else None,
+            "previous": state.previous.to_json() if state.previous else None}
+    atomic_write(directory / STATE, json.dumps(body, indent=1).encode())
+
+
+def _prune(directory: Path, state: Installed) -> None:
+    keep = {s.manifest.file_name for s in (state.current, state.previous) if s is not None}
+    for path in directory.glob("v*.*"):
+        if path.name not in keep and path.suffix in (".onnx", ".pte"):
+            path.unlink(missing_ok=True)
+
+
+def _channel(server: str, ca_cert: Path | None) -> grpc.Channel:
+    if ca_cert is None:
+        return grpc.insecure_channel(server)
+    try:
+        roots = ca_cert.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"--ca-cert {ca_cert} is unreadable ({exc.strerror or exc})") from exc
+    return grpc.secure_channel(server, grpc.ssl_channel_credentials(root_certificates=roots))
+
+
+def _rpc_error(exc: grpc.RpcError, what: str, server: str) -> ArtifactError:
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    return ArtifactError(f"{what} from {server} failed ({code.name if code else 'error'}: {details}); "
+                         "the installed model is unchanged")
+
+
+def _download(stub: Any, signed: Signed, directory: Path, *, timeout: float, server: str) -> tuple[bytes, int, int]:
+    """Fetch the artifact into ``.partial`` (resuming), returning (payload, bytes fetched, resume offset)."""
+    m = signed.manifest
+    partial = directory / PARTIAL
+    partial.mkdir(exist_ok=True)
+    part, owner = partial / f"{m.file_name}.part", partial / f"{m.file_name}.json"
+    offset = 0
+    if part.exists() and owner.exists() and owner.read_bytes() == signed.raw:
+        offset = part.stat().st_size
+        if offset > m.size:
+            offset = 0
+    if offset == 0:
+        for stale in partial.iterdir():
+            stale.unlink()
+        atomic_write(owner, signed.raw)
+        part.write_bytes(b"")
+    start, fetched = offset, 0
+    if offset < m.size:
+        request = sync_pb2.DownloadRequest(version=m.version, format=m.format.value, offset=offset)
+        with open(part, "r+b") as fh:
+            fh.truncate(offset)
+            fh.seek(offset)
+            try:
+                for chunk in stub.Download(request, timeout=timeout):
+                    if chunk.offset != offset or offset + len(chunk.data) > m.size:
+                        raise ArtifactError(f"server sent bytes {chunk.offset}..{chunk.offset + len(chunk.data)} of "
+                                            f"v{m.version} where {offset} was expected; the download is refused")
+                    fh.write(chunk.data)
+                    offset += len(chunk.data)
+                    fetched += len(chunk.data)
+            except grpc.RpcError as exc:
+                fh.flush()
+                os.fsync(fh.fileno())
+                raise ArtifactError(
+                    f"download of v{m.version} broke off at byte {offset} of {m.size} ({exc.code().name}); "
+                    "run the sync again to resume from there; the installed model is unchanged"
+                ) from None
+            fh.flush()
+            os.fsync(fh.fileno())
+    payload = part.read_bytes()
+    try:
+        check_payload(m, payload)
+    except ArtifactError:
+        part.unlink(missing_ok=True)
+        owner.unlink(missing_ok=True)
+        raise
+    return payload, fetched, start
+
+
+def sync(
+    server: str,
+    directory: Path,
+    *,
+    channel: Channel,
+    fmt: ArtifactFormat = ArtifactFormat.ONNX,
+    public_key: Path,
+    ca_cert: Path | None = None,
+    timeout: float = 60.0,
+) -> SyncResult:
+    """One sync against ``server`` (HOST:PORT); see the module docstring for what is checked."""
+    key = load_public_key(public_key)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = installed(directory)
+    if state.current is not None and (state.current.manifest.channel, state.current.manifest.format) != (channel, fmt):
+        held = state.current.manifest
+        raise ConfigError(f"{directory} holds a {held.channel}/{held.format} model; sync {channel}/{fmt} into "
+                          "another --dir (one folder per channel and format)")
+    current_version = state.current.manifest.version if state.current else 0
+    with _channel(server, ca_cert) as grpc_channel:
+        stub = sync_pb2_grpc.ModelSyncStub(grpc_channel)  # type: ignore[no-untyped-call]
+        try:
+            reply = stub.GetManifest(sync_pb2.ManifestRequest(
+                channel=channel.value, format=fmt.value, current_version=current_version), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise _rpc_error(exc, "manifest request", server) from None
+        if not reply.available:
+            return SyncResult("none", None, None, 0, 0)
+        raw, signature = bytes(reply.manifest), bytes(reply.signature)
+        verify(key, raw, signature)  # before trusting a single field of it
+        offered = Signed(Manifest.from_bytes(raw), raw, signature)
+        if not check_newer(offered.manifest, state.current.manifest if state.current else None,
+                           channel=channel, fmt=fmt):
+            return SyncResult("up-to-date", current_version or None, None, 0, 0)
+        payload, fetched, resumed = _download(stub, offered, directory, timeout=timeout, server=server)
+    load_model(payload, fmt, offered.manifest.input_shape)  # refuse a file the runtime cannot load
+    partial = directory / PARTIAL
+    os.replace(partial / f"{offered.manifest.file_name}.part", directory / offered.manifest.file_name)
+    (partial / f"{offered.manifest.file_name}.json").unlink(missing_ok=True)
+    new_state = Installed(offered, state.current)
+    _write_state(directory, new_state)
+    _prune(directory, new_state)
+    return SyncResult("updated", offered.manifest.version, current_version or None, fetched, resumed)
+
+
+def rollback(directory: Path) -> Installed:
+    """Make the previous artifact current again (the current one becomes previous)."""
+    state = installed(directory)
+    if state.previous is None or state.current is None:
+        raise ArtifactError(f"{directory} has no previous artifact to roll back to")
+    payload = (directory / state.previous.manifest.file_name).read_bytes()
+    check_payload(state.previous.manifest, payload)
+    swapped = Installed(state.previous, state.current)
+    _write_state(directory, swapped)
+    return swapped
+
+
+def load_current(directory: Path, *, public_key: Path | None = None, threads: int = 1) -> tuple[Manifest, EdgeModel]:
+    """The installed model, checked against its manifest (and signature, given the public key)."""
+    state = installed(directory)
+    if state.current is None:
+        raise ArtifactError(f"{directory} holds no model yet; run 'quorumfl edge sync' first")
+    if public_key is not None:
+        verify(load_public_key(public_key), state.current.raw, state.current.signature)
+    m = state.current.manifest
+    try:
+        payload = (directory / m.file_name).read_bytes()
+    except OSError as exc:
+        raise ArtifactError(f"installed artifact {directory / m.file_name} is unreadable ({exc.strerror or exc})") from exc
+    check_payload(m, payload)
+    return m, load_model(payload, m.format, m.input_shape, threads=threads)

@@ -1,0 +1,45 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ManifestRequest(_message.Message):
+    __slots__ = ("channel", "format", "current_version")
+    CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    channel: str
+    format: str
+    current_version: int
+    def __init__(self, channel: _Optional[str] = ..., format: _Optional[str] = ..., current_version: _Optional[int] = ...) -> None: ...
+
+class ManifestReply(_message.Message):
+    __slots__ = ("available", "newer", "manifest", "signature")
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    NEWER_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    available: bool
+    newer: bool
+    manifest: bytes
+    signature: bytes
+    def __init__(self, available: _Optional[bool] = ..., newer: _Optional[bool] = ..., manifest: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class DownloadRequest(_message.Message):
+    __slots__ = ("version", "format", "offset")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    format: str
+    offset: int
+    def __init__(self, version: _Optional[int] = ..., format: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class Chunk(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

@@ -1,0 +1,269 @@
+"""Model sync over real gRPC on 127.0.0.1: install, refuse tampering (old model kept), resume a cut
+download from its offset, roll back, TLS."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+from sqlalchemy import update
+
+from quorumfl.aggregation.errors import ArtifactError, ConfigError
+from quorumfl.edge.export import ArtifactFormat
+from quorumfl.edge.manifest import Channel
+from quorumfl.edge.service import SyncServer, SyncService, start_server
+from quorumfl.edge.sync import installed, load_current, rollback, sync
+from quorumfl.server.state.artifacts import ArtifactRecords
+from quorumfl.server.state.orm import EdgeArtifact
+
+from .conftest import Published, publish
+
+ONNX = ArtifactFormat.ONNX
+
+
+@pytest.fixture
+def server(published: Published) -> Iterator[SyncServer]:
+    srv = start_server(ArtifactRecords(published.repo.sessions), chunk_bytes=1024)
+    yield srv
+    srv.stop()
+
+
+def _sync(srv: SyncServer, published: Published, directory: Path, **kw: Any) -> Any:
+    return sync(f"127.0.0.1:{srv.port}", directory, channel=Channel.STABLE, fmt=kw.pop("fmt", ONNX),
+                public_key=published.public_key, **kw)
+
+
+def _latest(published: Published, fmt: str = "onnx") -> EdgeArtifact:
+    row = ArtifactRecords(published.repo.sessions).latest("stable", fmt)
+    assert row is not None
+    return row
+
+
+def test_two_devices_install_and_run_the_artifact(server: SyncServer, published: Published, tmp_path: Path,
+                                                  digits_eval: tuple[np.ndarray, np.ndarray]) -> None:
+    row = _latest(published)
+    for device in ("a", "b"):
+        result = _sync(server, published, tmp_path / device)
+        assert (result.status, result.version, result.downloaded_bytes) == ("updated", row.version, row.size_bytes)
+        assert hashlib.sha256((tmp_path / device / f"v{row.version}.onnx").read_bytes()).hexdigest() == row.sha256
+        assert _sync(server, published, tmp_path / device).status == "up-to-date"
+    manifest, model = load_current(tmp_path / "a", public_key=published.public_key)
+    x, y = digits_eval
+    assert float(np.mean(model(x).argmax(1) == y)) == pytest.approx(manifest.int8_accuracy, abs=0.06)
+
+
+def test_pte_artifact_installs_and_runs(server: SyncServer, published: Published, tmp_path: Path) -> None:
+    result = _sync(server, published, tmp_path / "pte", fmt=ArtifactFormat.PTE)
+    assert result.status == "updated"
+    _, model = load_current(tmp_path / "pte")
+    assert model(np.zeros((2, 1, 8, 8), np.float32)).shape == (2, 10)
+    with pytest.raises(ConfigError, match="another --dir"):
+        _sync(server, published, tmp_path / "pte")  # that folder holds a pte model
+
+
+class Flipping(SyncService):
+    """A man in the middle: flips one bit of one chunk."""
+
+    def Download(self, request: Any, context: Any) -> Iterator[Any]:  # noqa: N802
+        for i, chunk in enumerate(super().Download(request, context)):
+            if i == 3:
+                data = bytearray(chunk.data)
+                data[5] ^= 0x01
+                chunk.data = bytes(data)
+            yield chunk
+
+
+class Cutting(SyncService):
+    """Breaks the first download off after a few chunks, like a dropped link."""
+
+    cut_after = 5
+
+    def Download(self, request: Any, context: Any) -> Iterator[Any]:  # noqa: N802
+        for i, chunk in enumerate(super().Download(request, context)):
+            if i == self.cut_after and len(self.downloads) == 1:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "link dropped")
+            yield chunk
+
+
+def _install_old(published: Published, directory: Path) -> str:
+    """Install the current artifact with a normal server; return its file's hash."""
+    srv = start_server(ArtifactRecords(published.repo.sessions))
+    try:
+        _sync(srv, published, directory)
+    finally:
+        srv.stop()
+    state = installed(directory)
+    assert state.current is not None
+    return state.current.manifest.sha256
+
+
+def test_flipped_byte_in_transit_is_refused_and_not_kept(published: Published, tmp_path: Path) -> None:
+    device = tmp_path / "dev"
+    records = ArtifactRecords(published.repo.sessions)
+    srv = start_server(records, service=Flipping(records, chunk_bytes=1024))
+    try:
+        with pytest.raises(ArtifactError, match="SHA-256"):
+            _sync(srv, published, device)
+    finally:
+        srv.stop()
+    assert installed(device).current is None  # nothing installed from a bad download
+    assert not list((device / ".partial").iterdir())  # the bad bytes are gone; a retry starts afresh
+
+
+def test_tampered_download_keeps_the_installed_model(published: Published, tmp_path: Path) -> None:
+    device = tmp_path / "dev"
+    before = _install_old(published, device)
+    rows = publish(published.repo, published.home, published.version_id)  # a newer artifact appears
+    records = ArtifactRecords(published.repo.sessions)
+    srv = start_server(records, chunk_bytes=1024, service=Flipping(records, chunk_bytes=1024))
+    try:
+        with pytest.raises(ArtifactError, match="SHA-256"):
+            _sync(srv, published, device)
+    finally:
+        srv.stop()
+    state = installed(device)
+    assert state.current is not None and state.current.manifest.sha256 == before
+    assert state.current.manifest.version < rows[0].version
+    load_current(device, public_key=published.public_key)  # still verifies and loads
+
+
+def test_flipped_signature_byte_is_refused_and_old_model_kept(published: Published, tmp_path: Path) -> None:
+    device = tmp_path / "dev"
+    before = _install_old(published, device)
+    rows = publish(published.repo, published.home, published.version_id)
+    onnx_row = next(r for r in rows if r.format == "onnx")
+    signature = bytearray(bytes.fromhex(onnx_row.signature))
+    signature[10] ^= 0x01
+    with published.repo.sessions.begin() as s:
+        s.execute(update(EdgeArtifact).where(EdgeArtifact.id == onnx_row.id).values(signature=signature.hex()))
+    srv = start_server(ArtifactRecords(published.repo.sessions))
+    try:
+        with pytest.raises(ArtifactError, match="signature"):
+            _sync(srv, published, device)
+    finally:
+        srv.stop()
+        with published.repo.sessions.begin() as s:
+            s.execute(update(EdgeArtifact).where(EdgeArtifact.id == onnx_row.id).values(signature=onnx_row.signature))
+    state = installed(device)
+    assert state.current is not None and state.current.manifest.sha256 == before
+
+
+def test_damaged_file_on_the_server_is_not_served(published: Published, tmp_path: Path) -> None:
+    device = tmp_path / "dev"
+    before = _install_old(published, device)
+    rows = publish(published.repo, published.home, published.version_id)
+    onnx_row = next(r for r in rows if r.format == "onnx")
+    path = Path(onnx_row.path)
+    backup = tmp_path / "backup"
+    shutil.copy(path, backup)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    srv = start_server(ArtifactRecords(published.repo.sessions))
+    try:
+        with pytest.raises(ArtifactError, match="DATA_LOSS"):
+            _sync(srv, published, device)
+    finally:
+        srv.stop()
+        shutil.copy(backup, path)
+    assert installed(device).current is not None and installed(device).current.manifest.sha256 == before  # type: ignore[union-attr]
+
+
+def test_cut_download_resumes_from_its_offset(published: Published, tmp_path: Path) -> None:
+    # Prepare: a server that drops the link after 5 chunks of 1 KiB
+    device = tmp_path / "dev"
+    row = _latest(published)
+    records = ArtifactRecords(published.repo.sessions)
+    cutting = Cutting(records, chunk_bytes=1024)
+    srv = start_server(records, service=cutting)
+    try:
+        # Execute: the first sync breaks off; the second resumes
+        with pytest.raises(ArtifactError, match="broke off at byte"):
+            _sync(srv, published, device)
+        partial = device / ".partial" / f"v{row.version}.onnx.part"
+        cut_at = partial.stat().st_size
+        assert installed(device).current is None
+        result = _sync(srv, published, device)
+    finally:
+        srv.stop()
+    # Assert: the second request started at the bytes already on disk, and only the rest travelled
+    assert 0 < cut_at < row.size_bytes
+    assert cutting.downloads == [(row.version, "onnx", 0), (row.version, "onnx", cut_at)]
+    assert (result.status, result.resumed_from, result.downloaded_bytes) == ("updated", cut_at, row.size_bytes - cut_at)
+    assert hashlib.sha256((device / f"v{row.version}.onnx").read_bytes()).hexdigest() == row.sha256
+    assert not (device / ".partial" / f"v{row.version}.onnx.part").exists()
+
+
+def test_update_keeps_previous_for_rollback(published: Published, tmp_path: Path) -> None:
+    device = tmp_path / "dev"
+    first = _install_old(published, device)
+    publish(published.repo, published.home, published.version_id)
+    srv = start_server(ArtifactRecords(published.repo.sessions))
+    try:
+        result = _sync(srv, published, device)
+    finally:
+        srv.stop()
+    assert result.status == "updated" and result.previous is not None
+    state = installed(device)
+    assert state.previous is not None and state.previous.manifest.sha256 == first
+    assert sorted(p.name for p in device.glob("v*.onnx")) == sorted(
+        [state.current.manifest.file_name, state.previous.manifest.file_name])  # type: ignore[union-attr]
+    back = rollback(device)
+    assert back.current is not None and back.current.manifest.sha256 == first
+    load_current(device, public_key=published.public_key)
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "quorumfl-edge-test")])
+    now = dt.datetime.now(dt.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=1))
+            .not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_tls(published: Published, tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    srv = start_server(ArtifactRecords(published.repo.sessions), tls_cert=cert, tls_key=key)
+    try:
+        assert _sync(srv, published, tmp_path / "tls", ca_cert=cert, timeout=10).status == "updated"
+        with pytest.raises(ArtifactError, match="manifest request"):
+            _sync(srv, published, tmp_path / "plain", timeout=3)  # a plaintext client cannot talk to it
+    finally:
+        srv.stop()
+
+
+def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
+    pytest.importorskip("grpc_tools")
+    root = Path(__file__).resolve().parents[2] / "edge"
+    out = tmp_path / "gen"
+    out.mkdir()
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I", str(root / "proto"), f"--python_out={out}",
+                    f"--pyi_out={out}", f"--grpc_python_out={out}", "quorumfl/edge/sync.proto"], check=True)
+    for name in ("sync_pb2.py", "sync_pb2.pyi", "sync_pb2_grpc.py"):
+        assert (out / "quorumfl" / "edge" / name).read_text() == (root / name).read_text(), \
+            f"{name} is stale: run edge/proto/generate.sh"
