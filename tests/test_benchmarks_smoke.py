@@ -90,3 +90,12 @@ def test_selection_smoke() -> None:
             "rl_over_oort", "random_final_acc", "oort_final_acc", "rl_final_acc", "peak_rss_mb"}
     assert keys <= set(figures)
     assert all(float(figures[k]) > 0 for k in keys)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_edge_smoke() -> None:
+    figures = _run("edge.py")
+    keys = {"fp32_acc", "int8_acc", "size_ratio", "latency_speedup_b1", "latency_speedup_b64"}
+    assert keys <= set(figures)
+    assert all(float(figures[k]) > 0 for k in keys)  # type: ignore[arg-type]
+    assert float(figures["int8_onnx_bytes"]) < float(figures["fp32_onnx_bytes"])  # type: ignore[arg-type]

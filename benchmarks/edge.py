@@ -1,0 +1,136 @@
+"""Edge INT8: accuracy, size and onnxruntime latency of the QAT INT8 artifact against the fp32 model.
+
+The fp32 model (``cnn-wide`` by default) is trained on Fashion-MNIST's training set with a plain
+torch loop, standing in for a promoted federation model; the edge path then runs exactly what
+``quorumfl models promote --edge`` runs (``quorumfl.edge.qat.quantize_aware``: pt2e QAT with the
+XNNPACK quantizer, per-channel INT8 weights, then ``convert_pt2e``; ``quorumfl.edge.export``).
+Both models are exported to ONNX the same way and measured in onnxruntime on the official test set:
+
+- accuracy: top-1 on the 10,000 test images (fp32 and INT8 both through onnxruntime);
+- size: bytes of the fp32 ONNX file over bytes of the INT8 ONNX file;
+- latency: median wall time of one ``session.run`` at batch 1 and at batch 64, one intra-op thread
+  (an edge CPU), both sessions warmed up and timed alternately in the same loop.
+
+    python benchmarks/edge.py            # Fashion-MNIST, cnn-wide, 3 fp32 epochs, 1 QAT epoch
+    python benchmarks/edge.py --smoke    # digits, small cnn, tiny sizes
+    python benchmarks/edge.py --json     # last line: one JSON object
+
+Keys: fp32_acc, int8_acc, acc_drop_pts, size_ratio, latency_speedup_b1, latency_speedup_b64, the
+latencies in ms, file sizes, the .pte size, times of each step and peak RSS.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from _common import parser, peak_rss_mb, report
+from quorumfl.client.data.datasets import holdout_split
+from quorumfl.client.models import build_model
+from quorumfl.edge.export import ArtifactFormat, onnx_bytes, pte_bytes
+from quorumfl.edge.qat import QatSettings, quantize_aware
+from quorumfl.edge.runtime import load_model
+
+
+def train_fp32(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch: int, lr: float, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    features, labels = torch.from_numpy(x), torch.from_numpy(y)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs * ((len(x) + batch - 1) // batch))
+    model.train()
+    for _ in range(epochs):
+        order = torch.randperm(len(x), generator=generator)
+        for i in range(0, len(x), batch):
+            idx = order[i : i + batch]
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(features[idx]), labels[idx]).backward()
+            opt.step()
+            sched.step()
+    model.eval()
+
+
+def median_latency(sessions: list[Any], x: np.ndarray, repeats: int) -> list[float]:
+    for session in sessions:
+        for _ in range(5):
+            session(x)
+    times: list[list[float]] = [[] for _ in sessions]
+    for _ in range(repeats):
+        for k, session in enumerate(sessions):
+            start = time.perf_counter()
+            session(x)
+            times[k].append(time.perf_counter() - start)
+    return [float(np.median(t)) for t in times]
+
+
+def main() -> None:
+    p = parser(__doc__ or "")
+    p.add_argument("--dataset", default="fashion-mnist")
+    p.add_argument("--model", default="cnn-wide")
+    p.add_argument("--epochs", type=int, default=3, help="fp32 training epochs")
+    p.add_argument("--qat-epochs", type=int, default=1)
+    p.add_argument("--qat-samples", type=int, default=20000, help="training images used for QAT")
+    p.add_argument("--repeats", type=int, default=300, help="timed runs per batch size")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    if args.smoke:
+        args.dataset, args.model, args.epochs, args.qat_samples, args.repeats = "digits", "cnn", 2, 400, 20
+    torch.manual_seed(args.seed)
+
+    t0 = time.perf_counter()
+    pool, test = holdout_split(args.dataset, seed=args.seed)
+    model = build_model(args.model, pool.input_shape, pool.num_classes, seed=args.seed)
+    train_fp32(model, pool.x, pool.y, epochs=args.epochs, batch=64, lr=0.05, seed=args.seed)
+    train_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(args.seed)
+    chosen = np.sort(rng.permutation(len(pool))[: args.qat_samples])
+    quantized = quantize_aware(model, pool.x[chosen], pool.y[chosen], pool.input_shape,
+                               settings=QatSettings(epochs=args.qat_epochs, batch_size=64, seed=args.seed))
+    qat_s = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    fp32_file = onnx_bytes(model, torch.from_numpy(pool.x[:2]))
+    int8_file = onnx_bytes(quantized.module, quantized.example)
+    pte_file = pte_bytes(quantized)
+    export_s = time.perf_counter() - t0
+
+    fp32 = load_model(fp32_file, ArtifactFormat.ONNX, pool.input_shape, threads=1)
+    int8 = load_model(int8_file, ArtifactFormat.ONNX, pool.input_shape, threads=1)
+    fp32_acc = float(np.mean(np.concatenate([fp32(test.x[i : i + 500]).argmax(1) for i in range(0, len(test), 500)]) == test.y))
+    int8_acc = float(np.mean(np.concatenate([int8(test.x[i : i + 500]).argmax(1) for i in range(0, len(test), 500)]) == test.y))
+    b1 = median_latency([fp32, int8], test.x[:1], args.repeats)
+    b64 = median_latency([fp32, int8], test.x[:64], max(10, args.repeats // 5))
+
+    report({
+        "dataset": args.dataset,
+        "model": args.model,
+        "fp32_epochs": args.epochs,
+        "qat_epochs": args.qat_epochs,
+        "qat_samples": int(len(chosen)),
+        "fp32_acc": fp32_acc,
+        "int8_acc": int8_acc,
+        "acc_drop_pts": round((fp32_acc - int8_acc) * 100, 3),
+        "fp32_onnx_bytes": len(fp32_file),
+        "int8_onnx_bytes": len(int8_file),
+        "int8_pte_bytes": len(pte_file),
+        "size_ratio": len(fp32_file) / len(int8_file),
+        "fp32_ms_b1": b1[0] * 1e3,
+        "int8_ms_b1": b1[1] * 1e3,
+        "fp32_ms_b64": b64[0] * 1e3,
+        "int8_ms_b64": b64[1] * 1e3,
+        "latency_speedup_b1": b1[0] / b1[1],
+        "latency_speedup_b64": b64[0] / b64[1],
+        "train_s": train_s,
+        "qat_s": qat_s,
+        "export_s": export_s,
+        "peak_rss_mb": peak_rss_mb(),
+    }, as_json=args.json)
+
+
+if __name__ == "__main__":
+    main()
