@@ -12,7 +12,10 @@ feed it one sample at a time and use the ONNX artifact for batches). No I/O here
 
 from __future__ import annotations
 
+import logging
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import StrEnum
 
 import torch
@@ -22,7 +25,27 @@ from quorumfl.aggregation.errors import EdgeError
 
 from .qat import MAX_BATCH, QuantizedModel
 
-__all__ = ["ArtifactFormat", "export_artifact", "onnx_bytes", "pte_bytes"]
+__all__ = ["ArtifactFormat", "export_artifact", "onnx_bytes", "pte_bytes", "quiet"]
+
+# Libraries whose warnings during export are about their own internals (CUDA kernels not built into
+# a CPU wheel, torchvision ops not registered, deprecated pytree hooks), not about the model.
+_NOISY = ("torchao", "torch.onnx", "torch.utils._pytree", "torch.export", "torch._export", "onnxscript")
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    """Silence library warnings and log notes about their internals while exporting."""
+    loggers = [logging.getLogger(name) for name in _NOISY]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
 
 
 class ArtifactFormat(StrEnum):
@@ -36,8 +59,7 @@ def onnx_bytes(module: nn.Module | torch.fx.GraphModule, example: torch.Tensor) 
     if isinstance(module, nn.Module) and not isinstance(module, torch.fx.GraphModule):
         module = module.eval()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet():
             program = torch.export.export(module, (example,), dynamic_shapes=({0: batch},))
             exported = torch.onnx.export(program, (example,), dynamo=True, verbose=False)
     except Exception as exc:
@@ -58,8 +80,7 @@ def pte_bytes(quantized: QuantizedModel) -> bytes:
     from executorch.exir import to_edge_transform_and_lower
 
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet():
             program = torch.export.export(quantized.module, (quantized.example[:1],))
             lowered = to_edge_transform_and_lower(program, partitioner=[XnnpackPartitioner()])
             return bytes(lowered.to_executorch().buffer)

@@ -11,7 +11,6 @@ checks its inputs. No I/O.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,12 +89,18 @@ def quantize_aware(
     settings: QatSettings | None = None,
 ) -> QuantizedModel:
     """Fine-tune ``model`` (left unchanged) with fake quantisation on ``(x, y)``, then convert to INT8."""
-    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
-        XNNPACKQuantizer,
-        get_symmetric_quantization_config,
-    )
-    from torchao.quantization.pt2e import move_exported_model_to_eval, move_exported_model_to_train
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
+    from .export import quiet
+
+    with quiet():  # importing torchao warns about CUDA kernels a CPU wheel does not have
+        from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
+            XNNPACKQuantizer,
+            get_symmetric_quantization_config,
+        )
+        from torchao.quantization.pt2e import (
+            move_exported_model_to_eval,
+            move_exported_model_to_train,
+        )
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
 
     settings = settings or QatSettings()
     _check_data(tuple(input_shape), x, y)
@@ -104,8 +109,7 @@ def quantize_aware(
     example = features[: min(len(features), settings.batch_size)].clone()
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.export's notes on deprecated internals, not ours
+        with quiet():  # torch.export's notes on deprecated internals, not ours
             captured = torch.export.export(
                 _copy_eval(model), (example,), dynamic_shapes=({0: batch},)
             ).module()

@@ -10,6 +10,7 @@ cannot vouch for). TLS is optional (certificate and key PEM files).
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -38,8 +39,8 @@ CHUNK_BYTES = 64 * 1024
 class SyncService(sync_pb2_grpc.ModelSyncServicer):
     records: ArtifactRecords
     chunk_bytes: int = CHUNK_BYTES
-    # (version, format, offset) of each download started, for operators' logs and tests
-    downloads: list[tuple[int, str, int]] = field(default_factory=list)
+    # (version, format, offset) of the last 1024 downloads started, for operators and tests
+    downloads: deque[tuple[int, str, int]] = field(default_factory=lambda: deque(maxlen=1024))
     _lock: Lock = field(default_factory=Lock)
 
     @staticmethod
@@ -85,6 +86,7 @@ class SyncService(sync_pb2_grpc.ModelSyncServicer):
                           f"offset {request.offset} is outside the artifact (0..{len(payload) - 1})")
         with self._lock:
             self.downloads.append((row.version, fmt.value, int(request.offset)))
+        log.info("streaming artifact v%s (%s) from byte %s", row.version, fmt.value, request.offset)
         for start in range(int(request.offset), len(payload), self.chunk_bytes):
             yield sync_pb2.Chunk(offset=start, data=payload[start : start + self.chunk_bytes])
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 
-from quorumfl.aggregation.errors import ConfigError, DataError
+from quorumfl.aggregation.errors import ArtifactError, ConfigError, DataError
 
 from .context import settings
 from .output import Format, console, err_console, print_json, table
@@ -170,8 +170,16 @@ def sync(
 
     chosen, artifact = _device_opts(channel, artifact_format)
     while True:
-        result = run_sync(server, directory, channel=chosen, fmt=artifact, public_key=public_key,
-                          ca_cert=ca_cert, timeout=timeout)
+        try:
+            result = run_sync(server, directory, channel=chosen, fmt=artifact, public_key=public_key,
+                              ca_cert=ca_cert, timeout=timeout)
+        except ArtifactError as exc:
+            if every <= 0:
+                raise
+            # keep watching: the installed model is unchanged, and a broken download resumes next time
+            err_console.print(f"[red]sync failed: {exc}[/red]", highlight=False, soft_wrap=True)
+            time.sleep(every)
+            continue
         if fmt is Format.JSON:
             print_json(result.__dict__)
         elif result.status == "updated":

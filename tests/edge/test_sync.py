@@ -197,7 +197,7 @@ def test_cut_download_resumes_from_its_offset(published: Published, tmp_path: Pa
         srv.stop()
     # Assert: the second request started at the bytes already on disk, and only the rest travelled
     assert 0 < cut_at < row.size_bytes
-    assert cutting.downloads == [(row.version, "onnx", 0), (row.version, "onnx", cut_at)]
+    assert list(cutting.downloads) == [(row.version, "onnx", 0), (row.version, "onnx", cut_at)]
     assert (result.status, result.resumed_from, result.downloaded_bytes) == ("updated", cut_at, row.size_bytes - cut_at)
     assert hashlib.sha256((device / f"v{row.version}.onnx").read_bytes()).hexdigest() == row.sha256
     assert not (device / ".partial" / f"v{row.version}.onnx.part").exists()

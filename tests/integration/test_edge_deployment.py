@@ -1,0 +1,105 @@
+"""Edge sync end to end with the CLI alone: `edge serve`, two devices running `edge sync --every`,
+and `models promote --edge` publishing a new artifact that both devices pick up, verify and swap in."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from quorumfl.edge.sync import installed
+from quorumfl.server.processes import free_port, wait_for_port
+from quorumfl.server.state.database import connect
+from quorumfl.server.state.repository import Repository
+
+from ..edge.conftest import store_version, train_digits_mlp
+
+
+def _cli(home: Path | None, *args: str) -> list[str]:
+    root = ["--home", str(home)] if home is not None else []
+    return [sys.executable, "-m", "quorumfl.server.cli", *root, *args]
+
+
+def _wait_for(predicate: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def _version(device: Path) -> int | None:
+    try:
+        state = installed(device)
+    except Exception:  # the file may be mid-replace; atomic rename makes this rare
+        return None
+    return state.current.manifest.version if state.current else None
+
+
+def test_server_and_two_devices_sync_a_newly_promoted_artifact(tmp_path: Path) -> None:
+    # Prepare: a state DB holding one digits model version, the sync server, two devices syncing every second
+    home = tmp_path / "home"
+    repo = Repository(connect(f"sqlite:///{home / 'quorumfl.db'}", migrate=True))
+    model, _ = train_digits_mlp(epochs=5)
+    version_id = store_version(repo, home, model)
+    init = subprocess.run(_cli(home, "edge", "keys", "init"), capture_output=True, text=True, timeout=120, check=False)
+    assert init.returncode == 0, init.stderr
+    public_key = home / "edge" / "signing-key.pub.pem"
+    port = free_port()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(name: str, args: list[str]) -> None:
+        with open(logs / f"{name}.log", "wb") as log:
+            started.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT))
+
+    devices = [tmp_path / "device-a", tmp_path / "device-b"]
+    try:
+        start("server", _cli(home, "edge", "serve", "--port", str(port)))
+        wait_for_port("127.0.0.1", port, timeout=90)
+        for device in devices:
+            start(device.name, _cli(None, "edge", "sync", "--server", f"127.0.0.1:{port}", "--dir", str(device),
+                                    "--public-key", str(public_key), "--channel", "stable", "--every", "1"))
+
+        # Execute: promote twice while the devices keep syncing
+        for expected in (1, 2):
+            promoted = subprocess.run(_cli(home, "models", "promote", str(version_id), "--edge", "--qat-epochs", "1"),
+                                      capture_output=True, text=True, timeout=300, check=False)
+            assert promoted.returncode == 0, promoted.stdout + promoted.stderr
+            assert f"artifact v{expected} onnx" in promoted.stdout
+            _wait_for(lambda: all(_version(d) == expected for d in devices), 90,
+                      f"both devices at v{expected}: " + ", ".join((logs / f"{d.name}.log").read_text()[-300:] for d in devices))
+
+        # Assert: each device runs v2, kept v1 for rollback, and the registry lists both versions
+        for device in devices:
+            state = installed(device)
+            assert state.previous is not None and state.previous.manifest.version == 1
+            predicted = subprocess.run(_cli(None, "edge", "predict", "--dir", str(device), "--public-key", str(public_key),
+                                            "--samples", "64", "--format", "json"),
+                                       capture_output=True, text=True, timeout=120, check=False)
+            assert predicted.returncode == 0, predicted.stderr
+            view = json.loads(predicted.stdout)
+            assert view["version"] == 2 and view["samples"] == 64 and view["accuracy"] > 0.8
+        listed = subprocess.run(_cli(home, "edge", "artifacts", "list", "--format", "json"), capture_output=True,
+                                text=True, timeout=120, check=False)
+        rows = json.loads(listed.stdout)
+        assert sorted((r["version"], r["format"]) for r in rows) == [(1, "onnx"), (1, "pte"), (2, "onnx"), (2, "pte")]
+        assert all(r["parent_model_version"] == version_id and r["channel"] == "stable" for r in rows)
+        for device in devices:
+            log = (logs / f"{device.name}.log").read_text()
+            assert "installed v1" in log and "installed v2 (previous v1" in log
+    finally:
+        for proc in started:
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        for proc in started:
+            try:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
