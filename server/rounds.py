@@ -50,7 +50,15 @@ from .model_store import ModelStore
 from .phase import TrainPhase
 from .pulling import ReplyPuller
 from .secure import MaskingSession
-from .selection import NodeResult, Outcome, RoundFeedback, Selection, Selector, build_selector, check_selection
+from .selection import (
+    NodeResult,
+    Outcome,
+    RoundFeedback,
+    Selection,
+    Selector,
+    build_selector,
+    check_selection,
+)
 from .state.repository import Repository, RoundStatus, RunStatus
 from .strategies import ClusteredFedAvg, ClusteredResult, FedAvg, FedPer, build_strategy
 

@@ -8,7 +8,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from quorumfl.edge.sync import installed
 from quorumfl.server.processes import free_port, wait_for_port
@@ -23,13 +26,13 @@ def _cli(home: Path | None, *args: str) -> list[str]:
     return [sys.executable, "-m", "quorumfl.server.cli", *root, *args]
 
 
-def _wait_for(predicate: object, timeout: float, what: str) -> None:
+def _wait_for(predicate: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
+        if predicate():
             return
         time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what()}")
 
 
 def _version(device: Path) -> int | None:
@@ -40,6 +43,7 @@ def _version(device: Path) -> int | None:
     return state.current.manifest.version if state.current else None
 
 
+@pytest.mark.slow
 def test_server_and_two_devices_sync_a_newly_promoted_artifact(tmp_path: Path) -> None:
     # Prepare: a state DB holding one digits model version, the sync server, two devices syncing every second
     home = tmp_path / "home"
@@ -72,8 +76,9 @@ def test_server_and_two_devices_sync_a_newly_promoted_artifact(tmp_path: Path) -
                                       capture_output=True, text=True, timeout=300, check=False)
             assert promoted.returncode == 0, promoted.stdout + promoted.stderr
             assert f"artifact v{expected} onnx" in promoted.stdout
-            _wait_for(lambda: all(_version(d) == expected for d in devices), 90,
-                      f"both devices at v{expected}: " + ", ".join((logs / f"{d.name}.log").read_text()[-300:] for d in devices))
+            _wait_for(lambda v=expected: all(_version(d) == v for d in devices), 90,
+                      lambda v=expected: f"both devices at v{v}: "
+                      + ", ".join((logs / f"{d.name}.log").read_text()[-300:] for d in devices))
 
         # Assert: each device runs v2, kept v1 for rollback, and the registry lists both versions
         for device in devices:
