@@ -5,7 +5,8 @@ calibration data, converts it to INT8, exports ONNX and ExecuTorch, measures the
 accuracy in onnxruntime, and publishes each format under the next artifact version: the file is
 written atomically to ``HOME/edge/artifacts`` and its row (with the signed manifest) is added to the
 state DB, all formats in one transaction. Files are written before the rows, so a crash leaves at
-worst an unreferenced file, never a row without its file.
+worst an unreferenced file, never a row without its file; file names carry the content hash, so
+two promotions racing for one version number cannot overwrite each other's file.
 """
 
 from __future__ import annotations
@@ -100,7 +101,9 @@ class Registry:
                 architecture=version.architecture, dataset=calibration.dataset, input_shape=input_shape, num_classes=num_classes,
                 created_at=created, fp32_accuracy=round(fp32, 6), int8_accuracy=None if int8 is None else round(int8, 6),
             )
-            path = self.root / manifest.file_name
+            # the hash in the name: a concurrent promotion that drew the same version number (its
+            # row is then refused by the unique constraint) can never overwrite this file
+            path = self.root / f"v{number}-{manifest.sha256[:16]}.{fmt.value}"
             atomic_write(path, payload)
             body = manifest.to_bytes()
             items.append(NewArtifact(format=fmt.value, size_bytes=len(payload), sha256=manifest.sha256,
