@@ -19,6 +19,7 @@ every other layer (client, server, CLI) can import it::
     ├── SelectionError       a client selector broke its contract, or its stored state is unusable
     ├── EdgeError            quantisation/export of an edge model failed
     │   └── ArtifactError    an edge artifact failed its hash or signature, or its sync broke off (fails closed)
+    ├── CredentialError      TLS or node-authentication material missing, unreadable, expired or mismatched
     └── FederationError      the Flower SuperLink/SuperNodes (unreachable, failed to start, run failed)
 
 The CLI maps each branch to a documented exit code (see ``quorumfl.server.cli.errors``).
@@ -31,6 +32,7 @@ __all__ = [
     "ArtifactError",
     "EdgeError",
     "ConfigError",
+    "CredentialError",
     "DataError",
     "EmptyAggregationError",
     "FederationError",
@@ -123,3 +125,8 @@ class EdgeError(QuorumError):
 class ArtifactError(EdgeError):
     """An edge artifact is refused: its hash, size or Ed25519 signature does not verify, its version
     is not newer than the installed one, or its download broke off. The installed model is kept."""
+
+
+class CredentialError(QuorumError):
+    """TLS certificates or SuperNode keys are missing, unreadable, expired or do not belong together;
+    nothing starts without them unless ``--insecure`` is asked for explicitly (fails closed)."""

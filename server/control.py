@@ -1,4 +1,5 @@
-"""Client of the SuperLink's Control API: submit, list and stop runs of the QuorumFL app.
+"""Client of the SuperLink's Control API: submit, list and stop runs of the QuorumFL app; list,
+register and unregister SuperNode keys.
 
 Submitting a run is what ``flwr run`` does: build a FAB (Flower app bundle) and call StartRun. The
 QuorumFL code is installed on every SuperNode and on the SuperLink side, so the FAB carries only the
@@ -21,8 +22,10 @@ from flwr.common.serde import fab_to_proto, user_config_to_proto
 from flwr.proto.control_pb2 import (
     ListNodesRequest,
     ListRunsRequest,
+    RegisterNodeRequest,
     StartRunRequest,
     StopRunRequest,
+    UnregisterNodeRequest,
 )
 from flwr.supercore.control import ControlHttpClient
 from flwr.supercore.fab import Fab
@@ -32,7 +35,7 @@ from quorumfl.aggregation.errors import FederationError
 
 from .config import DEFAULTS
 
-__all__ = ["Control", "FlowerRun", "app_pyproject", "build_fab"]
+__all__ = ["Control", "FlowerNode", "FlowerRun", "app_pyproject", "build_fab"]
 
 
 def app_pyproject() -> bytes:
@@ -75,10 +78,20 @@ class FlowerRun:
     details: str
 
 
+@dataclass(frozen=True)
+class FlowerNode:
+    node_id: int
+    name: str
+    status: str
+    public_key: bytes
+
+
 class Control:
     """Thin typed wrapper over Flower's Control API HTTP client."""
 
     def __init__(self, address: str, *, insecure: bool = True, root_certificates: str | None = None) -> None:
+        """``root_certificates``: path of the CA certificate that signed the SuperLink's TLS
+        certificate (with ``insecure=False``)."""
         self.address = address
         self.insecure = insecure
         self.root_certificates = root_certificates
@@ -145,3 +158,22 @@ class Control:
         with self._client() as client:
             response = client.ListNodes(ListNodesRequest())
         return [int(n.node_id) for n in response.nodes_info if n.status == "online"]
+
+    def nodes(self) -> list[FlowerNode]:
+        """Every SuperNode the SuperLink knows (registered keys and their status)."""
+        with self._client() as client:
+            response = client.ListNodes(ListNodesRequest())
+        return [FlowerNode(int(n.node_id), n.name if n.HasField("name") else "", n.status, bytes(n.public_key))
+                for n in response.nodes_info]
+
+    def register_node(self, public_key: bytes, name: str) -> int:
+        """Register a SuperNode's public key (PEM SubjectPublicKeyInfo); returns its node id."""
+        with self._client() as client:
+            response = client.RegisterNode(RegisterNodeRequest(public_key=public_key, name=name))
+        if not response.node_id:
+            raise FederationError(f"the SuperLink at {self.address} did not register node {name!r}")
+        return int(response.node_id)
+
+    def unregister_node(self, node_id: int) -> None:
+        with self._client() as client:
+            client.UnregisterNode(UnregisterNodeRequest(node_id=node_id))

@@ -1,6 +1,10 @@
 """A whole federation on this machine: one SuperLink and one SuperNode per department directory,
 as separate processes on 127.0.0.1 (Flower's deployment engine). Used by the demo, the
 integration tests and the benchmarks; every process is stopped when the ``with`` block ends.
+
+Like ``quorumfl server start``, it runs with TLS and SuperNode authentication unless told
+otherwise: credentials for 127.0.0.1 and one key per department are made under ``HOME/certs``
+(kept for the next federation in the same home), and each key is registered before its node starts.
 """
 
 from __future__ import annotations
@@ -13,9 +17,11 @@ from pathlib import Path
 
 from quorumfl.aggregation.errors import FederationError
 
+from .certs import Credentials, add_node_key, init_credentials
 from .control import Control
 from .processes import (
     Child,
+    NodeCredentials,
     ProcessGroup,
     flower_env,
     free_port,
@@ -23,6 +29,7 @@ from .processes import (
     supernode_command,
     wait_for_port,
 )
+from .registration import sync_registrations
 
 __all__ = ["LocalFederation", "local_federation"]
 
@@ -34,6 +41,7 @@ class LocalFederation:
     group: ProcessGroup
     link: Child
     nodes: dict[str, Child]
+    credentials: Credentials | None = None
 
     def logs(self, lines: int = 30) -> str:
         return "\n".join(f"--- {c.name} ({c.log})\n{self.group.tail(c, lines)}" for c in self.group.children)
@@ -43,10 +51,20 @@ class LocalFederation:
         another address that reaches the SuperLink (a department behind a proxy)."""
         child = self.group.start(
             name, supernode_command(superlink=superlink or self.address, port=free_port(), data_path=data_path,
-                                    department=name)
+                                    department=name, tls=self.node_credentials(name))
         )
         self.nodes[name] = child
         return child
+
+    def node_credentials(self, name: str) -> NodeCredentials | None:
+        """The node's CA + key (made and registered if new); None in an insecure federation."""
+        creds = self.credentials
+        if creds is None:
+            return None
+        if not creds.node_pub(name).exists():
+            add_node_key(creds, name)
+            sync_registrations(self.control, creds)
+        return NodeCredentials(creds.ca_cert, creds.node_key(name))
 
     def alive(self, flower_run_id: int) -> bool:
         """The SuperLink runs and has not yet marked the run finished."""
@@ -56,24 +74,37 @@ class LocalFederation:
 @contextmanager
 def local_federation(
     home: Path, departments: dict[str, Path], *, db_url: str, connect_timeout: float = 120.0,
-    node_config: Mapping[str, bool | int | float | str] | None = None,
+    node_config: Mapping[str, bool | int | float | str] | None = None, tls: bool = True,
+    superlink_database: Path | None = None,
 ) -> Iterator[LocalFederation]:
-    """Start the SuperLink (Flower's link state in memory) and the SuperNodes, with logs under
-    ``home``; wait until all nodes are online. ``node_config``: more node-config keys for every node."""
+    """Start the SuperLink (Flower's link state in memory unless ``superlink_database``) and the
+    SuperNodes, with logs under ``home``; wait until all nodes are online. ``node_config``: more
+    node-config keys for every node; ``tls=False``: no TLS and no node authentication."""
     port = free_port()
     address = f"127.0.0.1:{port}"
+    creds = None
+    if tls:
+        creds = Credentials(home / "certs")
+        if not creds.ca_cert.exists():
+            init_credentials(creds.root, hosts=["127.0.0.1", "localhost"], nodes=[])
+        for name in departments:
+            if not creds.node_pub(name).exists():
+                add_node_key(creds, name)
     with ProcessGroup(home / "logs", flower_env(home, db_url=db_url)) as group:
-        link = group.start("superlink", superlink_command(port=port, database=None))
+        link = group.start("superlink", superlink_command(port=port, database=superlink_database, tls=creds))
         try:
             wait_for_port("127.0.0.1", port, timeout=60, process=link.process)
         except FederationError as exc:
             raise FederationError(f"{exc}\n{group.tail(link)}") from exc
-        nodes = {
-            name: group.start(name, supernode_command(superlink=address, port=free_port(), data_path=path, department=name,
-                                                      node_config=node_config))
-            for name, path in departments.items()
-        }
-        federation = LocalFederation(address, Control(address), group, link, nodes)
+        control = Control(address, insecure=creds is None, root_certificates=str(creds.ca_cert) if creds else None)
+        if creds is not None:
+            sync_registrations(control, creds)
+        federation = LocalFederation(address, control, group, link, {}, creds)
+        for name, path in departments.items():
+            federation.nodes[name] = group.start(name, supernode_command(
+                superlink=address, port=free_port(), data_path=path, department=name,
+                tls=federation.node_credentials(name), node_config=node_config))
+        nodes = federation.nodes
         deadline = time.monotonic() + connect_timeout
         while (online := len(federation.control.online_nodes())) < len(nodes):
             if time.monotonic() > deadline:

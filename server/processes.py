@@ -21,7 +21,10 @@ from types import TracebackType
 
 from quorumfl.aggregation.errors import FederationError
 
+from .certs import Credentials
+
 __all__ = [
+    "NodeCredentials",
     "ProcessGroup",
     "flower_env",
     "free_port",
@@ -61,10 +64,12 @@ def flower_env(home: Path, *, db_url: str | None = None) -> dict[str, str]:
 
 
 def superlink_command(
-    *, port: int, database: Path | None, host: str = "127.0.0.1", insecure: bool = True
+    *, port: int, database: Path | None, host: str = "127.0.0.1", tls: Credentials | None = None
 ) -> list[str]:
     """``database=None`` keeps Flower's link state in memory: nothing to lock or clean up, which
-    suits short-lived local federations (under load its SQLite state hit 'database is locked')."""
+    suits short-lived local federations (under load its SQLite state hit 'database is locked').
+    ``tls``: the federation's credentials (TLS on the port and SuperNode authentication); ``None``
+    runs insecure, for a trusted network only."""
     cmd = [
         _bin("flower-superlink"),
         *(["--database", str(database)] if database is not None else []),
@@ -72,16 +77,28 @@ def superlink_command(
         "--host", host,
         "--port", str(port),
     ]
-    if insecure:
+    if tls is None:
         cmd.append("--insecure")
+    else:
+        cmd += ["--ssl-ca-certfile", str(tls.ca_cert), "--ssl-certfile", str(tls.server_cert),
+                "--ssl-keyfile", str(tls.server_key), "--enable-supernode-auth"]
     return cmd
 
 
+@dataclass(frozen=True)
+class NodeCredentials:
+    """A node's side: the federation CA certificate and the node's own private key."""
+
+    ca_cert: Path
+    key: Path
+
+
 def supernode_command(
-    *, superlink: str, port: int, data_path: Path, department: str, insecure: bool = True,
+    *, superlink: str, port: int, data_path: Path, department: str, tls: NodeCredentials | None = None,
     node_config: Mapping[str, bool | int | float | str] | None = None,
 ) -> list[str]:
-    """``node_config``: more node-config keys (``dp-budget``, ``train-workers``, …) as TOML values."""
+    """``node_config``: more node-config keys (``dp-budget``, ``train-workers``, …) as TOML values;
+    ``tls``: verify the SuperLink against the CA and authenticate with the node key (``None``: insecure)."""
     config = f"data-path='{data_path}' department='{department}'"
     for key, value in (node_config or {}).items():
         shown = ("true" if value else "false") if isinstance(value, bool) else (
@@ -93,8 +110,10 @@ def supernode_command(
         "--port", str(port),
         "--node-config", config,
     ]
-    if insecure:
+    if tls is None:
         cmd.append("--insecure")
+    else:
+        cmd += ["--root-certificates", str(tls.ca_cert), "--auth-supernode-private-key", str(tls.key)]
     return cmd
 
 

@@ -9,15 +9,18 @@ from typing import Annotated
 
 import typer
 
-from quorumfl.aggregation.errors import FederationError
+from quorumfl.aggregation.errors import CredentialError, FederationError
 from quorumfl.client.data import prepare_partitions, read_partition
 from quorumfl.client.data.datasets import FASHION_MNIST_DIR
 from quorumfl.client.data.planted import plant_partitions
 
+from ..certs import Credentials, check_node_key, check_server
 from ..config import SecureMode
+from ..control import Control
 from ..demo import DemoSettings, run_demo
 from ..processes import (
     Child,
+    NodeCredentials,
     ProcessGroup,
     flower_env,
     free_port,
@@ -25,10 +28,11 @@ from ..processes import (
     supernode_command,
     wait_for_port,
 )
+from ..registration import sync_registrations
 from ..services import budget_view, run_view
 from ..state.database import connect
 from .cmd_runs import round_progress, round_reporter
-from .context import DEFAULT_SUPERLINK, settings
+from .context import DEFAULT_SUPERLINK, INSECURE_WARNING, settings
 from .output import console, err_console, print_json, table
 
 server_app = typer.Typer(help="The coordinating server (Flower SuperLink + QuorumFL state).", no_args_is_help=True)
@@ -78,11 +82,10 @@ def demo(
                   f"'quorumfl runs show {run.id}'")
 
 
-INSECURE_WARNING = (
-    "[yellow]warning: TLS and node authentication are not enabled in this release; traffic to and "
-    "from the SuperLink is unencrypted and any node that reaches it can join. Run it only on a "
-    "trusted network.[/yellow]"
-)
+CertsOpt = Annotated[Path | None, typer.Option("--certs", help="Credentials folder (default HOME/certs; "
+                                                                "'quorumfl certs init' makes it).")]
+InsecureOpt = Annotated[bool, typer.Option("--insecure", help="No TLS and no node authentication (warns); "
+                                                              "for a trusted, isolated network only.")]
 
 
 @server_app.command("start")
@@ -90,16 +93,33 @@ def server_start(
     ctx: typer.Context,
     port: Annotated[int, typer.Option(help="Port of the SuperLink's HTTP APIs (Fleet, Control, Runtime).")] = int(DEFAULT_SUPERLINK.rsplit(":", 1)[1]),
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    certs: CertsOpt = None,
+    insecure: InsecureOpt = False,
 ) -> None:
-    """Run the Flower SuperLink with the QuorumFL state DB until Ctrl-C."""
+    """Run the Flower SuperLink with TLS and SuperNode authentication, and the QuorumFL state DB, until
+    Ctrl-C. Registers the node keys of the credentials folder and unregisters retired ones."""
     state = settings(ctx)
-    err_console.print(INSECURE_WARNING)
+    creds: Credentials | None = None
+    if insecure:
+        err_console.print(INSECURE_WARNING)
+    else:
+        creds = Credentials(certs.expanduser().resolve()) if certs else state.credentials
+        check_server(creds)  # fail closed, before anything listens
     connect(state.db_url, migrate=True)
-    cmd = superlink_command(port=port, host=host, database=state.home / "superlink.db")
+    cmd = superlink_command(port=port, host=host, database=state.home / "superlink.db", tls=creds)
+    local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
     def ready(child: Child) -> None:
-        wait_for_port(host, port, timeout=60, process=child.process)
-        console.print(f"[green]SuperLink listening on {host}:{port}[/green]; state DB {state.db_url}; log {child.log}")
+        wait_for_port(local, port, timeout=60, process=child.process)
+        mode = "TLS, node authentication" if creds else "INSECURE"
+        console.print(f"[green]SuperLink listening on {host}:{port}[/green] ({mode}); state DB {state.db_url}; "
+                      f"log {child.log}", soft_wrap=True)
+        if creds is not None:
+            control = Control(f"{local}:{port}", insecure=False, root_certificates=str(creds.ca_cert))
+            report = sync_registrations(control, creds)
+            console.print(f"node keys: {len(report.kept) + len(report.registered)} registered"
+                          + (f" ({', '.join(n for n, _ in report.registered)} new)" if report.registered else "")
+                          + (f", {len(report.unregistered)} retired key(s) unregistered" if report.unregistered else ""))
 
     _run_in_foreground(flower_env(state.home, db_url=state.db_url), state.home / "logs", "superlink", cmd, ready)
 
@@ -118,6 +138,9 @@ def node_start(
         help="Training processes: gloo workers on CPU; on CUDA the GPUs to use (0 = every GPU, or 1 on CPU).")] = 0,
     checkpoint_every: Annotated[int, typer.Option(
         help="Checkpoint local training every N steps; a crashed round resumes from it (0 = off).")] = 0,
+    ca_cert: Annotated[Path | None, typer.Option(help="Federation CA certificate (default HOME/certs/ca.crt).")] = None,
+    key: Annotated[Path | None, typer.Option(help="This node's private key (default HOME/certs/nodes/DEPARTMENT.key).")] = None,
+    insecure: InsecureOpt = False,
 ) -> None:
     """Run a Flower SuperNode that serves the QuorumFL ClientApp on DATA, until Ctrl-C."""
     state = settings(ctx)
@@ -127,14 +150,21 @@ def node_start(
         if not dp_budget > 0:
             raise typer.BadParameter(f"--dp-budget must be > 0, got {dp_budget}")
         extra["dp-budget"] = dp_budget
-    err_console.print(INSECURE_WARNING)
+    tls: NodeCredentials | None = None
+    if insecure:
+        err_console.print(INSECURE_WARNING)
+    else:
+        tls = NodeCredentials((ca_cert or state.credentials.ca_cert).expanduser().resolve(),
+                              (key or state.credentials.node_key(department)).expanduser().resolve())
+        check_node_key(tls.key, tls.ca_cert)  # fail closed, before connecting
     part = read_partition(data)  # fail here, clearly, rather than in every round
     console.print(f"{department}: {len(part.train)} training and {len(part.test)} test examples of {part.dataset}")
     cmd = supernode_command(superlink=superlink, port=port or free_port(), data_path=data.resolve(), department=department,
-                            node_config=extra)
+                            node_config=extra, tls=tls)
     _run_in_foreground(
         flower_env(state.home), state.home / "logs", f"node-{department}", cmd,
-        lambda child: console.print(f"[green]node {department} started[/green]; log {child.log}"),
+        lambda child: console.print(f"[green]node {department} started[/green] "
+                                    f"({'TLS, authenticated' if tls else 'INSECURE'}); log {child.log}"),
     )
 
 
@@ -170,6 +200,10 @@ def _run_in_foreground(
         on_started(child)
         code = child.process.wait()
     if code != 0:
+        tail = group.tail(child, 40)
+        if "Failed to activate SuperNode" in tail:  # Flower (exit 305): the SuperLink refused the node's key
+            raise CredentialError(f"the SuperLink refused {name}: its key is not registered there (or was revoked); "
+                                  f"the admin registers it with 'quorumfl certs register'. See {child.log}")
         raise FederationError(f"{name} exited with code {code}; see {child.log}")
 
 

@@ -13,7 +13,6 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from quorumfl.aggregation.errors import ConfigError
 
 from ..config import RunConfig, load_run_config_file
-from ..control import Control
 from ..services import follow_run, round_view, run_summary, run_view
 from ..state.orm import Round, Run
 from ..state.repository import Repository, RunStatus
@@ -25,6 +24,8 @@ rounds_app = typer.Typer(help="Inspect the rounds of a run.", no_args_is_help=Tr
 
 FormatOpt = Annotated[Format, typer.Option("--format", help="Output format.")]
 SuperlinkOpt = Annotated[str, typer.Option("--superlink", help="SuperLink address HOST:PORT (Control API).")]
+InsecureOpt = Annotated[bool, typer.Option("--insecure", help="The SuperLink runs without TLS (warns).")]
+CaCertOpt = Annotated[Path | None, typer.Option("--ca-cert", help="Federation CA certificate (default HOME/certs/ca.crt).")]
 
 
 def _parse_override(item: str) -> tuple[str, Any]:
@@ -70,12 +71,14 @@ def start(
     superlink: SuperlinkOpt = DEFAULT_SUPERLINK,
     follow: Annotated[bool, typer.Option(help="Show progress until the run ends.")] = False,
     timeout: Annotated[float, typer.Option(help="With --follow: give up after this many seconds.")] = 3600.0,
+    insecure: InsecureOpt = False,
+    ca_cert: CaCertOpt = None,
 ) -> None:
     """Submit a run of the QuorumFL app to the SuperLink (as `flwr run` does)."""
     values = load_run_config_file(config)
     values.update(dict(_parse_override(o) for o in override or []))
     resolved = RunConfig.from_mapping(values)
-    control = Control(superlink)
+    control = settings(ctx).control(superlink, insecure=insecure, ca_cert=ca_cert)
     flower_run_id = control.start_run(values)
     console.print(f"[green]started run {flower_run_id}[/green] ({resolved.strategy}, {resolved.num_rounds} rounds)")
     if follow:
@@ -126,7 +129,8 @@ def show(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (Qu
 
 
 @runs_app.command("stop")
-def stop(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (QuorumFL or Flower).")], superlink: SuperlinkOpt = DEFAULT_SUPERLINK) -> None:
+def stop(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (QuorumFL or Flower).")],
+         superlink: SuperlinkOpt = DEFAULT_SUPERLINK, insecure: InsecureOpt = False, ca_cert: CaCertOpt = None) -> None:
     """Stop a running run at the SuperLink and record it as stopped."""
     repo = settings(ctx).repository()
     record = repo.get_run(run)
@@ -134,7 +138,7 @@ def stop(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (Qu
         raise ConfigError(f"run {record.id} is already {record.status}; only running runs can be stopped")
     if record.flower_run_id is None:
         raise ConfigError(f"run {record.id} has no Flower run id to stop")
-    Control(superlink).stop_run(record.flower_run_id)
+    settings(ctx).control(superlink, insecure=insecure, ca_cert=ca_cert).stop_run(record.flower_run_id)
     repo.abort_running_rounds(record.id, "run stopped by the admin")
     repo.finish_run(record.id, RunStatus.STOPPED, error="stopped by the admin")
     console.print(f"run {record.id} stopped")

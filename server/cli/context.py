@@ -8,10 +8,18 @@ from pathlib import Path
 
 import typer
 
+from ..certs import Credentials
+from ..control import Control
 from ..state.database import connect, default_home, default_url
 from ..state.repository import Repository
 
-__all__ = ["DEFAULT_SUPERLINK", "Settings", "settings"]
+__all__ = ["DEFAULT_SUPERLINK", "INSECURE_WARNING", "Settings", "settings"]
+
+INSECURE_WARNING = (
+    "[yellow]warning: --insecure: no TLS and no node authentication. Traffic to and from the SuperLink "
+    "(model updates, run config) is unencrypted and any process that reaches its port can join as a "
+    "node or control runs. Use this only on a trusted, isolated network.[/yellow]"
+)
 
 DEFAULT_SUPERLINK = os.environ.get("QUORUMFL_SUPERLINK", "127.0.0.1:9093")
 
@@ -24,6 +32,27 @@ class Settings:
 
     def repository(self, *, migrate: bool = False) -> Repository:
         return Repository(connect(self.db_url, migrate=migrate))
+
+    @property
+    def credentials(self) -> Credentials:
+        """The federation's credentials folder (``quorumfl certs init`` makes it)."""
+        return Credentials(self.home / "certs")
+
+    def control(self, superlink: str, *, insecure: bool = False, ca_cert: Path | None = None) -> Control:
+        """A Control API client: TLS verified against the federation CA unless ``insecure``."""
+        if insecure:
+            from .output import err_console
+
+            err_console.print(INSECURE_WARNING)
+            return Control(superlink)
+        ca = ca_cert or self.credentials.ca_cert
+        if not ca.exists():
+            from quorumfl.aggregation.errors import CredentialError
+
+            raise CredentialError(f"no CA certificate at {ca} to verify the SuperLink; run 'quorumfl certs init' "
+                                  "(admin), copy the federation's ca.crt there or pass --ca-cert, or pass "
+                                  "--insecure for a SuperLink started with --insecure")
+        return Control(superlink, insecure=False, root_certificates=str(ca))
 
 
 def settings(ctx: typer.Context) -> Settings:

@@ -13,6 +13,7 @@
 | 8    | Flower federation failed or unreachable (FederationError) |
 | 9    | model or aggregation error (ModelError, AggregationError) |
 | 10   | edge artifact refused or sync failed (ArtifactError); other edge errors (EdgeError) |
+| 11   | TLS or node credentials missing, invalid or expired (CredentialError) |
 | 130  | interrupted (Ctrl-C) |
 """
 
@@ -22,6 +23,7 @@ from quorumfl.aggregation.errors import (
     AggregationError,
     ArtifactError,
     ConfigError,
+    CredentialError,
     DataError,
     EdgeError,
     FederationError,
@@ -46,6 +48,7 @@ EXIT_CODES: list[tuple[type[QuorumError], int]] = [
     (AggregationError, 9),
     (ArtifactError, 10),
     (EdgeError, 10),
+    (CredentialError, 11),
 ]
 
 

@@ -19,6 +19,7 @@ from quorumfl.aggregation.errors import QuorumError
 
 from ..processes import terminate_on_signals
 from ..state.database import default_home, default_url
+from .cmd_certs import certs_app
 from .cmd_edge import edge_app, promote
 from .cmd_federation import data_app, db_app, demo, node_app, server_app
 from .cmd_keys import keys_app
@@ -49,6 +50,7 @@ app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
 app.add_typer(selection_app, name="selection")
 app.add_typer(edge_app, name="edge")
+app.add_typer(certs_app, name="certs")
 models_app.command("promote")(promote)
 
 

@@ -1,4 +1,6 @@
-"""The admin workflow with the CLI alone: `server start`, `data split`, `node start`, `runs start --follow`."""
+"""The admin workflow with the CLI alone: `certs init`, `server start`, `data split`, `node start`,
+`runs start --follow`, with TLS and node authentication (the default); a node whose key the
+federation did not issue is refused, and so is a revoked one."""
 
 from __future__ import annotations
 
@@ -24,6 +26,12 @@ def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=120, check=False,
     )
     assert split.returncode == 0, split.stderr
+    init = subprocess.run(_cli(home, "certs", "init", "--nodes", "tax-office,parks"), capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert init.returncode == 0, init.stdout + init.stderr
+    rogue = subprocess.run(_cli(tmp_path / "rogue", "certs", "init", "--nodes", "parks"), capture_output=True,
+                           text=True, timeout=120, check=False)
+    assert rogue.returncode == 0, rogue.stderr
     logs = tmp_path / "logs"
     logs.mkdir()
     started: list[subprocess.Popen[bytes]] = []
@@ -55,6 +63,26 @@ def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
         nodes = json.loads(subprocess.run(_cli(home, "nodes", "list", "--format", "json"), capture_output=True, text=True,
                                           timeout=120, check=False).stdout)
         assert sorted(n["department"] for n in nodes) == ["parks", "tax-office"]
+
+        # A key the federation did not issue (same name, another CA's folder) is refused at the SuperLink.
+        refused = subprocess.run(
+            _cli(home, "node", "start", "--department", "parks", "--data", str(tmp_path / "parts" / "parks"),
+                 "--superlink", f"127.0.0.1:{port}", "--key", str(tmp_path / "rogue" / "certs" / "nodes" / "parks.key")),
+            capture_output=True, text=True, timeout=120, check=False)
+        assert refused.returncode == 11, refused.stdout + refused.stderr
+        assert "refused" in refused.stderr and "not registered" in refused.stderr
+        # Without TLS the SuperLink does not answer the Control API either.
+        plain = subprocess.run(
+            _cli(home, "runs", "start", str(config), "--superlink", f"127.0.0.1:{port}", "--insecure"),
+            capture_output=True, text=True, timeout=120, check=False)
+        assert plain.returncode == 8 and "warning: --insecure" in plain.stderr, plain.stdout + plain.stderr
+        # Revoking a node's key cuts it off: its SuperNode leaves the federation.
+        revoked = subprocess.run(_cli(home, "certs", "revoke", "parks", "--superlink", f"127.0.0.1:{port}"),
+                                 capture_output=True, text=True, timeout=120, check=False)
+        assert revoked.returncode == 0, revoked.stdout + revoked.stderr
+        assert "unregistered retired key parks" in revoked.stdout
+        parks = started[2]
+        parks.wait(timeout=60)
     finally:
         for proc in started:
             proc.send_signal(signal.SIGTERM)
