@@ -34,15 +34,17 @@ __all__ = ["compressed_update", "shared_update_vector"]
 
 def _step(context: Context, local: LocalTraining) -> tuple[dict[str, Encoded], dict[str, NDArray[np.float32]]]:
     """Run error feedback for this round: the encoding, and the update it decodes to (what the server gets)."""
+    from .steps import run_state_key  # steps imports this module
+
     config: TrainConfig = local.config
     feedback = ErrorFeedback(Scheme(config.compression), config.compression_fraction)
     store = PersonalStore.for_node(dict(context.node_config), int(context.node_id), kind="residual")
-    residual = store.load(str(context.run_id))
+    residual = store.load(run_state_key(context))
     update = {k: np.asarray(local.trained[k], np.float32) - np.asarray(local.received[k], np.float32)
               for k in local.trained}
     encoded, new_residual = feedback.step(update, residual, seed=config.compression_seed,
                                           full=config.compression_full)
-    store.save(str(context.run_id), dict(new_residual))
+    store.save(run_state_key(context), dict(new_residual))
     decoded = decode_arrays(encoded, fraction=config.compression_fraction, seed=config.compression_seed)
     return encoded, decoded
 

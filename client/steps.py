@@ -63,11 +63,21 @@ class LocalTraining:
     cluster: int | None = None
 
 
+def run_state_key(context: Context) -> str:
+    """The key of the node's per-run state (personal model, compression residual, ε reservations,
+    training checkpoint): the Flower run id, or, for a run the server resumed as a new Flower run,
+    the original run's id (run config ``node-state-key``), so that state carries over."""
+    key = context.run_config.get("node-state-key", "")
+    if isinstance(key, str) and key.isdigit() and len(key) <= 20:
+        return key
+    return str(context.run_id)
+
+
 def _personal(context: Context, config: TrainConfig) -> tuple[PersonalStore | None, Arrays | None]:
     if Personalisation(config.personalisation) is Personalisation.NONE:
         return None, None
     store = PersonalStore.for_node(dict(context.node_config), int(context.node_id))
-    return store, store.load(str(context.run_id))
+    return store, store.load(run_state_key(context))
 
 
 DEFAULT_DP_BUDGET = 10.0
@@ -91,7 +101,7 @@ def _privacy_gate(context: Context, config: TrainConfig) -> PrivacyGate | None:
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
         raise ConfigError(f"node config 'dp-budget' must be a number > 0, got {budget!r}")
     ledger = Ledger.open(Path(str(node_config["data-path"])))
-    run, number = str(context.run_id), config.server_round
+    run, number = run_state_key(context), config.server_round
     return PrivacyGate(charge=lambda entry: ledger.reserve(run, number, entry, delta=config.dp_delta,
                                                            budget=float(budget)),
                        noise_for=ledger.noise_for_target)
@@ -105,12 +115,12 @@ def train_received(msg: Message, context: Context) -> LocalTraining:
     engine = EngineSettings.from_node_config(node_config)
     # One checkpoint file per run: its fingerprint ties it to the round's job, so a crash mid-training
     # resumes when the same job is asked again, and any other job starts afresh.
-    checkpoint = node_state_dir(node_config, int(context.node_id)) / "checkpoints" / f"train-{context.run_id}.pt"
+    checkpoint = node_state_dir(node_config, int(context.node_id)) / "checkpoints" / f"train-{run_state_key(context)}.pt"
     work = train_round(config, candidate_models(msg.content), personal, part.train, part.test,
                        engine=engine, checkpoint=checkpoint if engine.checkpoint_every else None,
                        privacy=_privacy_gate(context, config))
     if store is not None and work.personal is not None:
-        store.save(str(context.run_id), work.personal)
+        store.save(run_state_key(context), work.personal)
     log.info("round %s: %s trained on %s examples", config.server_round, department, work.num_examples)
     return LocalTraining(config, department, work.received, work.shared, work.num_examples, work.train_loss,
                          work.metrics, work.cluster)

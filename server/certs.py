@@ -145,6 +145,7 @@ def init_credentials(root: Path, *, hosts: Sequence[str], nodes: Sequence[str], 
         raise ConfigError(f"--nodes names a node twice: {', '.join(nodes)}")
     if days < 1:
         raise ConfigError(f"--days must be at least 1, got {days}")
+    _san(hosts)  # every argument is checked before the first file is written
     key = ec.generate_private_key(CURVE)
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "QuorumFL federation CA")])
     now = _now()

@@ -108,6 +108,8 @@ DEFAULTS: dict[str, Any] = {
     "selection-key": "",
     "round-deadline": 0.0,
     "over-selection": 0.0,
+    "resume-run": 0,
+    "node-state-key": "",
 }
 
 
@@ -163,6 +165,8 @@ class RunConfig:
     selection_key: str
     round_deadline: float
     over_selection: float
+    resume_run: int
+    node_state_key: str
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
@@ -277,7 +281,11 @@ class RunConfig:
             selection_key=text("selection-key"),
             round_deadline=number("round-deadline", float, low=0.0),
             over_selection=number("over-selection", float, low=0.0, high=10.0),
+            resume_run=number("resume-run", int, low=0),
+            node_state_key=text("node-state-key"),
         )
+        if config.node_state_key and not (config.node_state_key.isdigit() and len(config.node_state_key) <= 20):
+            problems.append(f"node-state-key must be a Flower run id (digits), got {config.node_state_key!r}")
         if config.selector not in SELECTORS:
             problems.append(f"selector must be one of {list(SELECTORS)}, got {config.selector!r}")
         if config.selection_epochs and config.local_epochs not in config.selection_epochs:

@@ -390,26 +390,31 @@ class Federation:
 
     # ---- the loop ---------------------------------------------------------------------------
     def run(self, *, on_round: Callable[[int, dict[str, float]], None] | None = None) -> int:
-        """Run all rounds; returns the QuorumFL run id. The run is marked failed on any error."""
+        """Run all rounds; returns the QuorumFL run id. The run is marked failed on any error.
+        With ``resume-run``, an interrupted run continues after its last finished round."""
         config = self.config
-        run = self.repo.create_run(
-            flower_run_id=self.flower_run_id,
-            config=config.resolved(),
-            strategy=config.strategy.value,
-            num_rounds=config.num_rounds,
-        )
+        if config.resume_run:
+            run = self._take_up(config.resume_run)
+        else:
+            run = self.repo.create_run(
+                flower_run_id=self.flower_run_id,
+                config=config.resolved(),
+                strategy=config.strategy.value,
+                num_rounds=config.num_rounds,
+            )
         if config.secure_aggregation is SecureMode.CKKS:
             self.ckks = CkksSession(config, self._exchange, run_id=self.flower_run_id or 0,
                                     audit=_RepoAudit(self, run.id), clock=self.clock)
         try:
             _, test = holdout_split(config.dataset, seed=config.seed, data_dir=config.data_path())
             lineages, models, parents = self._initial(test)
+            first, completed, seen = 1, 0, set[int]()
+            if config.resume_run:
+                first, completed, seen = self._resume_point(run, lineages, models, parents)
             model = build_model(config.model, test.input_shape, test.num_classes)
             self._restore_selector()
             self._accuracy, self._loss = self._server_evaluation(model, models[0], test)
-            seen: set[int] = set()
-            completed = 0
-            for number in range(1, config.num_rounds + 1):
+            for number in range(first, config.num_rounds + 1):
                 if self.repo.run_status(run.id) is RunStatus.STOPPED:
                     log.info("run %s was stopped by the admin before round %s", run.id, number)
                     return run.id
@@ -434,6 +439,44 @@ class Federation:
             raise
         self.repo.finish_run(run.id, RunStatus.COMPLETED)
         return run.id
+
+    # ---- resuming an interrupted run -----------------------------------------------------------
+    def _take_up(self, run_id: int) -> Any:
+        """The interrupted run, checked against this config (the same run, not a look-alike)."""
+        stored = self.repo.get_run(run_id)
+        ignored = {"resume-run", "node-state-key"}
+        mine = {k: v for k, v in self.config.resolved().items() if k not in ignored}
+        theirs = {k: v for k, v in stored.config.items() if k not in ignored}
+        differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        if differ:
+            raise ConfigError(f"resume-run {run_id}: this config differs from the run's stored config in {differ}; "
+                              f"resume it with 'quorumfl runs resume {run_id}', which sends the stored config")
+        run = self.repo.resume_run(run_id, flower_run_id=self.flower_run_id,
+                                   reason="interrupted: the server stopped during this round; redone after resume")
+        log.info("resuming run %s as Flower run %s", run_id, self.flower_run_id)
+        return run
+
+    def _resume_point(self, run: Any, lineages: list[str], models: list[Arrays],
+                      parents: list[int | None]) -> tuple[int, int, set[int]]:
+        """Load the models of the last completed round into ``models``/``parents``; returns the first
+        round to run, the rounds completed so far and the nodes that took part in them."""
+        rounds = self.repo.list_rounds(run.id)
+        finished = [r for r in rounds if r.status in (RoundStatus.COMPLETED, RoundStatus.FAILED)]
+        done = [r for r in finished if r.status == RoundStatus.COMPLETED]
+        seen = {int(n) for r in done for n in r.participants}
+        if done:
+            last = max(r.number for r in done)
+            versions = [v for v in self.repo.list_model_versions(run_id=run.id) if v.round == last]
+            for k, lineage in enumerate(lineages):
+                matching = [v for v in versions if v.architecture == lineage]
+                if not matching:
+                    raise FederationError(f"run {run.id}: round {last} completed but has no stored model version for "
+                                          f"{lineage}; it cannot be resumed")
+                version = matching[-1]
+                models[k], parents[k] = self.store.load(version.path, version.sha256), version.id
+        first = max((r.number for r in finished), default=0) + 1
+        log.info("run %s resumes at round %s after %s completed round(s)", run.id, first, len(done))
+        return first, len(done), seen
 
     def _round(
         self,

@@ -29,6 +29,7 @@ from ..processes import (
     wait_for_port,
 )
 from ..registration import sync_registrations
+from ..resume import resume_interrupted
 from ..services import budget_view, run_view
 from ..state.database import connect
 from .cmd_runs import round_progress, round_reporter
@@ -95,9 +96,12 @@ def server_start(
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     certs: CertsOpt = None,
     insecure: InsecureOpt = False,
+    resume: Annotated[bool, typer.Option(help="Resume the runs a crashed server left running (from their last "
+                                              "completed round).")] = True,
 ) -> None:
     """Run the Flower SuperLink with TLS and SuperNode authentication, and the QuorumFL state DB, until
-    Ctrl-C. Registers the node keys of the credentials folder and unregisters retired ones."""
+    Ctrl-C. Registers the node keys of the credentials folder and unregisters retired ones; resumes
+    the runs an interrupted server left behind."""
     state = settings(ctx)
     creds: Credentials | None = None
     if insecure:
@@ -114,12 +118,16 @@ def server_start(
         mode = "TLS, node authentication" if creds else "INSECURE"
         console.print(f"[green]SuperLink listening on {host}:{port}[/green] ({mode}); state DB {state.db_url}; "
                       f"log {child.log}", soft_wrap=True)
+        control = Control(f"{local}:{port}", insecure=creds is None,
+                          root_certificates=str(creds.ca_cert) if creds else None)
         if creds is not None:
-            control = Control(f"{local}:{port}", insecure=False, root_certificates=str(creds.ca_cert))
             report = sync_registrations(control, creds)
             console.print(f"node keys: {len(report.kept) + len(report.registered)} registered"
                           + (f" ({', '.join(n for n, _ in report.registered)} new)" if report.registered else "")
                           + (f", {len(report.unregistered)} retired key(s) unregistered" if report.unregistered else ""))
+        if resume:
+            for run_id, flower_run_id in resume_interrupted(state.repository(), control):
+                console.print(f"[yellow]run {run_id} was interrupted; resumed as Flower run {flower_run_id}[/yellow]")
 
     _run_in_foreground(flower_env(state.home, db_url=state.db_url), state.home / "logs", "superlink", cmd, ready)
 

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from quorumfl.aggregation.errors import ConfigError
 
 from ..config import RunConfig, load_run_config_file
+from ..resume import resume_run
 from ..services import follow_run, round_view, run_summary, run_view
 from ..state.orm import Round, Run
 from ..state.repository import Repository, RunStatus
@@ -90,6 +91,16 @@ def start(
                 alive=lambda: not control.run_finished(flower_run_id),
             )
         console.print(f"run {run.id}: {run.status}" + (f" ({run.error})" if run.error else ""))
+
+
+@runs_app.command("resume")
+def resume(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (QuorumFL or Flower).")],
+           superlink: SuperlinkOpt = DEFAULT_SUPERLINK, insecure: InsecureOpt = False, ca_cert: CaCertOpt = None) -> None:
+    """Continue an interrupted run from its last completed round (its unfinished round is redone)."""
+    state = settings(ctx)
+    flower_run_id = resume_run(state.repository(), state.control(superlink, insecure=insecure, ca_cert=ca_cert), run)
+    console.print(f"[green]run {run} resumed as Flower run {flower_run_id}[/green]; follow it with "
+                  f"'quorumfl runs show {run}'")
 
 
 @runs_app.command("list")

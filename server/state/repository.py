@@ -131,6 +131,31 @@ class Repository:
 
         self._write(op)
 
+    def resume_run(self, run_id: int, *, flower_run_id: int | None, reason: str) -> Run:
+        """Take up an interrupted run (status running or failed) as Flower run ``flower_run_id``: its
+        unfinished rounds are recorded as aborted with ``reason`` and it is running again."""
+
+        def op(s: Session) -> Run:
+            run = s.scalar(select(Run).where(Run.id == run_id).options(selectinload(Run.rounds)))
+            if run is None:
+                raise NotFoundError(f"run {run_id} does not exist; 'quorumfl runs list' shows the runs")
+            if run.status not in (RunStatus.RUNNING, RunStatus.FAILED):
+                raise ConfigError(f"run {run_id} is {run.status}; only an interrupted (running or failed) run "
+                                  "can be resumed")
+            for rnd in run.rounds:
+                if rnd.status == RoundStatus.RUNNING:
+                    rnd.status = RoundStatus.ABORTED
+                    rnd.error = reason
+                    rnd.finished_at = utcnow()
+            run.flower_run_id = flower_run_id
+            run.status = RunStatus.RUNNING
+            run.error = None
+            run.finished_at = None
+            s.flush()
+            return run
+
+        return self._write(op)  # type: ignore[no-any-return]
+
     def run_status(self, run_id: int) -> RunStatus:
         status = self._read(lambda s: s.scalar(select(Run.status).where(Run.id == run_id)))
         if status is None:

@@ -112,8 +112,10 @@ def test_flowers_own_flwr_run_drives_the_app(deployment: Deployment, tmp_path: P
     d = deployment
     flwr_home = tmp_path / "flwr-cli"
     flwr_home.mkdir()
+    assert d.federation.credentials is not None  # TLS, as every federation runs by default
     (flwr_home / "config.toml").write_text(
-        f'[superlink]\ndefault = "quorumfl"\n\n[superlink.quorumfl]\naddress = "{d.federation.address}"\ninsecure = true\n'
+        f'[superlink]\ndefault = "quorumfl"\n\n[superlink.quorumfl]\naddress = "{d.federation.address}"\n'
+        f'root-certificates = "{d.federation.credentials.ca_cert}"\n'
     )
     overrides = f"num-rounds=1 local-epochs=1 start-from='fresh' state-url='{d.db_url}' model-dir='{d.home / 'models'}'"
     result = subprocess.run(
