@@ -59,6 +59,7 @@ from .selection import (
     build_selector,
     check_selection,
 )
+from .state.orm import Run
 from .state.repository import Repository, RoundStatus, RunStatus
 from .strategies import ClusteredFedAvg, ClusteredResult, FedAvg, FedPer, build_strategy
 
@@ -441,7 +442,7 @@ class Federation:
         return run.id
 
     # ---- resuming an interrupted run -----------------------------------------------------------
-    def _take_up(self, run_id: int) -> Any:
+    def _take_up(self, run_id: int) -> Run:
         """The interrupted run, checked against this config (the same run, not a look-alike)."""
         stored = self.repo.get_run(run_id)
         ignored = {"resume-run", "node-state-key"}
@@ -456,7 +457,7 @@ class Federation:
         log.info("resuming run %s as Flower run %s", run_id, self.flower_run_id)
         return run
 
-    def _resume_point(self, run: Any, lineages: list[str], models: list[Arrays],
+    def _resume_point(self, run: Run, lineages: list[str], models: list[Arrays],
                       parents: list[int | None]) -> tuple[int, int, set[int]]:
         """Load the models of the last completed round into ``models``/``parents``; returns the first
         round to run, the rounds completed so far and the nodes that took part in them."""
