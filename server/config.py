@@ -108,6 +108,7 @@ DEFAULTS: dict[str, Any] = {
     "selection-key": "",
     "round-deadline": 0.0,
     "over-selection": 0.0,
+    "max-reply-mb": 1024.0,
     "resume-run": 0,
     "node-state-key": "",
 }
@@ -165,6 +166,7 @@ class RunConfig:
     selection_key: str
     round_deadline: float
     over_selection: float
+    max_reply_mb: float
     resume_run: int
     node_state_key: str
 
@@ -281,6 +283,7 @@ class RunConfig:
             selection_key=text("selection-key"),
             round_deadline=number("round-deadline", float, low=0.0),
             over_selection=number("over-selection", float, low=0.0, high=10.0),
+            max_reply_mb=number("max-reply-mb", float, low=0.0),
             resume_run=number("resume-run", int, low=0),
             node_state_key=text("node-state-key"),
         )
@@ -376,12 +379,24 @@ class RunConfig:
         return Path(os.environ.get("QUORUMFL_MODEL_DIR") or default_home() / "models")
 
 
+MAX_CONFIG_BYTES = 2**20
+
+
 def load_run_config_file(path: Path) -> dict[str, Any]:
-    """Read a run-config TOML file: run keys at top level or under a ``[run]`` table."""
+    """Read a run-config TOML file (UTF-8, at most 1 MiB): run keys at top level or under ``[run]``."""
     try:
-        data = tomllib.loads(path.read_text())
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except FileNotFoundError:
         raise ConfigError(f"run config file {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"run config file {path} cannot be read: {exc.strerror}") from exc
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"run config file {path} is over {MAX_CONFIG_BYTES // 2**20} MiB; a run config is a few lines")
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
     values = data.get("run", data)

@@ -22,25 +22,18 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from numpy.typing import NDArray
 
-from quorumfl.aggregation import NodeUpdate, aggregate_weighted_metrics
-from quorumfl.aggregation.clustering import Repair
 from quorumfl.aggregation.compression import warmup_fraction
-from quorumfl.aggregation.errors import ConfigError, FederationError, QuorumError
+from quorumfl.aggregation.errors import ConfigError, FederationError
 from quorumfl.client.data.datasets import Dataset, holdout_split
 from quorumfl.client.models import architecture_key, arrays_to_model, build_model, model_to_arrays
 from quorumfl.client.training import evaluate
 from quorumfl.client.wire import (
     ARRAYS,
-    COMPRESSION,
     CONFIG,
     METRICS,
-    REFUSAL,
-    UPDATE,
     TrainConfig,
     cluster_key,
-    decode_update,
     department_of,
-    from_array_record,
     to_array_record,
 )
 
@@ -49,6 +42,13 @@ from .config import DpMode, RunConfig, SecureMode, StartFrom
 from .model_store import ModelStore
 from .phase import TrainPhase
 from .pulling import ReplyPuller
+from .replies import (
+    ReplyError,
+    aggregate_train_replies,
+    cluster_of_metrics,
+    describe_repairs,
+    parse_train_reply,
+)
 from .secure import MaskingSession
 from .selection import (
     NodeResult,
@@ -71,39 +71,6 @@ IFCA_PICK = "query.ifca_pick"
 Arrays = dict[str, NDArray[np.generic]]
 
 
-class ReplyError(QuorumError):
-    """A node's reply does not follow the message contract."""
-
-
-class RefusedError(ReplyError):
-    """The node declined to train this round (its ε budget, or it requires DP); ``reason`` is its own."""
-
-
-def check_refusal(reply: Message) -> None:
-    if REFUSAL in reply.content.config_records:
-        reason = reply.content.config_records[REFUSAL].get("reason", "no reason given")
-        raise RefusedError(f"refused: {reason!s}")
-
-
-@dataclass(frozen=True)
-class TrainReply:
-    node_id: int
-    department: str | None
-    update: NodeUpdate
-    metrics: dict[str, float]
-
-    def cluster(self, clusters: int) -> int:
-        """The cluster the node says it trained (IFCA), checked against the number of clusters."""
-        return cluster_of_metrics(self.metrics, clusters)
-
-
-def cluster_of_metrics(metrics: dict[str, float], clusters: int) -> int:
-    value = metrics.get("cluster")
-    if value is None or not float(value).is_integer() or not 0 <= value < clusters:
-        raise ReplyError(f"reply names cluster {value!r}; expected a whole number in 0..{clusters - 1}")
-    return int(value)
-
-
 def distributed_noise(config: RunConfig) -> float | None:
     """Distributed DP: σ of the Gaussian mechanism on each revealed sum, for the run's target ε over its
     rounds with q = fraction-train (or the configured σ); None in the other modes."""
@@ -115,43 +82,6 @@ def distributed_noise(config: RunConfig) -> float | None:
                                                            config.num_rounds)
     log.info("distributed DP: noise multiplier %.3f on each revealed sum (clip %s)", sigma, config.dp_clip)
     return sigma
-
-
-def parse_train_reply(node_id: int, reply: Message, bases: Sequence[Arrays]) -> TrainReply:
-    """Check a train reply's structure and decode a compressed update against the model the node was
-    sent (``bases``: the global model, or the K cluster models); the arrays themselves are checked by
-    the aggregator. The payload's size goes into the metrics as ``uplink-bytes``."""
-    content = reply.content
-    check_refusal(reply)
-    if ARRAYS not in content.array_records and UPDATE not in content.array_records:
-        raise ReplyError("reply has no 'arrays' or 'update' record")
-    if METRICS not in content.metric_records:
-        raise ReplyError("reply has no 'metrics' record")
-    metrics: dict[str, float] = {}
-    for key, value in content.metric_records[METRICS].items():
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            metrics[key] = float(value)
-    examples = metrics.get("num-examples")
-    if examples is None:
-        raise ReplyError("reply metrics have no 'num-examples'")
-    try:
-        if ARRAYS in content.array_records:
-            record = content.array_records[ARRAYS]
-            arrays = from_array_record(record)
-        else:
-            record = content.array_records[UPDATE]
-            if COMPRESSION not in content.config_records:
-                raise ReplyError("a compressed reply has no 'compression' record")
-            base = bases[cluster_of_metrics(metrics, len(bases))] if len(bases) > 1 else bases[0]
-            delta = decode_update(record, content.config_records[COMPRESSION], {k: v.shape for k, v in base.items()})
-            arrays = {k: (np.asarray(base[k], np.float32) + delta[k]).astype(base[k].dtype) for k in base}
-    except ReplyError:
-        raise
-    except Exception as exc:  # a malformed record from a remote node must not stop the round
-        raise ReplyError(f"reply arrays cannot be decoded ({exc})") from exc
-    metrics["uplink-bytes"] = float(sum(len(a.data) for a in record.values()))
-    update = NodeUpdate(node=str(node_id), arrays=arrays, weight=examples)
-    return TrainReply(node_id, department_of(content), update, metrics)
 
 
 @dataclass
@@ -213,6 +143,7 @@ class Federation:
         self._quota: int | None = None  # over-selection: the train stage stops after this many good replies
         self._arrivals: dict[int, float] = {}  # seconds from sending the train request to each reply
         self._cut_at: float | None = None  # when the train stage stopped waiting for the over-selected
+        self._stray: list[tuple[int, str]] = []  # replies this round refused as answering no request
 
     # ---- helpers ----------------------------------------------------------------------------
     def _federation_epsilon(self, rounds: int) -> float:
@@ -330,7 +261,9 @@ class Federation:
         def take(reply: Message) -> None:
             node = destination.get(reply.metadata.reply_to_message_id)
             if node is None or node not in expected:
-                log.warning("ignoring a reply that answers no open request (from node %s)", reply.metadata.src_node_id)
+                reason = "reply answers no open request of this stage (replayed, duplicated or unsolicited)"
+                log.warning("refusing a reply from node %s: %s", reply.metadata.src_node_id, reason)
+                self._stray.append((int(reply.metadata.src_node_id), f"{stage}: {reason}"))
                 return
             if (reply.has_error() and reply.error.code == ErrorCode.CLIENT_APP_CRASHED
                     and attempts.get(node, 0) < retries and self.clock() < deadline):
@@ -521,6 +454,9 @@ class Federation:
         for node, (stage, reason) in outcome.failures.items():
             self.repo.add_failure(rnd.id, node, stage=stage, reason=reason)
             log.warning("round %s: node %s failed at %s: %s", number, node, stage, reason)
+        for node, reason in self._stray:
+            self.repo.add_failure(rnd.id, node, stage="rejected", reason=reason)
+        self._stray = []
 
         new_models = phase.models if phase.models is not None else ([phase.arrays] if phase.arrays is not None else None)
         if new_models is None or len(phase.accepted) < config.min_nodes:
@@ -708,7 +644,7 @@ class Federation:
             members = [[n for n, c in phase.assignments.items() if c == k] for k in range(len(models))]
             repaired = self.strategy.repair(number, ClusteredResult(models=phase.models, members=members))
             phase.models = repaired.models
-            phase.repairs = _describe(repaired.repairs)
+            phase.repairs = describe_repairs(repaired.repairs)
         return phase
 
     def _plaintext_phase(
@@ -724,45 +660,9 @@ class Federation:
         timings["train"] = self.clock() - start
 
         start = self.clock()
-        parsed: list[TrainReply] = []
-        clusters: dict[int, int] = {}
-        for node, reply in replies:
-            try:
-                item = parse_train_reply(node, reply, models)
-                if len(models) > 1:
-                    clusters[node] = item.cluster(len(models))
-            except ReplyError as exc:
-                outcome.failures[node] = ("dp-budget" if isinstance(exc, RefusedError) else "train", str(exc))
-                continue
-            parsed.append(item)
-        phase = TrainPhase(arrays=None)
-        if isinstance(self.strategy, ClusteredFedAvg) and len(models) > 1:
-            clustered = self.strategy.aggregate_clusters(number, models, ((clusters[p.node_id], p.update) for p in parsed))
-            rejected, accepted_ids = clustered.rejected, clustered.accepted
-            if accepted_ids:
-                phase.models = clustered.models
-                phase.assignments = {n: k for k, nodes in enumerate(clustered.members) for n in nodes}
-                phase.repairs = _describe(clustered.repairs)
-            phase.total_examples = clustered.total_examples
-        else:
-            result = self.strategy.aggregate_train(models[0], (p.update for p in parsed))
-            rejected, accepted_ids = result.rejected, result.accepted
-            phase.arrays = result.arrays
-            phase.total_examples = result.total_examples
-        for node, reason in rejected.items():
-            outcome.failures[node] = ("aggregate", reason)
+        phase = aggregate_train_replies(self.strategy, number, models, replies, outcome.failures, retried,
+                                        max_reply_mb=self.config.max_reply_mb)
         timings["aggregate"] = self.clock() - start
-        accepted = [p for p in parsed if p.node_id in set(accepted_ids)]
-        train_metrics = aggregate_weighted_metrics(
-            (str(p.node_id), {k: v for k, v in p.metrics.items() if k != "num-examples" and math.isfinite(v)},
-             p.update.weight)
-            for p in accepted
-        )
-        phase.accepted = list(accepted_ids)
-        phase.train_loss = train_metrics.get("train-loss", math.nan)
-        phase.node_metrics = {p.node_id: {**p.metrics, **({"train-retries": float(retried[p.node_id])}
-                                                            if p.node_id in retried else {})} for p in accepted}
-        phase.departments = {p.node_id: p.department for p in parsed}
         return phase
 
     def _final_evaluation(self, run_id: int, models: list[Arrays], nodes: Iterable[int]) -> None:
@@ -796,10 +696,6 @@ class Federation:
             log.warning("final evaluation: node %s failed: %s", node, reason)
 
 
-
-
-def _describe(repairs: Iterable[Repair]) -> list[str]:
-    return [f"cluster {r.cluster} {r.reason}: re-seeded by splitting cluster {r.seeded_from}" for r in repairs]
 
 
 class _RepoAudit(AuditTrail):

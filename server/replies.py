@@ -1,0 +1,177 @@
+"""Train replies from department nodes: the boundary where a remote node's message becomes an update.
+
+``parse_train_reply`` checks a reply's structure, its size against ``max-reply-mb`` and decodes a
+compressed update; ``aggregate_train_replies`` turns a round's replies into the aggregate, recording
+every refused reply with its reason. Both are pure (no I/O), which is what the fuzz tests drive:
+no input may raise anything but a recorded refusal, and no refused input may change the aggregate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import Message
+from numpy.typing import NDArray
+
+from quorumfl.aggregation import NodeUpdate, aggregate_weighted_metrics
+from quorumfl.aggregation.clustering import Repair
+from quorumfl.aggregation.errors import QuorumError
+from quorumfl.client.wire import (
+    ARRAYS,
+    COMPRESSION,
+    METRICS,
+    REFUSAL,
+    UPDATE,
+    decode_update,
+    department_of,
+    from_array_record,
+)
+
+from .phase import TrainPhase
+from .strategies import ClusteredFedAvg, FedAvg
+
+__all__ = [
+    "RefusedError",
+    "ReplyError",
+    "TrainReply",
+    "aggregate_train_replies",
+    "check_refusal",
+    "describe_repairs",
+    "cluster_of_metrics",
+    "parse_train_reply",
+]
+
+Arrays = dict[str, NDArray[np.generic]]
+
+
+class ReplyError(QuorumError):
+    """A node's reply does not follow the message contract."""
+
+
+class RefusedError(ReplyError):
+    """The node declined to train this round (its ε budget, or it requires DP); ``reason`` is its own."""
+
+
+def check_refusal(reply: Message) -> None:
+    if REFUSAL in reply.content.config_records:
+        reason = reply.content.config_records[REFUSAL].get("reason", "no reason given")
+        raise RefusedError(f"refused: {reason!s}")
+
+
+@dataclass(frozen=True)
+class TrainReply:
+    node_id: int
+    department: str | None
+    update: NodeUpdate
+    metrics: dict[str, float]
+
+    def cluster(self, clusters: int) -> int:
+        """The cluster the node says it trained (IFCA), checked against the number of clusters."""
+        return cluster_of_metrics(self.metrics, clusters)
+
+
+def cluster_of_metrics(metrics: dict[str, float], clusters: int) -> int:
+    value = metrics.get("cluster")
+    if value is None or not float(value).is_integer() or not 0 <= value < clusters:
+        raise ReplyError(f"reply names cluster {value!r}; expected a whole number in 0..{clusters - 1}")
+    return int(value)
+
+
+def reply_bytes(reply: Message) -> int:
+    return sum(len(a.data) for record in reply.content.array_records.values() for a in record.values())
+
+
+def parse_train_reply(node_id: int, reply: Message, bases: Sequence[Arrays], *, max_reply_mb: float = 0.0) -> TrainReply:
+    """Check a train reply's structure and decode a compressed update against the model the node was
+    sent (``bases``: the global model, or the K cluster models); the arrays themselves are checked by
+    the aggregator. ``max_reply_mb`` (> 0) refuses a larger payload before anything is decoded. The
+    payload's size goes into the metrics as ``uplink-bytes``."""
+    content = reply.content
+    check_refusal(reply)
+    size = reply_bytes(reply)
+    if max_reply_mb > 0 and size > max_reply_mb * 2**20:
+        raise ReplyError(f"reply carries {size / 2**20:.1f} MiB of arrays, over max-reply-mb {max_reply_mb:g}")
+    if ARRAYS not in content.array_records and UPDATE not in content.array_records:
+        raise ReplyError("reply has no 'arrays' or 'update' record")
+    if METRICS not in content.metric_records:
+        raise ReplyError("reply has no 'metrics' record")
+    metrics: dict[str, float] = {}
+    for key, value in content.metric_records[METRICS].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            metrics[key] = float(value)
+    examples = metrics.get("num-examples")
+    if examples is None:
+        raise ReplyError("reply metrics have no 'num-examples'")
+    try:
+        if ARRAYS in content.array_records:
+            record = content.array_records[ARRAYS]
+            arrays = from_array_record(record)
+        else:
+            record = content.array_records[UPDATE]
+            if COMPRESSION not in content.config_records:
+                raise ReplyError("a compressed reply has no 'compression' record")
+            base = bases[cluster_of_metrics(metrics, len(bases))] if len(bases) > 1 else bases[0]
+            delta = decode_update(record, content.config_records[COMPRESSION], {k: v.shape for k, v in base.items()})
+            arrays = {k: (np.asarray(base[k], np.float32) + delta[k]).astype(base[k].dtype) for k in base}
+    except ReplyError:
+        raise
+    except Exception as exc:  # a malformed record from a remote node must not stop the round
+        raise ReplyError(f"reply arrays cannot be decoded ({exc})") from exc
+    metrics["uplink-bytes"] = float(sum(len(a.data) for a in record.values()))
+    update = NodeUpdate(node=str(node_id), arrays=arrays, weight=examples)
+    return TrainReply(node_id, department_of(content), update, metrics)
+
+
+def aggregate_train_replies(
+    strategy: FedAvg, number: int, models: list[Arrays], replies: Sequence[tuple[int, Message]],
+    failures: dict[int, tuple[str, str]], retried: dict[int, int] | None = None, *, max_reply_mb: float = 0.0,
+) -> TrainPhase:
+    """Parse, validate and aggregate one round's train replies (per cluster with IFCA); every refused
+    reply goes into ``failures`` as (stage, reason) and leaves the aggregate untouched."""
+    retried = retried or {}
+    parsed: list[TrainReply] = []
+    clusters: dict[int, int] = {}
+    for node, reply in replies:
+        try:
+            item = parse_train_reply(node, reply, models, max_reply_mb=max_reply_mb)
+            if len(models) > 1:
+                clusters[node] = item.cluster(len(models))
+        except ReplyError as exc:
+            failures[node] = ("dp-budget" if isinstance(exc, RefusedError) else "train", str(exc))
+            continue
+        parsed.append(item)
+    phase = TrainPhase(arrays=None)
+    if isinstance(strategy, ClusteredFedAvg) and len(models) > 1:
+        clustered = strategy.aggregate_clusters(number, models, ((clusters[p.node_id], p.update) for p in parsed))
+        rejected, accepted_ids = clustered.rejected, clustered.accepted
+        if accepted_ids:
+            phase.models = clustered.models
+            phase.assignments = {n: k for k, nodes in enumerate(clustered.members) for n in nodes}
+            phase.repairs = describe_repairs(clustered.repairs)
+        phase.total_examples = clustered.total_examples
+    else:
+        result = strategy.aggregate_train(models[0], (p.update for p in parsed))
+        rejected, accepted_ids = result.rejected, result.accepted
+        phase.arrays = result.arrays
+        phase.total_examples = result.total_examples
+    for node, reason in rejected.items():
+        failures[node] = ("aggregate", reason)
+    accepted = [p for p in parsed if p.node_id in set(accepted_ids)]
+    train_metrics = aggregate_weighted_metrics(
+        (str(p.node_id), {k: v for k, v in p.metrics.items() if k != "num-examples" and math.isfinite(v)},
+         p.update.weight)
+        for p in accepted
+    )
+    phase.accepted = list(accepted_ids)
+    phase.train_loss = train_metrics.get("train-loss", math.nan)
+    phase.node_metrics = {p.node_id: {**p.metrics, **({"train-retries": float(retried[p.node_id])}
+                                                        if p.node_id in retried else {})} for p in accepted}
+    phase.departments = {p.node_id: p.department for p in parsed}
+    return phase
+
+
+def describe_repairs(repairs: Iterable[Repair]) -> list[str]:
+    return [f"cluster {r.cluster} {r.reason}: re-seeded by splitting cluster {r.seeded_from}" for r in repairs]
