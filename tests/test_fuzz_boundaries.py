@@ -21,11 +21,24 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from quorumfl.aggregation.errors import ConfigError, ModelStoreError, QuorumError, SecureAggregationError
+from quorumfl.aggregation.errors import (
+    ConfigError,
+    ModelStoreError,
+    QuorumError,
+    SecureAggregationError,
+)
 from quorumfl.aggregation.secagg import MaskingParams, NodeEpoch
 from quorumfl.aggregation.secagg.fixedpoint import FixedPoint
 from quorumfl.client import ckks_wire, secure_wire
-from quorumfl.client.wire import ARRAYS, COMPRESSION, METRICS, NODE, REFUSAL, UPDATE, to_array_record
+from quorumfl.client.wire import (
+    ARRAYS,
+    COMPRESSION,
+    METRICS,
+    NODE,
+    REFUSAL,
+    UPDATE,
+    to_array_record,
+)
 from quorumfl.server.config import DEFAULTS, RunConfig, load_run_config_file
 from quorumfl.server.model_store import ModelStore
 from quorumfl.server.replies import aggregate_train_replies
