@@ -21,6 +21,7 @@ from quorumfl.aggregation.errors import PrivacyBudgetError, SecureAggregationErr
 
 from . import ckks, secure
 from .ckks_wire import CKKS
+from .host_slots import hold_host_slot
 from .secure_wire import SECAGG
 from .wire import ARRAYS, COMPRESSION, METRICS, NODE, REFUSAL, UPDATE, to_array_record
 
@@ -31,6 +32,7 @@ app = ClientApp()
 
 @app.train()
 def train_handler(msg: Message, context: Context) -> Message:
+    hold_host_slot()  # several nodes on one host: at most K ClientApps load torch at once
     from .compress import compressed_update
     from .steps import train_received  # torch loads here, only for messages that train
 
@@ -62,6 +64,7 @@ def train_handler(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate_handler(msg: Message, context: Context) -> Message:
+    hold_host_slot()
     from .steps import evaluate_received
 
     metrics, department = evaluate_received(msg, context)

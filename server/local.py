@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quorumfl.aggregation.errors import FederationError
+from quorumfl.client.host_slots import SLOTS_DIR_ENV, SLOTS_ENV
 
 from .certs import Credentials, add_node_key, init_credentials
 from .control import Control
@@ -75,11 +76,12 @@ class LocalFederation:
 def local_federation(
     home: Path, departments: dict[str, Path], *, db_url: str, connect_timeout: float = 120.0,
     node_config: Mapping[str, bool | int | float | str] | None = None, tls: bool = True,
-    superlink_database: Path | None = None,
+    superlink_database: Path | None = None, clientapp_slots: int = 0,
 ) -> Iterator[LocalFederation]:
     """Start the SuperLink (Flower's link state in memory unless ``superlink_database``) and the
     SuperNodes, with logs under ``home``; wait until all nodes are online. ``node_config``: more
-    node-config keys for every node; ``tls=False``: no TLS and no node authentication."""
+    node-config keys for every node; ``tls=False``: no TLS and no node authentication;
+    ``clientapp_slots``: at most this many ClientApps train at once on this machine (0: no limit)."""
     port = free_port()
     address = f"127.0.0.1:{port}"
     creds = None
@@ -90,7 +92,10 @@ def local_federation(
         for name in departments:
             if not creds.node_pub(name).exists():
                 add_node_key(creds, name)
-    with ProcessGroup(home / "logs", flower_env(home, db_url=db_url)) as group:
+    env = flower_env(home, db_url=db_url)
+    if clientapp_slots:
+        env.update({SLOTS_ENV: str(clientapp_slots), SLOTS_DIR_ENV: str(home / "clientapp-slots")})
+    with ProcessGroup(home / "logs", env) as group:
         link = group.start("superlink", superlink_command(port=port, database=superlink_database, tls=creds))
         try:
             wait_for_port("127.0.0.1", port, timeout=60, process=link.process)

@@ -13,6 +13,7 @@ from quorumfl.aggregation.errors import CredentialError, FederationError
 from quorumfl.client.data import prepare_partitions, read_partition
 from quorumfl.client.data.datasets import FASHION_MNIST_DIR
 from quorumfl.client.data.planted import plant_partitions
+from quorumfl.client.host_slots import SLOTS_DIR_ENV, SLOTS_ENV
 
 from ..certs import Credentials, check_node_key, check_server
 from ..config import SecureMode
@@ -149,6 +150,8 @@ def node_start(
     ca_cert: Annotated[Path | None, typer.Option(help="Federation CA certificate (default HOME/certs/ca.crt).")] = None,
     key: Annotated[Path | None, typer.Option(help="This node's private key (default HOME/certs/nodes/DEPARTMENT.key).")] = None,
     insecure: InsecureOpt = False,
+    host_slots: Annotated[int, typer.Option(help="Nodes sharing this host train at most this many ClientApps at "
+                                                 "once (give every such node the same value; 0 = no limit).")] = 0,
 ) -> None:
     """Run a Flower SuperNode that serves the QuorumFL ClientApp on DATA, until Ctrl-C."""
     state = settings(ctx)
@@ -169,8 +172,13 @@ def node_start(
     console.print(f"{department}: {len(part.train)} training and {len(part.test)} test examples of {part.dataset}")
     cmd = supernode_command(superlink=superlink, port=port or free_port(), data_path=data.resolve(), department=department,
                             node_config=extra, tls=tls)
+    env = flower_env(state.home)
+    if host_slots < 0:
+        raise typer.BadParameter(f"--host-slots must be >= 0, got {host_slots}")
+    if host_slots:
+        env.update({SLOTS_ENV: str(host_slots), SLOTS_DIR_ENV: str(state.home / "clientapp-slots")})
     _run_in_foreground(
-        flower_env(state.home), state.home / "logs", f"node-{department}", cmd,
+        env, state.home / "logs", f"node-{department}", cmd,
         lambda child: console.print(f"[green]node {department} started[/green] "
                                     f"({'TLS, authenticated' if tls else 'INSECURE'}); log {child.log}"),
     )
