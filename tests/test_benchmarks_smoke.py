@@ -99,3 +99,11 @@ def test_edge_smoke() -> None:
     assert keys <= set(figures)
     assert all(float(figures[k]) > 0 for k in keys)  # type: ignore[arg-type]
     assert float(figures["int8_onnx_bytes"]) < float(figures["fp32_onnx_bytes"])  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_load_smoke() -> None:
+    figures = _run("load.py")
+    assert {"nodes", "rounds_completed", "participants", "failures", "connect_s", "run_s", "round_s",
+            "federation_peak_rss_mb", "machine_used_peak_mb", "superlink_peak_rss_mb", "serverapp_peak_rss_mb"} <= set(figures)
+    assert figures["rounds_completed"] == 1 and figures["participants"] == figures["nodes"] == 5
