@@ -118,15 +118,25 @@ def test_runs_start_validates_config_before_submitting(tmp_path: Path) -> None:
 def test_runs_start_with_no_superlink_is_a_federation_error(tmp_path: Path) -> None:
     config = tmp_path / "run.toml"
     config.write_text("num-rounds = 1\n")
-    result = quorumfl("runs", "start", str(config), "--superlink", "127.0.0.1:1")
-    assert result.returncode == 8 and "SuperLink" in result.stderr
+    result = quorumfl("runs", "start", str(config), "--superlink", "127.0.0.1:1", "--insecure")
+    assert result.returncode == 8 and "SuperLink" in result.stderr and "warning: --insecure" in result.stderr
+    no_ca = quorumfl("--home", str(tmp_path / "home"), "runs", "start", str(config), "--superlink", "127.0.0.1:1")
+    assert no_ca.returncode == 11 and "no CA certificate" in no_ca.stderr and "certs init" in no_ca.stderr
+
+
+def test_server_and_node_refuse_to_start_without_credentials(tmp_path: Path) -> None:
+    home = str(tmp_path / "home")
+    server = quorumfl("--home", home, "server", "start", "--port", "1")
+    assert server.returncode == 11 and "certs init" in server.stderr, server.stderr
+    node = quorumfl("--home", home, "node", "start", "--department", "parks", "--data", str(tmp_path))
+    assert node.returncode == 11 and "parks.key does not exist" in node.stderr, node.stderr
 
 
 def test_data_split_and_node_start_errors(tmp_path: Path) -> None:
     result = quorumfl("data", "split", "--out", str(tmp_path / "parts"), "--departments", "tax-office,parks", "--method", "iid")
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "parts" / "parks" / "partition.json").exists()
-    node = quorumfl("node", "start", "--department", "x", "--data", str(tmp_path / "missing"))
+    node = quorumfl("node", "start", "--department", "x", "--data", str(tmp_path / "missing"), "--insecure")
     assert node.returncode == 4 and "does not exist" in node.stderr
     unknown = quorumfl("data", "split", "--out", str(tmp_path / "p2"), "--departments", "a", "--dataset", "cifar")
     assert unknown.returncode == 3 and "unknown dataset 'cifar'" in unknown.stderr
