@@ -10,13 +10,15 @@ used memory, the SuperLink's peak and the ServerApp's own peak (recorded by the 
 
 ``--slots K`` (default 2, the cores here): the nodes share the host as department nodes on one
 server would (``quorumfl node start --host-slots``), so at most K ClientApps load torch at once.
+``--nice N`` runs the SuperNodes and their ClientApps at a lower CPU priority than the SuperLink.
 
-JSON keys: nodes, slots, rounds_completed, participants, failures, connect_s, run_s, round_s, train_s,
+JSON keys: nodes, slots, tls, nice, rounds_completed, participants, failures, connect_s, run_s, round_s, train_s,
 federation_peak_rss_mb, machine_used_peak_mb, superlink_peak_rss_mb, serverapp_peak_rss_mb.
 """
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import threading
 import time
@@ -25,7 +27,7 @@ from pathlib import Path
 from _common import parser, report, round_seconds
 from quorumfl.client.data import prepare_partitions
 from quorumfl.server.local import local_federation
-from quorumfl.server.processes import _descendants
+from quorumfl.server.processes import _descendants, terminate_on_signals
 from quorumfl.server.services import follow_run
 from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository, RoundStatus
@@ -78,6 +80,8 @@ def main() -> None:
     args_parser.add_argument("--nodes", type=int, default=50)
     args_parser.add_argument("--rounds", type=int, default=1)
     args_parser.add_argument("--slots", type=int, default=2, help="ClientApps training at once on this host (0: all)")
+    args_parser.add_argument("--insecure", action="store_true", help="no TLS and no node authentication")
+    args_parser.add_argument("--nice", type=int, default=0, help="CPU niceness of the SuperNodes and their ClientApps")
     args = args_parser.parse_args()
     nodes, rounds = (5, 1) if args.smoke else (args.nodes, args.rounds)
     sampler = MemorySampler()
@@ -90,7 +94,7 @@ def main() -> None:
         parts = prepare_partitions(home / "data", names, method="iid", seed=0)
         started = time.monotonic()
         with local_federation(home, parts, db_url=db_url, connect_timeout=900.0,
-                              clientapp_slots=args.slots) as federation:
+                              clientapp_slots=args.slots, node_nice=args.nice, tls=not args.insecure) as federation:
             connect_s = time.monotonic() - started
             sampler.link = federation.link.process.pid
             sampler.roots = {c.process.pid for c in federation.group.children}
@@ -100,7 +104,10 @@ def main() -> None:
                 "start-from": "fresh", "min-nodes": nodes, "state-url": db_url, "model-dir": str(home / "models"),
                 "round-timeout": 1800.0, "node-wait-timeout": 600.0, "secure-aggregation": "none",
             })
-            run = follow_run(repo, flower_run_id, timeout=3600, alive=lambda: federation.alive(flower_run_id))
+            try:
+                run = follow_run(repo, flower_run_id, timeout=3600, alive=lambda: federation.alive(flower_run_id))
+            finally:
+                shutil.copytree(home / "logs", Path(tempfile.gettempdir()) / "quorumfl-load-logs", dirs_exist_ok=True)
             run_s = time.monotonic() - run_started
             logs = federation.logs(40)
         sampler.stop()
@@ -112,6 +119,8 @@ def main() -> None:
         figures = {
             "nodes": nodes,
             "slots": args.slots,
+            "tls": not args.insecure,
+            "nice": args.nice,
             "rounds_completed": len(done),
             "participants": min(len(r.participants) for r in done),
             "failures": sum(len(r.failures) for r in run.rounds),
@@ -128,4 +137,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with terminate_on_signals():  # SIGTERM unwinds too, so every node process is stopped
+        main()

@@ -68,20 +68,29 @@ class LocalFederation:
         return NodeCredentials(creds.ca_cert, creds.node_key(name))
 
     def alive(self, flower_run_id: int) -> bool:
-        """The SuperLink runs and has not yet marked the run finished."""
-        return self.link.process.poll() is None and not self.control.run_finished(flower_run_id)
+        """The SuperLink runs and has not yet marked the run finished. A Control API call that fails
+        while the SuperLink process runs (a TLS handshake timing out on a loaded machine) counts as
+        alive: the caller asks again, and a dead SuperLink is seen by its process."""
+        if self.link.process.poll() is not None:
+            return False
+        try:
+            return not self.control.run_finished(flower_run_id)
+        except FederationError:
+            return True
 
 
 @contextmanager
 def local_federation(
     home: Path, departments: dict[str, Path], *, db_url: str, connect_timeout: float = 120.0,
     node_config: Mapping[str, bool | int | float | str] | None = None, tls: bool = True,
-    superlink_database: Path | None = None, clientapp_slots: int = 0,
+    superlink_database: Path | None = None, clientapp_slots: int = 0, node_nice: int = 0,
 ) -> Iterator[LocalFederation]:
     """Start the SuperLink (Flower's link state in memory unless ``superlink_database``) and the
     SuperNodes, with logs under ``home``; wait until all nodes are online. ``node_config``: more
     node-config keys for every node; ``tls=False``: no TLS and no node authentication;
-    ``clientapp_slots``: at most this many ClientApps train at once on this machine (0: no limit)."""
+    ``clientapp_slots``: at most this many ClientApps train at once on this machine (0: no limit);
+    ``node_nice``: run the SuperNodes (and their ClientApps) at this lower CPU priority, so that many
+    nodes sharing a few cores do not starve the SuperLink's TLS handshakes."""
     port = free_port()
     address = f"127.0.0.1:{port}"
     creds = None
@@ -105,14 +114,27 @@ def local_federation(
         if creds is not None:
             sync_registrations(control, creds)
         federation = LocalFederation(address, control, group, link, {}, creds)
-        for name, path in departments.items():
-            federation.nodes[name] = group.start(name, supernode_command(
-                superlink=address, port=free_port(), data_path=path, department=name,
+        nice = ["nice", "-n", str(node_nice)] if node_nice else []
+
+        def start_node(name: str) -> Child:
+            return group.start(name, nice + supernode_command(
+                superlink=address, port=free_port(), data_path=departments[name], department=name,
                 tls=federation.node_credentials(name), node_config=node_config))
+
+        for name in departments:
+            federation.nodes[name] = start_node(name)
         nodes = federation.nodes
+        restarts = 0
         deadline = time.monotonic() + connect_timeout
         while (online := len(federation.control.online_nodes())) < len(nodes):
             if time.monotonic() > deadline:
                 raise FederationError(f"only {online} of {len(nodes)} SuperNodes connected\n{federation.logs()}")
+            for name, child in list(nodes.items()):
+                # A node's local port, free when picked, can be taken before it binds (many nodes
+                # starting at once): start it again on another port, a few times at most.
+                if child.process.poll() is not None and restarts < 3 * len(nodes):
+                    restarts += 1
+                    group.children.remove(child)
+                    nodes[name] = start_node(name)
             time.sleep(0.5)
         yield federation
