@@ -381,7 +381,8 @@ class Federation:
         ignored = {"resume-run", "node-state-key"}
         mine = {k: v for k, v in self.config.resolved().items() if k not in ignored}
         theirs = {k: v for k, v in stored.config.items() if k not in ignored}
-        differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        # Keys a newer release added are absent from an older run's stored config: they keep their defaults.
+        differ = sorted(k for k in theirs if mine.get(k) != theirs[k])
         if differ:
             raise ConfigError(f"resume-run {run_id}: this config differs from the run's stored config in {differ}; "
                               f"resume it with 'quorumfl runs resume {run_id}', which sends the stored config")
