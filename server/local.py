@@ -9,10 +9,11 @@ otherwise: credentials for 127.0.0.1 and one key per department are made under `
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from quorumfl.aggregation.errors import FederationError
@@ -21,9 +22,13 @@ from quorumfl.client.host_slots import SLOTS_DIR_ENV, SLOTS_ENV
 from .certs import Credentials, add_node_key, init_credentials
 from .control import Control
 from .processes import (
+    REJOIN_GRACE_S,
+    REJOIN_RETRY_S,
     Child,
     NodeCredentials,
     ProcessGroup,
+    activated,
+    activation_refused,
     flower_env,
     free_port,
     superlink_command,
@@ -43,19 +48,55 @@ class LocalFederation:
     link: Child
     nodes: dict[str, Child]
     credentials: Credentials | None = None
+    node_config: Mapping[str, bool | int | float | str] | None = None
+    _closing: threading.Event = field(default_factory=threading.Event)
+    _starting: threading.Lock = field(default_factory=threading.Lock)
+    _rejoining: list[threading.Thread] = field(default_factory=list)
 
     def logs(self, lines: int = 30) -> str:
         return "\n".join(f"--- {c.name} ({c.log})\n{self.group.tail(c, lines)}" for c in self.group.children)
 
     def add_node(self, name: str, data_path: Path, *, superlink: str | None = None) -> Child:
         """Start one more SuperNode (e.g. a department's node again after it crashed); ``superlink``:
-        another address that reaches the SuperLink (a department behind a proxy)."""
-        child = self.group.start(
-            name, supernode_command(superlink=superlink or self.address, port=free_port(), data_path=data_path,
-                                    department=name, tls=self.node_credentials(name))
-        )
+        another address that reaches the SuperLink (a department behind a proxy).
+
+        A department that comes back under its own key is refused by the SuperLink until its crashed
+        SuperNode's heartbeats have lapsed (``REJOIN_GRACE_S``); a background thread starts it again
+        until it is activated, so the caller does not wait. ``nodes[name]`` is the latest process."""
+
+        def start() -> Child:
+            return self.group.start(name, supernode_command(
+                superlink=superlink or self.address, port=free_port(), data_path=data_path,
+                department=name, tls=self.node_credentials(name), node_config=self.node_config))
+
+        child = start()
         self.nodes[name] = child
+        thread = threading.Thread(target=self._rejoin, args=(name, start), name=f"rejoin-{name}", daemon=True)
+        self._rejoining.append(thread)
+        thread.start()
         return child
+
+    def _rejoin(self, name: str, start: Callable[[], Child]) -> None:
+        deadline = time.monotonic() + REJOIN_GRACE_S
+        child = self.nodes[name]
+        while not self._closing.is_set() and not activated(child):
+            if child.process.poll() is not None:
+                if not activation_refused(child) or time.monotonic() > deadline:
+                    return  # another failure, or refused for good: the caller sees the exited process
+                if self._closing.wait(REJOIN_RETRY_S):
+                    return
+                with self._starting:
+                    if self._closing.is_set():
+                        return
+                    child = self.nodes[name] = start()
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        """Stop restarting nodes (the ``with`` block ends): no process starts after the group stops."""
+        with self._starting:
+            self._closing.set()
+        for thread in self._rejoining:
+            thread.join(timeout=10)
 
     def node_credentials(self, name: str) -> NodeCredentials | None:
         """The node's CA + key (made and registered if new); None in an insecure federation."""
@@ -113,7 +154,7 @@ def local_federation(
         control = Control(address, insecure=creds is None, root_certificates=str(creds.ca_cert) if creds else None)
         if creds is not None:
             sync_registrations(control, creds)
-        federation = LocalFederation(address, control, group, link, {}, creds)
+        federation = LocalFederation(address, control, group, link, {}, creds, node_config)
         nice = ["nice", "-n", str(node_nice)] if node_nice else []
 
         def start_node(name: str) -> Child:
@@ -137,4 +178,7 @@ def local_federation(
                     group.children.remove(child)
                     nodes[name] = start_node(name)
             time.sleep(0.5)
-        yield federation
+        try:
+            yield federation
+        finally:
+            federation.close()

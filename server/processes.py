@@ -19,13 +19,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
+
 from quorumfl.aggregation.errors import FederationError
 
 from .certs import Credentials
 
 __all__ = [
+    "REJOIN_GRACE_S",
+    "REJOIN_RETRY_S",
+    "Child",
     "NodeCredentials",
     "ProcessGroup",
+    "activated",
+    "activation_refused",
     "flower_env",
     "free_port",
     "superlink_command",
@@ -139,6 +146,37 @@ class Child:
     name: str
     process: subprocess.Popen[bytes]
     log: Path
+    log_offset: int = 0  # the log's size when this process started: its own output follows
+
+    def output(self) -> str:
+        """What this process (not an earlier one under the same name) has written to its log."""
+        try:
+            with open(self.log, "rb") as log:
+                log.seek(self.log_offset)
+                return log.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+
+# Flower's SuperLink answers "Failed to activate SuperNode" (exit 305) both to a key it does not know
+# and to a key whose SuperNode it still counts as online. A SuperNode that was killed stays online
+# there until its heartbeats have lapsed: HEARTBEAT_PATIENCE × HEARTBEAT_DEFAULT_INTERVAL after
+# the last one (60 s in Flower 1.42). A node started again within that window is refused; starting it
+# again until the window has passed lets a crashed department rejoin under its own key.
+ACTIVATION_REFUSED = "Failed to activate SuperNode"
+ACTIVATED = "SuperNode ID:"
+REJOIN_GRACE_S = float(HEARTBEAT_PATIENCE * HEARTBEAT_DEFAULT_INTERVAL + 30)
+REJOIN_RETRY_S = 3.0
+
+
+def activation_refused(child: Child) -> bool:
+    """The SuperNode exited because the SuperLink refused to activate its key."""
+    return child.process.poll() is not None and ACTIVATION_REFUSED in child.output()
+
+
+def activated(child: Child) -> bool:
+    """The SuperLink has activated this SuperNode (it logged the node id it was given)."""
+    return ACTIVATED in child.output()
 
 
 class ProcessGroup:
@@ -153,6 +191,7 @@ class ProcessGroup:
     def start(self, name: str, cmd: Sequence[str], *, cwd: Path | None = None) -> Child:
         log_path = self.log_dir / f"{name}.log"
         with open(log_path, "ab") as log:
+            offset = log.tell()
             process = subprocess.Popen(
                 list(cmd),
                 stdout=log,
@@ -162,7 +201,7 @@ class ProcessGroup:
                 cwd=cwd,
                 start_new_session=True,
             )
-        child = Child(name, process, log_path)
+        child = Child(name, process, log_path, offset)
         self.children.append(child)
         return child
 

@@ -20,9 +20,12 @@ from ..config import SecureMode
 from ..control import Control
 from ..demo import DemoSettings, run_demo
 from ..processes import (
+    REJOIN_GRACE_S,
+    REJOIN_RETRY_S,
     Child,
     NodeCredentials,
     ProcessGroup,
+    activation_refused,
     flower_env,
     free_port,
     superlink_command,
@@ -152,6 +155,9 @@ def node_start(
     insecure: InsecureOpt = False,
     host_slots: Annotated[int, typer.Option(help="Nodes sharing this host train at most this many ClientApps at "
                                                  "once (give every such node the same value; 0 = no limit).")] = 0,
+    rejoin_wait: Annotated[float, typer.Option(
+        help="Seconds to keep trying while the SuperLink refuses this node's key: after a crash it still counts "
+             "the node's previous SuperNode as online for up to a minute.")] = REJOIN_GRACE_S,
 ) -> None:
     """Run a Flower SuperNode that serves the QuorumFL ClientApp on DATA, until Ctrl-C."""
     state = settings(ctx)
@@ -175,12 +181,15 @@ def node_start(
     env = flower_env(state.home)
     if host_slots < 0:
         raise typer.BadParameter(f"--host-slots must be >= 0, got {host_slots}")
+    if not rejoin_wait >= 0:
+        raise typer.BadParameter(f"--rejoin-wait must be >= 0 seconds, got {rejoin_wait}")
     if host_slots:
         env.update({SLOTS_ENV: str(host_slots), SLOTS_DIR_ENV: str(state.home / "clientapp-slots")})
     _run_in_foreground(
         env, state.home / "logs", f"node-{department}", cmd,
         lambda child: console.print(f"[green]node {department} started[/green] "
                                     f"({'TLS, authenticated' if tls else 'INSECURE'}); log {child.log}"),
+        rejoin_wait=rejoin_wait,
     )
 
 
@@ -208,18 +217,30 @@ def node_budget(
 
 
 def _run_in_foreground(
-    env: dict[str, str], log_dir: Path, name: str, cmd: list[str], on_started: Callable[[Child], None]
+    env: dict[str, str], log_dir: Path, name: str, cmd: list[str], on_started: Callable[[Child], None],
+    *, rejoin_wait: float = 0.0,
 ) -> None:
-    """Run one Flower process until it exits or we are interrupted; it (and its children) always stop."""
+    """Run one Flower process until it exits or we are interrupted; it (and its children) always stop.
+
+    A SuperNode that the SuperLink refuses is started again for up to ``rejoin_wait`` seconds: after
+    a crash, the SuperLink counts the node's previous SuperNode as online until its heartbeats lapse,
+    and refuses the same key until then."""
+    deadline = time.monotonic() + rejoin_wait
     with ProcessGroup(log_dir, env) as group:
         child = group.start(name, cmd)
         on_started(child)
-        code = child.process.wait()
+        while (code := child.process.wait()) != 0 and activation_refused(child) and time.monotonic() < deadline:
+            console.print(f"[yellow]the SuperLink refused {name} for now[/yellow]: a SuperNode with this key may "
+                          f"still count as online there (one that crashed less than "
+                          f"{REJOIN_GRACE_S - 30:.0f} s ago); trying again in {REJOIN_RETRY_S:.0f} s")
+            time.sleep(REJOIN_RETRY_S)
+            child = group.start(name, cmd)
     if code != 0:
-        tail = group.tail(child, 40)
-        if "Failed to activate SuperNode" in tail:  # Flower (exit 305): the SuperLink refused the node's key
-            raise CredentialError(f"the SuperLink refused {name}: its key is not registered there (or was revoked); "
-                                  f"the admin registers it with 'quorumfl certs register'. See {child.log}")
+        if activation_refused(child):  # Flower (exit 305), still refused after the grace period
+            raise CredentialError(
+                f"the SuperLink refused {name} (kept trying for {rejoin_wait:.0f} s): its key is not registered there, was "
+                f"revoked, or another SuperNode with the same key is running; the admin registers a key with "
+                f"'quorumfl certs register'. See {child.log}")
         raise FederationError(f"{name} exited with code {code}; see {child.log}")
 
 

@@ -64,13 +64,16 @@ def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
                                           timeout=120, check=False).stdout)
         assert sorted(n["department"] for n in nodes) == ["parks", "tax-office"]
 
-        # A key the federation did not issue (same name, another CA's folder) is refused at the SuperLink.
+        # A key the federation did not issue (same name, another CA's folder) is refused at the SuperLink,
+        # also after trying again for --rejoin-wait seconds (a crashed node's key is let in once it lapses).
         refused = subprocess.run(
             _cli(home, "node", "start", "--department", "parks", "--data", str(tmp_path / "parts" / "parks"),
-                 "--superlink", f"127.0.0.1:{port}", "--key", str(tmp_path / "rogue" / "certs" / "nodes" / "parks.key")),
+                 "--superlink", f"127.0.0.1:{port}", "--key", str(tmp_path / "rogue" / "certs" / "nodes" / "parks.key"),
+                 "--rejoin-wait", "5"),
             capture_output=True, text=True, timeout=120, check=False)
         assert refused.returncode == 11, refused.stdout + refused.stderr
-        assert "refused" in refused.stderr and "not registered" in refused.stderr
+        assert "trying again" in refused.stdout, refused.stdout
+        assert "kept trying for 5 s" in refused.stderr and "not registered" in refused.stderr, refused.stderr
         # Without TLS the SuperLink does not answer the Control API either.
         plain = subprocess.run(
             _cli(home, "runs", "start", str(config), "--superlink", f"127.0.0.1:{port}", "--insecure"),

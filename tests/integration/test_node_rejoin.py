@@ -1,0 +1,40 @@
+"""A department's SuperNode killed with SIGKILL comes back under its own key.
+
+With SuperNode authentication the SuperLink knows a node by its key, and it counts the killed
+SuperNode as online until its heartbeats lapse (up to a minute): a new SuperNode with the same key is
+refused until then. ``LocalFederation.add_node`` keeps starting it until the SuperLink activates it;
+the department then has the same Flower node id as before.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from quorumfl.client.data import prepare_partitions
+from quorumfl.server.local import local_federation
+from quorumfl.server.processes import REJOIN_GRACE_S, activated, activation_refused
+
+
+@pytest.mark.timeout(300)
+def test_killed_node_rejoins_under_its_own_key(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    parts = prepare_partitions(tmp_path / "data", ["tax-office", "parks"], seed=0, method="iid")
+    with local_federation(home, parts, db_url=f"sqlite:///{home / 'quorumfl.db'}") as federation:
+        before = {n.name: n.node_id for n in federation.control.nodes()}
+        first = federation.nodes["parks"]
+        federation.group.kill(first, signal.SIGKILL, group=True)
+        federation.add_node("parks", parts["parks"])
+        deadline = time.monotonic() + REJOIN_GRACE_S + 30
+        while not activated(federation.nodes["parks"]):
+            assert time.monotonic() < deadline, federation.logs()
+            time.sleep(0.5)
+        latest = federation.nodes["parks"]
+        assert latest is not first and latest.process.poll() is None
+        refused = [c for c in federation.group.children if c.name == "parks" and c not in (first, latest)]
+        assert refused and all(activation_refused(c) for c in refused)  # the window was real, and it passed
+        online = {n.name: n.node_id for n in federation.control.nodes() if n.status == "online"}
+        assert online == before
