@@ -9,15 +9,20 @@ used memory, the SuperLink's peak and the ServerApp's own peak (recorded by the 
     python benchmarks/load.py [--nodes 50] [--rounds 1] [--smoke] [--json]
 
 ``--slots K`` (default 2, the cores here): the nodes share the host as department nodes on one
-server would (``quorumfl node start --host-slots``), so at most K ClientApps load torch at once.
-``--nice N`` runs the SuperNodes and their ClientApps at a lower CPU priority than the SuperLink.
+server would (``quorumfl node start --host-slots``), so at most K ClientApps run at once; the others
+wait in the launch gate before Flower's ``flwr-clientapp`` starts (``client/launch_gate.py``).
+``--nice N`` (default 19) runs the SuperNodes and their ClientApps at a lower CPU priority than the
+SuperLink and the ServerApp. ``--task-poll S`` (default 1.0, Flower's own default; local federations
+use 0.25 for short round trips): how often each node's SuperExec asks for work; 50 nodes asking 4
+times a second is a load of its own.
 
-JSON keys: nodes, slots, tls, nice, rounds_completed, participants, failures, connect_s, run_s, round_s, train_s,
+JSON keys: nodes, slots, tls, nice, task_poll_s, rounds_completed, participants, failures, connect_s, run_s, round_s, train_s,
 federation_peak_rss_mb, machine_used_peak_mb, superlink_peak_rss_mb, serverapp_peak_rss_mb.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import threading
@@ -81,8 +86,10 @@ def main() -> None:
     args_parser.add_argument("--rounds", type=int, default=1)
     args_parser.add_argument("--slots", type=int, default=2, help="ClientApps training at once on this host (0: all)")
     args_parser.add_argument("--insecure", action="store_true", help="no TLS and no node authentication")
-    args_parser.add_argument("--nice", type=int, default=0, help="CPU niceness of the SuperNodes and their ClientApps")
+    args_parser.add_argument("--nice", type=int, default=19, help="CPU niceness of the SuperNodes and their ClientApps")
+    args_parser.add_argument("--task-poll", type=float, default=1.0, help="seconds between a SuperExec's task polls")
     args = args_parser.parse_args()
+    os.environ["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = str(args.task_poll)  # read by flower_env
     nodes, rounds = (5, 1) if args.smoke else (args.nodes, args.rounds)
     sampler = MemorySampler()
     sampler.start()
@@ -121,6 +128,7 @@ def main() -> None:
             "slots": args.slots,
             "tls": not args.insecure,
             "nice": args.nice,
+            "task_poll_s": args.task_poll,
             "rounds_completed": len(done),
             "participants": min(len(r.participants) for r in done),
             "failures": sum(len(r.failures) for r in run.rounds),

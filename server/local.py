@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quorumfl.aggregation.errors import FederationError
-from quorumfl.client.host_slots import SLOTS_DIR_ENV, SLOTS_ENV
+from quorumfl.client.host_slots import host_slot_env
 
 from .certs import Credentials, add_node_key, init_credentials
 from .control import Control
@@ -30,6 +30,7 @@ from .processes import (
     activated,
     activation_refused,
     flower_env,
+    flower_executable,
     free_port,
     superlink_command,
     supernode_command,
@@ -144,7 +145,8 @@ def local_federation(
                 add_node_key(creds, name)
     env = flower_env(home, db_url=db_url)
     if clientapp_slots:
-        env.update({SLOTS_ENV: str(clientapp_slots), SLOTS_DIR_ENV: str(home / "clientapp-slots")})
+        env.update(host_slot_env(clientapp_slots, home / "clientapp-slots", path=env["PATH"],
+                                 real_clientapp=Path(flower_executable("flwr-clientapp"))))
     with ProcessGroup(home / "logs", env) as group:
         link = group.start("superlink", superlink_command(port=port, database=superlink_database, tls=creds))
         try:

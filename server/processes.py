@@ -34,6 +34,7 @@ __all__ = [
     "activated",
     "activation_refused",
     "flower_env",
+    "flower_executable",
     "free_port",
     "superlink_command",
     "supernode_command",
@@ -42,7 +43,8 @@ __all__ = [
 ]
 
 
-def _bin(name: str) -> str:
+def flower_executable(name: str) -> str:
+    """Flower's command ``name`` from this interpreter's environment (else found on PATH)."""
     candidate = Path(sys.executable).parent / name
     return str(candidate) if candidate.exists() else name
 
@@ -78,7 +80,7 @@ def superlink_command(
     ``tls``: the federation's credentials (TLS on the port and SuperNode authentication); ``None``
     runs insecure, for a trusted network only."""
     cmd = [
-        _bin("flower-superlink"),
+        flower_executable("flower-superlink"),
         *(["--database", str(database)] if database is not None else []),
         "--disable-runtime-dependency-installation",
         "--host", host,
@@ -112,7 +114,7 @@ def supernode_command(
             f"'{value}'" if isinstance(value, str) else repr(value))
         config += f" {key}={shown}"
     cmd = [
-        _bin("flower-supernode"),
+        flower_executable("flower-supernode"),
         "--superlink", superlink,
         "--port", str(port),
         "--node-config", config,

@@ -13,7 +13,7 @@ from quorumfl.aggregation.errors import CredentialError, FederationError
 from quorumfl.client.data import prepare_partitions, read_partition
 from quorumfl.client.data.datasets import FASHION_MNIST_DIR
 from quorumfl.client.data.planted import plant_partitions
-from quorumfl.client.host_slots import SLOTS_DIR_ENV, SLOTS_ENV
+from quorumfl.client.host_slots import host_slot_env
 
 from ..certs import Credentials, check_node_key, check_server
 from ..config import SecureMode
@@ -27,6 +27,7 @@ from ..processes import (
     ProcessGroup,
     activation_refused,
     flower_env,
+    flower_executable,
     free_port,
     superlink_command,
     supernode_command,
@@ -184,7 +185,8 @@ def node_start(
     if not rejoin_wait >= 0:
         raise typer.BadParameter(f"--rejoin-wait must be >= 0 seconds, got {rejoin_wait}")
     if host_slots:
-        env.update({SLOTS_ENV: str(host_slots), SLOTS_DIR_ENV: str(state.home / "clientapp-slots")})
+        env.update(host_slot_env(host_slots, state.home / "clientapp-slots", path=env["PATH"],
+                                 real_clientapp=Path(flower_executable("flwr-clientapp"))))
     _run_in_foreground(
         env, state.home / "logs", f"node-{department}", cmd,
         lambda child: console.print(f"[green]node {department} started[/green] "

@@ -1,5 +1,6 @@
 """Host slots: of many ClientApp processes on one host, at most K hold a slot at once, and a slot of a
-process killed with SIGKILL is free again."""
+process killed with SIGKILL is free again; the launch gate takes the slot before Flower's
+``flwr-clientapp`` starts, hands it over, and gives up within its wait."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from quorumfl.aggregation.errors import ConfigError
-from quorumfl.client.host_slots import SLOTS_DIR_ENV, SLOTS_ENV, hold_host_slot
+from quorumfl.client.host_slots import SLOTS_DIR_ENV, SLOTS_ENV, hold_host_slot, host_slot_env
+from quorumfl.client.launch_gate import GATE_REAL_ENV, GATE_WAIT_ENV
 
 HOLDER = """
 import sys, time
@@ -62,3 +64,81 @@ def test_no_limit_and_bad_values() -> None:
         hold_host_slot({SLOTS_ENV: "two"})
     with pytest.raises(ConfigError, match=SLOTS_ENV):
         hold_host_slot({SLOTS_ENV: "0"})
+
+
+# ---- the launch gate: Flower's flwr-clientapp starts only once the process holds a slot ----------
+
+FAKE_CLIENTAPP = """#!{python}
+import fcntl, os, sys, time
+from pathlib import Path
+from quorumfl.client.host_slots import hold_host_slot
+slot = os.environ["QUORUMFL_CLIENTAPP_SLOT_HELD"]
+fd = os.open(Path(os.environ["QUORUMFL_CLIENTAPP_SLOTS_DIR"]) / f"slot-{{slot}}", os.O_RDWR)
+try:  # the slot the gate took is held by this process (inherited), so it cannot be taken again
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    sys.exit(3)
+except BlockingIOError:
+    pass
+assert hold_host_slot() is None  # the ClientApp does not take a second slot
+start = time.time()
+time.sleep(float(sys.argv[2]))
+with open(sys.argv[1], "a") as f:
+    f.write(f"{{slot}} {{start}} {{time.time()}}\\n")
+"""
+
+
+def _gated(tmp_path: Path, slots: int) -> dict[str, str]:
+    real = tmp_path / "flower-bin" / "flwr-clientapp"
+    real.parent.mkdir(exist_ok=True)
+    real.write_text(FAKE_CLIENTAPP.format(python=sys.executable))
+    real.chmod(0o755)
+    env = {**os.environ}
+    env.update(host_slot_env(slots, tmp_path / "slots", path=env["PATH"], real_clientapp=real))
+    return env
+
+
+def _peak(spans: list[tuple[float, float]]) -> int:
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    running = peak = 0
+    for _, step in events:
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+def test_gate_runs_the_real_clientapp_holding_a_slot_k_at_once(tmp_path: Path) -> None:
+    env = _gated(tmp_path, 2)
+    log = tmp_path / "held.log"
+    # Found by name on PATH, as Flower's SuperExec starts it.
+    procs = [subprocess.Popen(["flwr-clientapp", str(log), "0.4"], env=env) for _ in range(6)]
+    for proc in procs:
+        assert proc.wait(timeout=60) == 0
+    rows = [line.split() for line in log.read_text().splitlines()]
+    assert len(rows) == 6 and {slot for slot, _, _ in rows} <= {"0", "1"}
+    assert _peak([(float(a), float(b)) for _, a, b in rows]) == 2
+
+
+def test_gate_gives_up_within_the_wait_before_flower_starts(tmp_path: Path) -> None:
+    env = {**_gated(tmp_path, 1), GATE_WAIT_ENV: "1.5"}
+    log = tmp_path / "held.log"
+    holder = subprocess.Popen(["flwr-clientapp", str(log), "30"], env=env)
+    try:
+        time.sleep(1.0)
+        started = time.monotonic()
+        late = subprocess.run(["flwr-clientapp", str(log), "0"], env=env, capture_output=True, text=True, timeout=30)
+        waited = time.monotonic() - started
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    assert late.returncode == 75 and "no host slot free within 1.5 s" in late.stderr
+    assert 1.4 < waited < 10 and not log.exists()  # the real ClientApp never ran
+
+
+def test_gate_refuses_bad_settings(tmp_path: Path) -> None:
+    env = _gated(tmp_path, 2)
+    for key, value, named in ((SLOTS_ENV, "-1", SLOTS_ENV), (GATE_WAIT_ENV, "nan", GATE_WAIT_ENV),
+                              (GATE_REAL_ENV, str(tmp_path / "missing"), GATE_REAL_ENV)):
+        bad = subprocess.run(["flwr-clientapp"], env={**env, key: value}, capture_output=True, text=True, timeout=30)
+        assert bad.returncode == 78 and named in bad.stderr, (key, bad.stderr)
+    with pytest.raises(ConfigError, match="host slots"):
+        host_slot_env(0, tmp_path / "slots", path="", real_clientapp=tmp_path / "x")

@@ -1,0 +1,132 @@
+"""Launch gate: a ClientApp process waits for a host slot before Flower's ``flwr-clientapp`` starts.
+
+Flower's SuperExec starts ``flwr-clientapp`` by name for every message. On a host whose department
+nodes share K host slots (``quorumfl node start --host-slots K``), a generated ``flwr-clientapp``
+placed first on the nodes' PATH runs ``main`` here: it waits for one of the K ``flock`` slots, then
+execs Flower's real ``flwr-clientapp``, which inherits the slot and holds it until it ends (the kernel
+frees it then, even after ``kill -9``).
+
+Why before Flower starts rather than inside the ClientApp: a claimed task must send its first
+heartbeat within Flower's claim window (``HEARTBEAT_DEFAULT_INTERVAL``, 30 s) or it returns to
+pending and the SuperExec starts another process for it. Fifty nodes on two cores, all starting a
+ClientApp (Flower's own imports, about 1.3 s of CPU each) in the same seconds, miss the window
+together, and each retry adds processes (seen: 287 ClientApps for 50 nodes, memory exhausted).
+Waiting here costs a bare interpreter; a process that has no slot after ``wait`` seconds (less than
+the claim window) exits before Flower's code runs, and Flower starts the task again once its claim
+lapses. Flower's subprocess executor has no launch limit (its capacity gate is for Kubernetes), and
+nothing else bounds processes across independent nodes: a lock file per slot is the smallest thing
+that does.
+
+Standard library only: this runs before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import random
+import stat
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+__all__ = [
+    "GATE_REAL_ENV",
+    "GATE_WAIT_ENV",
+    "SLOTS_DIR_ENV",
+    "SLOTS_ENV",
+    "SLOT_HELD_ENV",
+    "acquire_slot",
+    "main",
+    "slot_count",
+    "slot_directory",
+    "write_gate",
+]
+
+SLOTS_ENV = "QUORUMFL_CLIENTAPP_SLOTS"
+SLOTS_DIR_ENV = "QUORUMFL_CLIENTAPP_SLOTS_DIR"
+SLOT_HELD_ENV = "QUORUMFL_CLIENTAPP_SLOT_HELD"  # set for the exec'd ClientApp: it already holds a slot
+GATE_REAL_ENV = "QUORUMFL_CLIENTAPP_REAL"  # Flower's own flwr-clientapp
+GATE_WAIT_ENV = "QUORUMFL_CLIENTAPP_GATE_WAIT"
+CLIENTAPP = "flwr-clientapp"
+
+
+def slot_count(env: Mapping[str, str]) -> int | None:
+    """K from the environment; None when no limit is set. Raises ValueError naming the variable."""
+    spec = env.get(SLOTS_ENV, "").strip()
+    if not spec:
+        return None
+    if not spec.isdigit() or not 1 <= int(spec) <= 4096:
+        raise ValueError(f"{SLOTS_ENV}={spec!r} must be a whole number of slots between 1 and 4096")
+    return int(spec)
+
+
+def slot_directory(env: Mapping[str, str]) -> Path:
+    return Path(env.get(SLOTS_DIR_ENV) or Path(tempfile.gettempdir()) / "quorumfl-clientapp-slots")
+
+
+def acquire_slot(directory: Path, slots: int, *, timeout: float | None = None) -> tuple[int, int] | None:
+    """Take one of ``slots`` lock files in ``directory``: (open fd holding it, slot number); None
+    after ``timeout`` seconds (None: wait as long as it takes)."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        for slot in random.sample(range(slots), slots):
+            fd = os.open(directory / f"slot-{slot}", os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            return fd, slot
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05 + random.random() * 0.2)
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    """Wait for a slot, then exec the real ``flwr-clientapp`` with ``argv``; 75 (EX_TEMPFAIL) when
+    no slot came within the wait, 78 (EX_CONFIG) on a bad setting."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    environ = dict(os.environ if env is None else env)
+    real = environ.get(GATE_REAL_ENV, "")
+    try:
+        slots = slot_count(environ)
+        wait = float(environ.get(GATE_WAIT_ENV, "18"))
+        if not real or not os.access(real, os.X_OK):
+            raise ValueError(f"{GATE_REAL_ENV}={real!r} must name Flower's executable flwr-clientapp")
+        if not 0 < wait < 3600:
+            raise ValueError(f"{GATE_WAIT_ENV}={wait} must be between 0 and 3600 seconds")
+    except ValueError as exc:
+        print(f"quorumfl launch gate: {exc}", file=sys.stderr)
+        return 78
+    if slots is not None:
+        held = acquire_slot(slot_directory(environ), slots, timeout=wait)
+        if held is None:
+            print(f"quorumfl launch gate: no host slot free within {wait:g} s; Flower starts the task again",
+                  file=sys.stderr)
+            return 75
+        fd, slot = held
+        os.set_inheritable(fd, True)
+        environ[SLOT_HELD_ENV] = str(slot)
+    os.execve(real, [real, *args], environ)
+    return 0  # not reached: execve replaces this process
+
+
+def write_gate(bin_dir: Path, *, python: str = sys.executable) -> Path:
+    """Write the gate as ``bin_dir/flwr-clientapp`` (run by ``python``); returns ``bin_dir``, to put
+    first on the nodes' PATH."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    script = bin_dir / CLIENTAPP
+    body = (f"#!{python}\n"
+            "# Generated by QuorumFL: waits for a host slot, then runs Flower's flwr-clientapp.\n"
+            "import sys\n"
+            "from quorumfl.client.launch_gate import main\n"
+            "sys.exit(main())\n")
+    tmp = script.with_name(f".{CLIENTAPP}.{os.getpid()}")
+    tmp.write_text(body)
+    tmp.chmod(stat.S_IRWXU | stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH)
+    tmp.replace(script)
+    return bin_dir
