@@ -125,9 +125,9 @@ class LocalFederation:
 def local_federation(
     home: Path, departments: dict[str, Path], *, db_url: str, connect_timeout: float = 120.0,
     node_config: Mapping[str, bool | int | float | str] | None = None, tls: bool = True,
-    superlink_database: Path | None = None, clientapp_slots: int = 0, node_nice: int = 0,
+    clientapp_slots: int = 0, node_nice: int = 0,
 ) -> Iterator[LocalFederation]:
-    """Start the SuperLink (Flower's link state in memory unless ``superlink_database``) and the
+    """Start the SuperLink (Flower's link state in memory) and the
     SuperNodes, with logs under ``home``; wait until all nodes are online. ``node_config``: more
     node-config keys for every node; ``tls=False``: no TLS and no node authentication;
     ``clientapp_slots``: at most this many ClientApps train at once on this machine (0: no limit);
@@ -148,7 +148,7 @@ def local_federation(
         env.update(host_slot_env(clientapp_slots, home / "clientapp-slots", path=env["PATH"],
                                  real_clientapp=Path(flower_executable("flwr-clientapp"))))
     with ProcessGroup(home / "logs", env) as group:
-        link = group.start("superlink", superlink_command(port=port, database=superlink_database, tls=creds))
+        link = group.start("superlink", superlink_command(port=port, database=None, tls=creds))
         try:
             wait_for_port("127.0.0.1", port, timeout=60, process=link.process)
         except FederationError as exc:
