@@ -17,6 +17,7 @@ The kernel frees a slot when its process ends, even after ``kill -9``.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -45,14 +46,18 @@ _held: list[int] = []  # the slot's file descriptor, kept open for the life of t
 
 def host_slot_env(slots: int, directory: Path, *, path: str, real_clientapp: Path) -> dict[str, str]:
     """Environment for SuperNodes whose ClientApps share ``slots`` slots in ``directory``: the
-    launch gate (written to ``directory/bin``) first on ``path``."""
+    launch gate (written to ``directory/bin``) first on ``path``; ``real_clientapp``: Flower's
+    ``flwr-clientapp`` (a bare name is looked up on ``path``)."""
     if not 1 <= slots <= 4096:
         raise ConfigError(f"host slots must be between 1 and 4096, got {slots}")
+    real = str(real_clientapp) if real_clientapp.is_absolute() else shutil.which(str(real_clientapp), path=path)
+    if real is None or not os.access(real, os.X_OK):
+        raise ConfigError(f"Flower's {real_clientapp} is not an executable on PATH; install flwr in this environment")
     gate_dir = write_gate(directory / "bin")
     return {
         SLOTS_ENV: str(slots),
         SLOTS_DIR_ENV: str(directory),
-        GATE_REAL_ENV: str(real_clientapp),
+        GATE_REAL_ENV: real,
         GATE_WAIT_ENV: str(GATE_WAIT_S),
         "PATH": os.pathsep.join([str(gate_dir), path]),
     }

@@ -80,6 +80,7 @@ try:  # the slot the gate took is held by this process (inherited), so it cannot
 except BlockingIOError:
     pass
 assert hold_host_slot() is None  # the ClientApp does not take a second slot
+Path(sys.argv[1] + ".started").touch()
 start = time.time()
 time.sleep(float(sys.argv[2]))
 with open(sys.argv[1], "a") as f:
@@ -110,7 +111,7 @@ def test_gate_runs_the_real_clientapp_holding_a_slot_k_at_once(tmp_path: Path) -
     env = _gated(tmp_path, 2)
     log = tmp_path / "held.log"
     # Found by name on PATH, as Flower's SuperExec starts it.
-    procs = [subprocess.Popen(["flwr-clientapp", str(log), "0.4"], env=env) for _ in range(6)]
+    procs = [subprocess.Popen(["flwr-clientapp", str(log), "1.0"], env=env) for _ in range(6)]
     for proc in procs:
         assert proc.wait(timeout=60) == 0
     rows = [line.split() for line in log.read_text().splitlines()]
@@ -123,15 +124,18 @@ def test_gate_gives_up_within_the_wait_before_flower_starts(tmp_path: Path) -> N
     log = tmp_path / "held.log"
     holder = subprocess.Popen(["flwr-clientapp", str(log), "30"], env=env)
     try:
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while not Path(f"{log}.started").exists():  # the holder runs, holding the only slot
+            assert time.monotonic() < deadline and holder.poll() is None
+            time.sleep(0.1)
         started = time.monotonic()
-        late = subprocess.run(["flwr-clientapp", str(log), "0"], env=env, capture_output=True, text=True, timeout=30)
+        late = subprocess.run(["flwr-clientapp", str(log), "0"], env=env, capture_output=True, text=True, timeout=90)
         waited = time.monotonic() - started
     finally:
         holder.kill()
         holder.wait(timeout=10)
     assert late.returncode == 75 and "no host slot free within 1.5 s" in late.stderr
-    assert 1.4 < waited < 10 and not log.exists()  # the real ClientApp never ran
+    assert 1.4 < waited < 60 and not log.exists()  # the real ClientApp never ran
 
 
 def test_gate_refuses_bad_settings(tmp_path: Path) -> None:
@@ -142,3 +146,5 @@ def test_gate_refuses_bad_settings(tmp_path: Path) -> None:
         assert bad.returncode == 78 and named in bad.stderr, (key, bad.stderr)
     with pytest.raises(ConfigError, match="host slots"):
         host_slot_env(0, tmp_path / "slots", path="", real_clientapp=tmp_path / "x")
+    with pytest.raises(ConfigError, match="flwr-clientapp-missing"):
+        host_slot_env(2, tmp_path / "slots", path=str(tmp_path), real_clientapp=Path("flwr-clientapp-missing"))
