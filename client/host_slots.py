@@ -26,6 +26,7 @@ from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL
 from quorumfl.aggregation.errors import ConfigError
 
 from .launch_gate import (
+    CLIENTAPP,
     GATE_REAL_ENV,
     GATE_WAIT_ENV,
     SLOT_HELD_ENV,
@@ -44,10 +45,12 @@ GATE_WAIT_S = 0.6 * HEARTBEAT_DEFAULT_INTERVAL
 _held: list[int] = []  # the slot's file descriptor, kept open for the life of the process
 
 
-def host_slot_env(slots: int, directory: Path, *, path: str, real_clientapp: Path) -> dict[str, str]:
+def host_slot_env(
+    slots: int, directory: Path, *, path: str, real_clientapp: Path = Path(CLIENTAPP)
+) -> dict[str, str]:
     """Environment for SuperNodes whose ClientApps share ``slots`` slots in ``directory``: the
     launch gate (written to ``directory/bin``) first on ``path``; ``real_clientapp``: Flower's
-    ``flwr-clientapp`` (a bare name is looked up on ``path``)."""
+    ``flwr-clientapp`` (a bare name, the default, is looked up on ``path``)."""
     if not 1 <= slots <= 4096:
         raise ConfigError(f"host slots must be between 1 and 4096, got {slots}")
     real = str(real_clientapp) if real_clientapp.is_absolute() else shutil.which(str(real_clientapp), path=path)

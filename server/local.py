@@ -30,7 +30,6 @@ from .processes import (
     activated,
     activation_refused,
     flower_env,
-    flower_executable,
     free_port,
     superlink_command,
     supernode_command,
@@ -145,8 +144,7 @@ def local_federation(
                 add_node_key(creds, name)
     env = flower_env(home, db_url=db_url)
     if clientapp_slots:
-        env.update(host_slot_env(clientapp_slots, home / "clientapp-slots", path=env["PATH"],
-                                 real_clientapp=Path(flower_executable("flwr-clientapp"))))
+        env.update(host_slot_env(clientapp_slots, home / "clientapp-slots", path=env["PATH"]))
     with ProcessGroup(home / "logs", env) as group:
         link = group.start("superlink", superlink_command(port=port, database=None, tls=creds))
         try:

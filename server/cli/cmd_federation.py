@@ -27,7 +27,6 @@ from ..processes import (
     ProcessGroup,
     activation_refused,
     flower_env,
-    flower_executable,
     free_port,
     superlink_command,
     supernode_command,
@@ -185,8 +184,7 @@ def node_start(
     if not rejoin_wait >= 0:
         raise typer.BadParameter(f"--rejoin-wait must be >= 0 seconds, got {rejoin_wait}")
     if host_slots:
-        env.update(host_slot_env(host_slots, state.home / "clientapp-slots", path=env["PATH"],
-                                 real_clientapp=Path(flower_executable("flwr-clientapp"))))
+        env.update(host_slot_env(host_slots, state.home / "clientapp-slots", path=env["PATH"]))
     _run_in_foreground(
         env, state.home / "logs", f"node-{department}", cmd,
         lambda child: console.print(f"[green]node {department} started[/green] "
