@@ -18,7 +18,6 @@ import tomli_w
 
 from quorumfl.client.data import prepare_partitions
 from quorumfl.client.models import build_model
-from quorumfl.server.control import build_fab
 from quorumfl.server.local import LocalFederation, local_federation
 from quorumfl.server.services import follow_run
 from quorumfl.server.state.database import connect
@@ -50,8 +49,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
     return out
 
 
-def baseline_fab(name: str, module: str, files: list[str], config: dict[str, Any]) -> Any:
-    """A Flower app bundle of benchmark files (not the QuorumFL package) with ``module:server/client``."""
+def baseline_fab(name: str, module: str, files: list[str], config: dict[str, Any]) -> dict[str, bytes]:
+    """The files of a Flower app bundle of benchmark files (not the QuorumFL package) with
+    ``module:server/client``; the federation's Control client builds (and signs) the bundle."""
     manifest = {
         "build-system": {"requires": ["setuptools"], "build-backend": "setuptools.build_meta"},
         "project": {"name": name, "version": "1.0.0", "dependencies": []},
@@ -61,7 +61,7 @@ def baseline_fab(name: str, module: str, files: list[str], config: dict[str, Any
             "config": config,
         }}},
     }
-    return build_fab({"pyproject.toml": tomli_w.dumps(manifest).encode(), **{f: (HERE / f).read_bytes() for f in files}})
+    return {"pyproject.toml": tomli_w.dumps(manifest).encode(), **{f: (HERE / f).read_bytes() for f in files}}
 
 
 def quorumfl_rounds(federation: LocalFederation, repo: Repository, overrides: dict[str, Any]) -> list[dict[str, float]]:
@@ -73,9 +73,9 @@ def quorumfl_rounds(federation: LocalFederation, repo: Repository, overrides: di
     return [dict(r.timings) for r in run.rounds]
 
 
-def baseline_rounds(federation: LocalFederation, fab: Any, timings: Path, rounds: int) -> list[float]:
+def baseline_rounds(federation: LocalFederation, fab: dict[str, bytes], timings: Path, rounds: int) -> list[float]:
     """Run a baseline app that appends ``{"round_s": …}`` lines to ``timings``; its round times."""
-    flower_run_id = federation.control.start_run({}, fab=fab)
+    flower_run_id = federation.control.start_run({}, files=fab)
     deadline = time.monotonic() + 3600
     while not federation.control.run_finished(flower_run_id):
         if time.monotonic() > deadline:

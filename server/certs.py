@@ -6,6 +6,8 @@ ECDSA keys); this module makes the files they need, with ``cryptography``, in on
     ca.crt  ca.key              the federation's own CA (self-signed, ECDSA P-384)
     server.pem  server.key      the SuperLink's certificate, signed by the CA, for the given hosts
     nodes/NAME.key  NAME.pub    one OpenSSH ECDSA P-384 key pair per department node
+    admin.key  admin.pub        the admin's Ed25519 key: signs Control API tokens and run bundles
+                                (the SuperLink and the nodes get admin.pub only)
     retired/NAME-STAMP.pub      keys replaced or revoked: unregistered at the SuperLink, never again valid
 
 Nothing here talks to the network. ``check_*`` functions fail closed with a ``CredentialError``
@@ -31,10 +33,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from quorumfl.aggregation.errors import ConfigError, CredentialError
+from quorumfl.privacy.admin import generate_admin_key, load_admin_private, load_admin_publics
 
 __all__ = [
     "Credentials",
+    "add_admin_key",
     "add_node_key",
+    "check_admin_key",
     "check_node_key",
     "check_server",
     "init_credentials",
@@ -71,6 +76,14 @@ class Credentials:
     @property
     def server_key(self) -> Path:
         return self.root / "server.key"
+
+    @property
+    def admin_key(self) -> Path:
+        return self.root / "admin.key"
+
+    @property
+    def admin_pub(self) -> Path:
+        return self.root / "admin.pub"
 
     def node_key(self, name: str) -> Path:
         return self.root / "nodes" / f"{validate_node_name(name)}.key"
@@ -163,9 +176,40 @@ def init_credentials(root: Path, *, hosts: Sequence[str], nodes: Sequence[str], 
     _write(creds.ca_key, _pem_key(key), private=True)
     _write(creds.ca_cert, cert.public_bytes(serialization.Encoding.PEM), private=False)
     issue_server_cert(creds, hosts=hosts, days=days)
+    add_admin_key(creds)
     for node in nodes:
         add_node_key(creds, node)
     return creds
+
+
+def add_admin_key(creds: Credentials, *, replace: bool = False) -> Path:
+    """The admin's Ed25519 key pair (``admin.key`` 0600, ``admin.pub``). ``replace`` rotates it: the
+    old public key moves to ``retired/``; the SuperLink and every node need the new ``admin.pub``."""
+    if creds.admin_key.exists() or creds.admin_pub.exists():
+        if not replace:
+            raise CredentialError(f"{creds.admin_key} already exists; pass --replace to rotate the admin key")
+        if creds.admin_pub.exists():
+            target = creds.root / "retired" / f"admin-{_now().strftime('%Y%m%dT%H%M%S%f')}.pub"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(creds.admin_pub, target)
+    private, public = generate_admin_key()
+    _write(creds.admin_key, private, private=True)
+    _write(creds.admin_pub, public, private=False)
+    return creds.admin_key
+
+
+def check_admin_key(creds: Credentials) -> None:
+    """The admin key pair is present, private to its owner and matching (fails closed)."""
+    for path in (creds.admin_key, creds.admin_pub):
+        if not path.exists():
+            raise CredentialError(f"no admin key at {path}: the Control API accepts only calls signed by the admin; "
+                                  "make it with 'quorumfl certs admin-key' (admin machine)")
+    _check_private_mode(creds.admin_key)
+    key = load_admin_private(creds.admin_key.read_bytes(), source=str(creds.admin_key))
+    publics = load_admin_publics(creds.admin_pub.read_bytes(), source=str(creds.admin_pub))
+    if all(p.public_bytes_raw() != key.public_key().public_bytes_raw() for p in publics):
+        raise CredentialError(f"{creds.admin_key} does not belong to {creds.admin_pub}; rotate both with "
+                              "'quorumfl certs admin-key --replace'")
 
 
 def issue_server_cert(creds: Credentials, *, hosts: Sequence[str], days: int = 365) -> Path:

@@ -4,18 +4,27 @@ register and unregister SuperNode keys.
 Submitting a run is what ``flwr run`` does: build a FAB (Flower app bundle) and call StartRun. The
 QuorumFL code is installed on every SuperNode and on the SuperLink side, so the FAB carries only the
 app's ``pyproject.toml`` (components and default run config) — a few hundred bytes.
+
+With the admin's key (``admin_key``) every call carries a fresh admin-signed token (the SuperLink's
+Control API refuses calls without one, ``admin_access``), and a submitted bundle is signed: the
+run's whole config goes inside the signed ``pyproject.toml`` and no override travels beside it, so
+nodes can check that they run exactly what the admin approved (``quorumfl.client.app_guard``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import version as package_version
+from pathlib import Path
 from typing import Any
 
+import httpx
 import tomli_w
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.cli.build import build_fab_from_files
 from flwr.cli.cli_client_interceptor import CliClientHttpInterceptor
 from flwr.common.serde import fab_to_proto, user_config_to_proto
@@ -31,15 +40,24 @@ from flwr.supercore.control import ControlHttpClient
 from flwr.supercore.fab import Fab
 from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
 
-from quorumfl.aggregation.errors import FederationError
+from quorumfl.aggregation.errors import ConfigError, CredentialError, FederationError
+from quorumfl.privacy.admin import (
+    SIGNATURE_FILE,
+    federation_id,
+    issue_token,
+    load_admin_private,
+    sign_app,
+)
 
+from .certs import Credentials, check_admin_key
 from .config import DEFAULTS
 
-__all__ = ["Control", "FlowerNode", "FlowerRun", "app_pyproject", "build_fab"]
+__all__ = ["Control", "FlowerNode", "FlowerRun", "app_pyproject", "build_fab", "store_flwr_token"]
 
 
-def app_pyproject() -> bytes:
-    """The Flower app manifest of QuorumFL (same components and defaults as the repo's pyproject)."""
+def app_pyproject(config: Mapping[str, Any] | None = None) -> bytes:
+    """The Flower app manifest of QuorumFL (same components and defaults as the repo's pyproject);
+    ``config``: the run config to carry instead of the defaults."""
     manifest = {
         "build-system": {"requires": ["setuptools"], "build-backend": "setuptools.build_meta"},
         "project": {
@@ -56,7 +74,7 @@ def app_pyproject() -> bytes:
                         "serverapp": "quorumfl.server.app:app",
                         "clientapp": "quorumfl.client.app:app",
                     },
-                    "config": dict(DEFAULTS),
+                    "config": dict(DEFAULTS if config is None else config),
                 }
             }
         },
@@ -64,10 +82,26 @@ def app_pyproject() -> bytes:
     return tomli_w.dumps(manifest).encode()
 
 
-def build_fab(files: Mapping[str, bytes] | None = None) -> Fab:
-    """A Flower app bundle: QuorumFL's manifest, or the given files (``pyproject.toml`` + code)."""
-    fab_bytes, _ = build_fab_from_files(dict(files) if files is not None else {"pyproject.toml": app_pyproject()})
+def build_fab(files: Mapping[str, bytes] | None = None, *, admin_key: Ed25519PrivateKey | None = None) -> Fab:
+    """A Flower app bundle: QuorumFL's manifest, or the given files (``pyproject.toml`` + code);
+    signed by ``admin_key`` when given."""
+    content = dict(files) if files is not None else {"pyproject.toml": app_pyproject()}
+    if admin_key is not None:
+        content[SIGNATURE_FILE] = sign_app(content, admin_key, now=time.time())
+    fab_bytes, _ = build_fab_from_files(content)
     return Fab(hashlib.sha256(fab_bytes).hexdigest(), fab_bytes, {})
+
+
+class _AdminToken:
+    """Adds a fresh admin-signed bearer token to every Control API call."""
+
+    def __init__(self, key: Ed25519PrivateKey, audience: str) -> None:
+        self.key, self.audience = key, audience
+
+    def intercept(self, context: Any, call_next: Any) -> Any:
+        token = issue_token(self.key, audience=self.audience, now=time.time())
+        context.request.headers["Authorization"] = f"Bearer {token}"
+        return call_next(context)
 
 
 @dataclass(frozen=True)
@@ -89,12 +123,28 @@ class FlowerNode:
 class Control:
     """Thin typed wrapper over Flower's Control API HTTP client."""
 
-    def __init__(self, address: str, *, insecure: bool = True, root_certificates: str | None = None) -> None:
+    def __init__(self, address: str, *, insecure: bool = True, root_certificates: str | None = None,
+                 admin_key: Path | None = None) -> None:
         """``root_certificates``: path of the CA certificate that signed the SuperLink's TLS
-        certificate (with ``insecure=False``)."""
+        certificate (with ``insecure=False``); ``admin_key``: the admin's private key, which signs a
+        token for every call and every submitted bundle (needs ``root_certificates``: the token names
+        the federation by its CA)."""
         self.address = address
         self.insecure = insecure
         self.root_certificates = root_certificates
+        self._admin: Ed25519PrivateKey | None = None
+        self._interceptors: list[Any] = [CliClientHttpInterceptor(),
+                                         RuntimeVersionHttpInterceptor(component_name="flwr CLI")]
+        if admin_key is not None:
+            if root_certificates is None:
+                raise CredentialError("an admin key needs the federation CA certificate (the token names the federation)")
+            try:
+                self._admin = load_admin_private(admin_key.read_bytes(), source=str(admin_key))
+                audience = federation_id(Path(root_certificates).read_bytes())
+            except OSError as exc:
+                raise CredentialError(f"cannot read {exc.filename}: {exc.strerror}; the admin's files live in the "
+                                      "credentials folder ('quorumfl certs init')") from exc
+            self._interceptors.append(_AdminToken(self._admin, audience))
 
     @contextmanager
     def _client(self) -> Iterator[Any]:
@@ -104,7 +154,7 @@ class Control:
                 server_address=self.address,
                 insecure=self.insecure,
                 root_certificates=self.root_certificates,
-                interceptors=[CliClientHttpInterceptor(), RuntimeVersionHttpInterceptor(component_name="flwr CLI")],
+                interceptors=list(self._interceptors),
             )
         except Exception as exc:
             raise FederationError(f"cannot connect to the SuperLink at {self.address}: {exc}") from exc
@@ -112,6 +162,12 @@ class Control:
             yield client
         except FederationError:
             raise
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code == httpx.codes.UNAUTHORIZED:
+                raise CredentialError(
+                    f"the SuperLink at {self.address} refused the call: it obeys only calls signed with the "
+                    "federation admin's key (HOME/certs/admin.key on the admin's machine)") from exc
+            raise FederationError(f"SuperLink Control API at {self.address} failed: {exc}") from exc
         except Exception as exc:
             raise FederationError(
                 f"SuperLink Control API at {self.address} failed: {exc.__class__.__name__}: {exc}; "
@@ -120,11 +176,21 @@ class Control:
         finally:
             client.close()
 
-    def start_run(self, overrides: Mapping[str, Any], *, fab: Fab | None = None) -> int:
-        """Submit a run of the QuorumFL app (or of ``fab``, another Flower app bundle)."""
+    def start_run(self, overrides: Mapping[str, Any], *, files: Mapping[str, bytes] | None = None) -> int:
+        """Submit a run of the QuorumFL app (or of the app made of ``files``: ``pyproject.toml`` +
+        code). With the admin key the bundle is signed, and QuorumFL's run config travels inside it."""
+        overrides = dict(overrides)
+        if self._admin is not None and files is None:
+            unknown = sorted(set(overrides) - set(DEFAULTS))
+            if unknown:
+                raise ConfigError(f"unknown run-config key(s) {', '.join(unknown)}; 'quorumfl runs start --help' "
+                                  "lists the keys")
+            files, overrides = {"pyproject.toml": app_pyproject({**DEFAULTS, **overrides})}, {}
+        elif self._admin is not None and overrides:
+            raise ConfigError("a signed custom app carries its config in its pyproject.toml; pass no overrides")
         request = StartRunRequest(
-            fab=fab_to_proto(fab or build_fab()),
-            override_config=user_config_to_proto(dict(overrides)),
+            fab=fab_to_proto(build_fab(files, admin_key=self._admin)),
+            override_config=user_config_to_proto(overrides),
             federation="",
         )
         with self._client() as client:
@@ -177,3 +243,26 @@ class Control:
     def unregister_node(self, node_id: int) -> None:
         with self._client() as client:
             client.UnregisterNode(UnregisterNodeRequest(node_id=node_id))
+
+
+def store_flwr_token(creds: Credentials, superlink: str, *, ttl: float) -> Path:
+    """An admin-signed token for ``superlink`` in Flower's credential store, where Flower's ``flwr``
+    CLI looks for account tokens (as an OIDC login would leave them); returns the store's path."""
+    from flwr.cli.constant import (
+        ACCESS_TOKEN_STORE_KEY,
+        AUTHN_TYPE_STORE_KEY,
+        REFRESH_TOKEN_STORE_KEY,
+    )
+    from flwr.common.constant import AuthnType
+    from flwr.supercore.credential_store.file_credential_store import FileCredentialStore
+    from flwr.supercore.utils import get_flwr_home
+
+    check_admin_key(creds)
+    key = load_admin_private(creds.admin_key.read_bytes(), source=str(creds.admin_key))
+    token = issue_token(key, audience=federation_id(creds.ca_cert.read_bytes()), now=time.time(), ttl=ttl)
+    path = get_flwr_home() / "credentials.yaml"
+    store = FileCredentialStore(path)
+    store.set(AUTHN_TYPE_STORE_KEY % superlink, AuthnType.OIDC.encode())
+    store.set(ACCESS_TOKEN_STORE_KEY % superlink, token.encode())
+    store.set(REFRESH_TOKEN_STORE_KEY % superlink, b"none")  # the SuperLink refreshes nothing; log in again
+    return path

@@ -3,8 +3,10 @@ as separate processes on 127.0.0.1 (Flower's deployment engine). Used by the dem
 integration tests and the benchmarks; every process is stopped when the ``with`` block ends.
 
 Like ``quorumfl server start``, it runs with TLS and SuperNode authentication unless told
-otherwise: credentials for 127.0.0.1 and one key per department are made under ``HOME/certs``
-(kept for the next federation in the same home), and each key is registered before its node starts.
+otherwise: credentials for 127.0.0.1, the admin key and one key per department are made under
+``HOME/certs`` (kept for the next federation in the same home), and each key is registered before
+its node starts. The Control client signs every call and every run with the admin key, and the
+nodes run only admin-signed apps.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quorumfl.aggregation.errors import FederationError
+from quorumfl.client.app_guard import app_guard_env
 from quorumfl.client.host_slots import host_slot_env
 
-from .certs import Credentials, add_node_key, init_credentials
+from .certs import Credentials, add_admin_key, add_node_key, init_credentials
 from .control import Control
 from .processes import (
     REJOIN_GRACE_S,
@@ -139,19 +142,24 @@ def local_federation(
         creds = Credentials(home / "certs")
         if not creds.ca_cert.exists():
             init_credentials(creds.root, hosts=["127.0.0.1", "localhost"], nodes=[])
+        if not creds.admin_key.exists():  # a credentials folder made before admin keys existed
+            add_admin_key(creds)
         for name in departments:
             if not creds.node_pub(name).exists():
                 add_node_key(creds, name)
     env = flower_env(home, db_url=db_url)
     if clientapp_slots:
         env.update(host_slot_env(clientapp_slots, home / "clientapp-slots", path=env["PATH"]))
+    if creds is not None:  # nodes run only apps the admin signed
+        env.update(app_guard_env(creds.admin_pub, home / "clientapp-guard", path=env["PATH"]))
     with ProcessGroup(home / "logs", env) as group:
         link = group.start("superlink", superlink_command(port=port, database=None, tls=creds))
         try:
             wait_for_port("127.0.0.1", port, timeout=60, process=link.process)
         except FederationError as exc:
             raise FederationError(f"{exc}\n{group.tail(link)}") from exc
-        control = Control(address, insecure=creds is None, root_certificates=str(creds.ca_cert) if creds else None)
+        control = Control(address, insecure=creds is None, root_certificates=str(creds.ca_cert) if creds else None,
+                          admin_key=creds.admin_key if creds else None)
         if creds is not None:
             sync_registrations(control, creds)
         federation = LocalFederation(address, control, group, link, {}, creds, node_config)

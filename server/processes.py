@@ -23,6 +23,7 @@ from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
 
 from quorumfl.aggregation.errors import FederationError
 
+from .admin_access import ADMIN_KEYS_FLAG
 from .certs import Credentials
 
 __all__ = [
@@ -77,10 +78,14 @@ def superlink_command(
 ) -> list[str]:
     """``database=None`` keeps Flower's link state in memory: nothing to lock or clean up, which
     suits short-lived local federations (under load its SQLite state hit 'database is locked').
-    ``tls``: the federation's credentials (TLS on the port and SuperNode authentication); ``None``
-    runs insecure, for a trusted network only."""
+    ``tls``: the federation's credentials (TLS on the port, SuperNode authentication, a Control API
+    that obeys only the admin's key); ``None`` runs insecure, for a trusted network only."""
+    # With TLS the SuperLink runs under QuorumFL's entry point, which makes its Control API accept
+    # only admin-signed calls (admin_access); Flower's own command otherwise.
+    launcher = [flower_executable("flower-superlink")] if tls is None else [
+        sys.executable, "-m", "quorumfl.server.admin_access", ADMIN_KEYS_FLAG, str(tls.admin_pub)]
     cmd = [
-        flower_executable("flower-superlink"),
+        *launcher,
         *(["--database", str(database)] if database is not None else []),
         "--disable-runtime-dependency-installation",
         "--host", host,

@@ -11,6 +11,7 @@ from cryptography.hazmat.primitives import hashes
 
 from ..certs import (
     Credentials,
+    add_admin_key,
     add_node_key,
     check_server,
     init_credentials,
@@ -19,6 +20,7 @@ from ..certs import (
     retire_node_key,
     server_hosts,
 )
+from ..control import store_flwr_token
 from ..registration import RegistrationReport, sync_registrations
 from .context import DEFAULT_SUPERLINK, settings
 from .output import console, table
@@ -46,7 +48,7 @@ def _report(report: RegistrationReport) -> None:
 
 def _apply(ctx: typer.Context, creds: Credentials, superlink: str | None) -> None:
     if superlink:
-        _report(sync_registrations(settings(ctx).control(superlink, ca_cert=creds.ca_cert), creds))
+        _report(sync_registrations(settings(ctx).control(superlink, ca_cert=creds.ca_cert, admin_key=creds.admin_key), creds))
 
 
 @certs_app.command("init")
@@ -63,9 +65,27 @@ def init(
     init_credentials(creds.root, hosts=host or ["127.0.0.1", "localhost"], nodes=names, days=days)
     console.print(f"[green]credentials created in {creds.root}[/green]")
     console.print(f"  SuperLink: {creds.server_cert}, {creds.server_key} (CA {creds.ca_cert})", soft_wrap=True)
+    console.print(f"  admin: {creds.admin_key} signs Control API calls and runs; give {creds.admin_pub} to the "
+                  "SuperLink and every node", soft_wrap=True)
     for name in names:
-        console.print(f"  node {name}: give it {creds.ca_cert} and {creds.node_key(name)}", soft_wrap=True)
-    console.print("'quorumfl server start' registers the node keys; keep ca.key and the node keys secret.")
+        console.print(f"  node {name}: give it {creds.ca_cert}, {creds.admin_pub} and {creds.node_key(name)}",
+                      soft_wrap=True)
+    console.print("'quorumfl server start' registers the node keys; keep ca.key, admin.key and the node keys secret.")
+
+
+@certs_app.command("admin-key")
+def admin_key(
+    ctx: typer.Context,
+    replace: Annotated[bool, typer.Option(help="Rotate: retire the current admin key and make a new one.")] = False,
+    directory: DirOpt = None,
+) -> None:
+    """Make (or with --replace rotate) the admin's key, which signs Control API calls and runs.
+
+    The SuperLink's Control API obeys only calls it signs and nodes run only runs it signs. After
+    --replace, give the new admin.pub to the SuperLink (restart it) and to every node."""
+    creds = _creds(ctx, directory)
+    add_admin_key(creds, replace=replace)
+    console.print(f"admin key {creds.admin_key}; give {creds.admin_pub} to the SuperLink and every node", soft_wrap=True)
 
 
 @certs_app.command("add-node")
@@ -113,7 +133,7 @@ def register(ctx: typer.Context, superlink: Annotated[str, typer.Option(help="Su
              directory: DirOpt = None) -> None:
     """Register new node keys and unregister retired ones at a running SuperLink."""
     creds = _creds(ctx, directory)
-    report = sync_registrations(settings(ctx).control(superlink, ca_cert=creds.ca_cert), creds)
+    report = sync_registrations(settings(ctx).control(superlink, ca_cert=creds.ca_cert, admin_key=creds.admin_key), creds)
     _report(report)
     console.print(f"{len(report.kept)} node key(s) were already registered")
 
@@ -134,3 +154,22 @@ def list_credentials(ctx: typer.Context, directory: DirOpt = None) -> None:
     console.print(table("Node keys", rows, ["node", "fingerprint", "key"]))
     if creds.retired():
         console.print(f"{len(creds.retired())} retired key(s) in {creds.root / 'retired'}")
+
+
+@certs_app.command("flwr-login")
+def flwr_login(
+    ctx: typer.Context,
+    superlink: Annotated[str, typer.Option(help="SuperLink HOST:PORT, as in the 'address' of Flower's config.toml.")] = DEFAULT_SUPERLINK,
+    hours: Annotated[float, typer.Option(help="Hours the token stays valid (at most 24).")] = 8.0,
+    directory: DirOpt = None,
+) -> None:
+    """Store an admin token so Flower's own 'flwr' CLI can call the SuperLink.
+
+    The admin-signed token for SUPERLINK goes into Flower's credential store
+    ($FLWR_HOME/credentials.yaml). Nodes still run only bundles the admin signed, which
+    'quorumfl runs start' makes."""
+    creds = _creds(ctx, directory)
+    if not 0 < hours <= 24:
+        raise typer.BadParameter(f"--hours must be in (0, 24], got {hours}")
+    path = store_flwr_token(creds, superlink, ttl=hours * 3600)
+    console.print(f"admin token for {superlink} stored in {path}, valid {hours:g} h", soft_wrap=True)

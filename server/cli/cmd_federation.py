@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from quorumfl.aggregation.errors import CredentialError, FederationError
+from quorumfl.client.app_guard import app_guard_env
 from quorumfl.client.data import prepare_partitions, read_partition
 from quorumfl.client.data.datasets import FASHION_MNIST_DIR
 from quorumfl.client.data.planted import plant_partitions
@@ -113,6 +114,10 @@ def server_start(
     else:
         creds = Credentials(certs.expanduser().resolve()) if certs else state.credentials
         check_server(creds)  # fail closed, before anything listens
+        if not creds.admin_pub.exists():
+            raise CredentialError(f"no admin public key at {creds.admin_pub}: the Control API would obey anyone who "
+                                  "reaches the port; make it with 'quorumfl certs admin-key' on the admin's machine "
+                                  "and copy admin.pub there")
     connect(state.db_url, migrate=True)
     cmd = superlink_command(port=port, host=host, database=state.home / "superlink.db", tls=creds)
     local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
@@ -122,8 +127,13 @@ def server_start(
         mode = "TLS, node authentication" if creds else "INSECURE"
         console.print(f"[green]SuperLink listening on {host}:{port}[/green] ({mode}); state DB {state.db_url}; "
                       f"log {child.log}", soft_wrap=True)
+        admin = creds.admin_key if creds is not None and creds.admin_key.exists() else None
         control = Control(f"{local}:{port}", insecure=creds is None,
-                          root_certificates=str(creds.ca_cert) if creds else None)
+                          root_certificates=str(creds.ca_cert) if creds else None, admin_key=admin)
+        if creds is not None and admin is None:  # the server host holds admin.pub only, as it should
+            console.print("the admin key is not on this host: register node keys with 'quorumfl certs register' "
+                          "and resume interrupted runs with 'quorumfl runs resume' from the admin's machine")
+            return
         if creds is not None:
             report = sync_registrations(control, creds)
             console.print(f"node keys: {len(report.kept) + len(report.registered)} registered"
@@ -151,6 +161,8 @@ def node_start(
     checkpoint_every: Annotated[int, typer.Option(
         help="Checkpoint local training every N steps; a crashed round resumes from it (0 = off).")] = 0,
     ca_cert: Annotated[Path | None, typer.Option(help="Federation CA certificate (default HOME/certs/ca.crt).")] = None,
+    admin_key: Annotated[Path | None, typer.Option(
+        help="The admin's public key; the node runs only runs signed by it (default HOME/certs/admin.pub).")] = None,
     key: Annotated[Path | None, typer.Option(help="This node's private key (default HOME/certs/nodes/DEPARTMENT.key).")] = None,
     insecure: InsecureOpt = False,
     host_slots: Annotated[int, typer.Option(help="Nodes sharing this host train at most this many ClientApps at "
@@ -185,6 +197,9 @@ def node_start(
         raise typer.BadParameter(f"--rejoin-wait must be >= 0 seconds, got {rejoin_wait}")
     if host_slots:
         env.update(host_slot_env(host_slots, state.home / "clientapp-slots", path=env["PATH"]))
+    if tls is not None:  # only runs the admin signed (fails closed without the admin's public key)
+        env.update(app_guard_env((admin_key or state.credentials.admin_pub).expanduser(),
+                                 state.home / "clientapp-guard", path=env["PATH"]))
     _run_in_foreground(
         env, state.home / "logs", f"node-{department}", cmd,
         lambda child: console.print(f"[green]node {department} started[/green] "

@@ -38,8 +38,10 @@ class Settings:
         """The federation's credentials folder (``quorumfl certs init`` makes it)."""
         return Credentials(self.home / "certs")
 
-    def control(self, superlink: str, *, insecure: bool = False, ca_cert: Path | None = None) -> Control:
-        """A Control API client: TLS verified against the federation CA unless ``insecure``."""
+    def control(self, superlink: str, *, insecure: bool = False, ca_cert: Path | None = None,
+                admin_key: Path | None = None) -> Control:
+        """A Control API client: TLS verified against the federation CA and every call signed with the
+        admin key (default HOME/certs/admin.key), unless ``insecure``."""
         if insecure:
             from .output import err_console
 
@@ -52,7 +54,14 @@ class Settings:
             raise CredentialError(f"no CA certificate at {ca} to verify the SuperLink; run 'quorumfl certs init' "
                                   "(admin), copy the federation's ca.crt there or pass --ca-cert, or pass "
                                   "--insecure for a SuperLink started with --insecure")
-        return Control(superlink, insecure=False, root_certificates=str(ca))
+        admin = admin_key or self.credentials.admin_key
+        if not admin.exists():
+            from quorumfl.aggregation.errors import CredentialError
+
+            raise CredentialError(f"no admin key at {admin}: the SuperLink obeys only calls signed by the federation "
+                                  "admin; run this on the admin's machine, or make the key with "
+                                  "'quorumfl certs admin-key' (then restart 'quorumfl server start')")
+        return Control(superlink, insecure=False, root_certificates=str(ca), admin_key=admin)
 
 
 def settings(ctx: typer.Context) -> Settings:

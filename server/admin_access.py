@@ -1,0 +1,116 @@
+"""Admin-only Control API: Flower's SuperLink with an account-authentication plugin that accepts only
+tokens signed by the federation admin's Ed25519 key.
+
+Flower 1.42 serves the Fleet, Control and Runtime APIs on one port, and its open package ships only
+a no-op Control authentication plugin (its OIDC plugin is part of Flower Enterprise and needs an OIDC
+provider). Every Control route already goes through the configured plugin
+(``ControlAuthenticationMiddleware``), so QuorumFL supplies one: ``AdminTokenPlugin`` checks the
+``Authorization: Bearer`` token with ``quorumfl.privacy.admin.verify_token`` against the admin's
+public key(s) and the federation id (the CA certificate's SHA-256), and refuses everything else
+with Flower's own 401 answer. The SuperLink never holds the admin's private key.
+
+``python -m quorumfl.server.admin_access --admin-keys admin.pub <flower-superlink arguments>`` is the
+SuperLink process: it installs the plugin where Flower's CLI loads its own, then runs Flower's
+``flower-superlink`` unchanged. A SuperLink started with TLS but without ``--admin-keys`` refuses
+to start (fails closed); ``--insecure`` keeps Flower's no-op plugin, as documented for trusted
+networks only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from flwr.common.constant import ACCESS_TOKEN_KEY, NOOP_FLWR_AID
+from flwr.supercore.auth.typing import AccountAuthCredentials, AccountAuthLoginDetails, AccountInfo
+from flwr.supercore.error import ApiErrorCode, FlowerError
+from flwr.superlink.auth_plugin import ControlAuthnPlugin
+
+from quorumfl.aggregation.errors import CredentialError
+from quorumfl.privacy.admin import federation_id, load_admin_publics, verify_token
+
+__all__ = ["ADMIN_KEYS_FLAG", "AdminTokenPlugin", "main"]
+
+ADMIN_KEYS_FLAG = "--admin-keys"
+log = logging.getLogger(__name__)
+
+
+class AdminTokenPlugin(ControlAuthnPlugin):
+    """Control API authentication by admin-signed bearer tokens (no login flow: the admin's CLI
+    signs a fresh token for every call)."""
+
+    def __init__(self, admin_keys: bytes = b"", *, audience: str = "", source: str = "admin keys") -> None:
+        self.keys = load_admin_publics(admin_keys, source=source)
+        self.audience = audience
+
+    def get_login_details(self) -> AccountAuthLoginDetails | None:
+        raise FlowerError(ApiErrorCode.NO_ACCOUNT_AUTH,
+                          "this SuperLink accepts only admin-signed tokens: use 'quorumfl' on the admin's machine, "
+                          "or 'quorumfl admin flwr-login' before 'flwr'")
+
+    def validate_tokens_in_metadata(
+        self, metadata: Sequence[tuple[str, str | bytes]]
+    ) -> tuple[bool, AccountInfo | None]:
+        tokens = [v for k, v in metadata if k == ACCESS_TOKEN_KEY]
+        if len(tokens) != 1:
+            log.warning("Control API call without an admin token refused")
+            return False, None
+        token = tokens[0].decode("ascii", "replace") if isinstance(tokens[0], bytes) else tokens[0]
+        try:
+            signer = verify_token(token, self.keys, audience=self.audience, now=time.time())
+        except CredentialError as exc:
+            log.warning("Control API call refused: %s", exc)
+            return False, None
+        # One account, Flower's default one: runs and nodes keep the owner they have without a plugin.
+        return True, AccountInfo(flwr_aid=NOOP_FLWR_AID, account_name=f"admin-{signer}")
+
+    def get_auth_tokens(self, device_code: str) -> AccountAuthCredentials | None:
+        raise FlowerError(ApiErrorCode.NO_ACCOUNT_AUTH, "this SuperLink issues no tokens; the admin signs them")
+
+    def refresh_tokens(
+        self, metadata: Sequence[tuple[str, str | bytes]]
+    ) -> tuple[Sequence[tuple[str, str | bytes]] | None, AccountInfo | None]:
+        return None, None
+
+
+def _take_flag(argv: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+            del argv[i: i + 2]
+            return value
+        if arg.startswith(flag + "="):
+            del argv[i]
+            return arg.split("=", 1)[1]
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    keys_path = _take_flag(args, ADMIN_KEYS_FLAG)
+    ca_path = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--ssl-ca-certfile"), None)
+    if "--insecure" not in args:
+        try:
+            if keys_path is None or ca_path is None:
+                raise CredentialError(f"a SuperLink with TLS needs {ADMIN_KEYS_FLAG} (the admin's admin.pub) and "
+                                      "--ssl-ca-certfile: without them its Control API would obey anyone")
+            plugin = AdminTokenPlugin(Path(keys_path).read_bytes(), source=keys_path,
+                                      audience=federation_id(Path(ca_path).read_bytes()))
+        except (OSError, CredentialError) as exc:
+            print(f"quorumfl superlink: {exc}", file=sys.stderr)
+            sys.exit(78)
+        # the module, not the function of the same name that its package exports
+        flower = importlib.import_module("flwr.superlink.cli.flower_superlink")
+        flower.load_control_authn_plugin = lambda: plugin  # where Flower's CLI loads its own plugin
+    from flwr.superlink.cli import flower_superlink
+
+    sys.argv = ["flower-superlink", *args]
+    flower_superlink()
+
+
+if __name__ == "__main__":
+    main()
