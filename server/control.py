@@ -52,7 +52,7 @@ from quorumfl.privacy.admin import (
 from .certs import Credentials, check_admin_key
 from .config import DEFAULTS
 
-__all__ = ["Control", "FlowerNode", "FlowerRun", "app_pyproject", "build_fab", "store_flwr_token"]
+__all__ = ["Control", "FlowerNode", "FlowerRun", "app_pyproject", "build_fab", "sign_app_dir", "store_flwr_token"]
 
 
 def app_pyproject(config: Mapping[str, Any] | None = None) -> bytes:
@@ -266,3 +266,25 @@ def store_flwr_token(creds: Credentials, superlink: str, *, ttl: float) -> Path:
     store.set(ACCESS_TOKEN_STORE_KEY % superlink, token.encode())
     store.set(REFRESH_TOKEN_STORE_KEY % superlink, b"none")  # the SuperLink refreshes nothing; log in again
     return path
+
+
+def sign_app_dir(directory: Path, creds: Credentials) -> Path:
+    """Sign the Flower app in ``directory`` for ``flwr run DIRECTORY`` (without ``-c``: the run config
+    is the one in its pyproject.toml): the signature covers the files exactly as Flower's builder
+    puts them in the bundle, and is written as ``directory/quorumfl-signature.json``."""
+    import io
+    import zipfile
+
+    from flwr.cli.utils import collect_files
+
+    check_admin_key(creds)
+    key = load_admin_private(creds.admin_key.read_bytes(), source=str(creds.admin_key))
+    if not (directory / "pyproject.toml").is_file():
+        raise ConfigError(f"{directory} holds no pyproject.toml; point at a Flower app directory")
+    files = {name: path for name, path in collect_files(directory).items() if name != SIGNATURE_FILE}
+    fab, _ = build_fab_from_files(files)
+    with zipfile.ZipFile(io.BytesIO(fab)) as archive:
+        content = {i.filename: archive.read(i) for i in archive.infolist() if i.filename != ".info/CONTENT"}
+    target = directory / SIGNATURE_FILE
+    target.write_bytes(sign_app(content, key, now=time.time()))
+    return target

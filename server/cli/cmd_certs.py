@@ -20,7 +20,7 @@ from ..certs import (
     retire_node_key,
     server_hosts,
 )
-from ..control import store_flwr_token
+from ..control import sign_app_dir, store_flwr_token
 from ..registration import RegistrationReport, sync_registrations
 from .context import DEFAULT_SUPERLINK, settings
 from .output import console, table
@@ -173,3 +173,17 @@ def flwr_login(
         raise typer.BadParameter(f"--hours must be in (0, 24], got {hours}")
     path = store_flwr_token(creds, superlink, ttl=hours * 3600)
     console.print(f"admin token for {superlink} stored in {path}, valid {hours:g} h", soft_wrap=True)
+
+
+@certs_app.command("sign-app")
+def sign_app(
+    ctx: typer.Context,
+    app_dir: Annotated[Path, typer.Argument(help="The Flower app directory (its pyproject.toml holds the run config).")],
+    directory: DirOpt = None,
+) -> None:
+    """Sign a Flower app directory with the admin key, so nodes accept 'flwr run APP_DIR'.
+
+    Nodes refuse a run whose config differs from the signed pyproject.toml, so pass no '-c'
+    overrides to 'flwr run': edit the pyproject and sign again."""
+    target = sign_app_dir(app_dir.expanduser().resolve(), _creds(ctx, directory))
+    console.print(f"signed {app_dir}: {target}", soft_wrap=True)

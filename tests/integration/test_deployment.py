@@ -8,9 +8,11 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
+import tomli_w
 
 from quorumfl.server.services import follow_run
 from quorumfl.server.state.repository import RoundStatus, RunStatus
@@ -107,25 +109,54 @@ def test_runs_stop_through_the_cli(deployment: Deployment) -> None:
     assert all(r.status in (RoundStatus.COMPLETED, RoundStatus.ABORTED) for r in run.rounds)
 
 
-def test_flowers_own_flwr_run_drives_the_app(deployment: Deployment, tmp_path: Path) -> None:
-    """`flwr run . CONNECTION` (Flower's CLI, the repo's pyproject as the app) runs the same app."""
+def test_flowers_own_flwr_cli_needs_the_admin_token_and_a_signed_app(deployment: Deployment, tmp_path: Path) -> None:
+    """`flwr run APP CONNECTION` (Flower's CLI) is refused by the SuperLink without the admin's token;
+    after 'certs flwr-login' an unsigned app is accepted there but refused by the nodes; after
+    'certs sign-app' the same app runs."""
     d = deployment
+    creds = d.federation.credentials
+    assert creds is not None  # TLS, as every federation runs by default
     flwr_home = tmp_path / "flwr-cli"
     flwr_home.mkdir()
-    assert d.federation.credentials is not None  # TLS, as every federation runs by default
     (flwr_home / "config.toml").write_text(
         f'[superlink]\ndefault = "quorumfl"\n\n[superlink.quorumfl]\naddress = "{d.federation.address}"\n'
-        f'root-certificates = "{d.federation.credentials.ca_cert}"\n'
+        f'root-certificates = "{creds.ca_cert}"\n'
     )
-    overrides = f"num-rounds=1 local-epochs=1 start-from='fresh' state-url='{d.db_url}' model-dir='{d.home / 'models'}'"
-    result = subprocess.run(
-        [str(Path(sys.executable).parent / "flwr"), "run", str(ROOT), "quorumfl", "--format", "json", "-c", overrides],
-        env={**os.environ, "FLWR_HOME": str(flwr_home), "FLWR_TELEMETRY_ENABLED": "0"},
-        capture_output=True, text=True, timeout=120, check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    flower_run_id = int(json.loads(result.stdout[result.stdout.index("{"):])["run-id"])
+    app = tmp_path / "app"  # the repo's app manifest, with this run's config written into it
+    app.mkdir()
+    manifest = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    manifest["tool"]["flwr"]["app"]["config"].update({
+        "num-rounds": 1, "local-epochs": 1, "start-from": "fresh", "state-url": d.db_url,
+        "model-dir": str(d.home / "models")})
+    (app / "pyproject.toml").write_text(tomli_w.dumps(manifest))
+    env = {**os.environ, "FLWR_HOME": str(flwr_home), "FLWR_TELEMETRY_ENABLED": "0"}
+    quorumfl = [str(Path(sys.executable).parent / "quorumfl"), "--home", str(d.home)]
+
+    def flwr_run() -> dict[str, object]:
+        done = subprocess.run([str(Path(sys.executable).parent / "flwr"), "run", str(app), "quorumfl", "--format", "json"],
+                              env=env, capture_output=True, text=True, timeout=120, check=False)
+        answer: dict[str, object] = json.loads(done.stdout[done.stdout.index("{"):])
+        return answer
+
+    refused = flwr_run()
+    assert refused["success"] is False and "Authentication failed" in str(refused["error-message"]), refused
+    login = subprocess.run([*quorumfl, "certs", "flwr-login", "--superlink", d.federation.address], env=env,
+                           capture_output=True, text=True, timeout=60, check=False)
+    assert login.returncode == 0, login.stdout + login.stderr
+
+    unsigned = flwr_run()
+    assert unsigned["success"] is True, unsigned
+    run_id = int(str(unsigned["run-id"]))
+    run = follow_run(d.repo, run_id, timeout=300, alive=lambda: d.federation.alive(run_id))
+    assert run.status == RunStatus.FAILED
+    assert all("not signed by the federation admin" in f.reason for f in run.rounds[0].failures)
+
+    signed = subprocess.run([*quorumfl, "certs", "sign-app", str(app)], env=env, capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert signed.returncode == 0, signed.stdout + signed.stderr
+    result = flwr_run()
+    assert result["success"] is True, result
+    flower_run_id = int(str(result["run-id"]))
     run = follow_run(d.repo, flower_run_id, timeout=300, alive=lambda: d.federation.alive(flower_run_id))
     assert run.status == RunStatus.COMPLETED, f"{run.error}\n{d.federation.logs()}"
     assert [(r.number, len(r.participants)) for r in run.rounds] == [(1, 3)]
-    assert not (ROOT / "pyproject.toml").read_text().count("[tool.flwr.federations]")  # flwr left it alone
