@@ -76,8 +76,11 @@ def main() -> None:
         print(f"quorumfl app guard: cannot read the admin key file {ADMIN_KEYS_ENV}={keys_path!r} "
               f"({exc.strerror}); refusing to run any app", file=sys.stderr)
         sys.exit(78)
-    import flwr.supernode.runtime.run_clientapp as runner
+    import importlib
+
     from flwr.supernode.cli import flwr_clientapp
+
+    runner: Any = importlib.import_module("flwr.supernode.runtime.run_clientapp")
 
     pull, install = runner.pull_task_input, runner.install_from_fab
     refusal: list[CredentialError] = []
@@ -95,7 +98,7 @@ def main() -> None:
             raise refusal[0]
         return install(*args, **kwargs)
 
-    runner.pull_task_input = pull_checked  # type: ignore[assignment]
+    runner.pull_task_input = pull_checked
     runner.install_from_fab = install_checked
     flwr_clientapp()
 

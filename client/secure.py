@@ -11,13 +11,18 @@ secure sum or stay on the node.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric import ec
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from quorumfl.aggregation.errors import SecureAggregationError
 from quorumfl.aggregation.secagg import NodeEpoch, flatten, weighted_payload
+from quorumfl.aggregation.secagg.identity import Roster, load_signing_key, sign
 
 from .secure_wire import (
     MASKED,
@@ -32,12 +37,12 @@ from .secure_wire import (
     encode_masked,
     encode_unmask_reply,
 )
-from .wire import METRICS, NODE
+from .wire import METRICS, NODE, ROSTER_KEY
 
 if TYPE_CHECKING:
     from .steps import LocalTraining
 
-__all__ = ["advertise", "masked_train_reply", "share", "unmask"]
+__all__ = ["Identity", "advertise", "identity", "masked_train_reply", "share", "unmask"]
 
 _STATE = "secagg-epoch"
 
@@ -64,17 +69,67 @@ def _record(msg: Message) -> ConfigRecord:
     return msg.content.config_records[SECAGG]
 
 
+@dataclass(frozen=True)
+class Identity:
+    """How this node signs and checks advertisements: its node key and the run's roster (both None
+    in an unsigned federation, where nodes have no keys and the run has no roster)."""
+
+    key: ec.EllipticCurvePrivateKey | None
+    roster: Roster | None
+    department: str = ""
+
+    def signer(self) -> Callable[[bytes], bytes] | None:
+        key = self.key
+        return None if key is None else (lambda message: sign(key, message))
+
+
+def identity(context: Context) -> Identity:
+    """This node's signing identity for the run; fails closed when only one of key and roster is there,
+    or when the node's key is not the roster's key for the department it was started as."""
+    node = str(context.node_id)
+    key_path = str(context.node_config.get("node-key", "") or "")
+    roster_json = str(context.run_config.get(ROSTER_KEY, "") or "")
+    if not key_path and not roster_json:
+        return Identity(None, None)
+    if not key_path:
+        raise SecureAggregationError("the run has a roster but this node has no node key to sign with "
+                                     "(start it with its key: 'quorumfl node start --key')", node=node)
+    if not roster_json:
+        raise SecureAggregationError("the run carries no roster of departments, so peers' keys cannot be checked; "
+                                     "refusing (the server could hand out keys of its own)", node=node)
+    try:
+        data = Path(key_path).read_bytes()
+    except OSError as exc:
+        raise SecureAggregationError(f"cannot read the node key {key_path}: {exc.strerror}", node=node) from exc
+    key = load_signing_key(data, source=key_path)
+    roster = Roster.from_json(roster_json)
+    department = roster.department_of(key)
+    claimed = str(context.node_config.get("department", "") or "")
+    if claimed and claimed != department:
+        raise SecureAggregationError(f"this node was started as department {claimed!r} but its key is "
+                                     f"{department!r}'s on the roster; refusing", node=node)
+    return Identity(key, roster, department)
+
+
 def advertise(msg: Message, context: Context) -> RecordDict:
-    """Stage 1: fresh keys for a new epoch (any older epoch's keys are dropped)."""
-    state, ad = NodeEpoch.advertise(decode_announcement(_record(msg)), int(context.node_id))
+    """Stage 1: fresh keys for a new epoch (any older epoch's keys are dropped), signed as the
+    node's roster department."""
+    me = identity(context)
+    state, ad = NodeEpoch.advertise(decode_announcement(_record(msg)), int(context.node_id), signer=me.signer(),
+                                    department=me.department, binding=_binding(context))
     _store(context, state)
     return RecordDict({SECAGG: encode_advertisement(ad)})
 
 
+def _binding(context: Context) -> bytes:
+    return b"run:" + str(context.run_id).encode()
+
+
 def share(msg: Message, context: Context) -> RecordDict:
-    """Stage 2: Shamir shares of this epoch's slot keys and seeds, encrypted per neighbour."""
+    """Stage 2: Shamir shares of this epoch's slot keys and seeds, encrypted per neighbour, once
+    every peer's advertisement verified against the roster."""
     state = _load(context)
-    bundles = state.share(decode_directory(_record(msg), slots=state.params.slots))
+    bundles = state.share(decode_directory(_record(msg), slots=state.params.slots), roster=identity(context).roster)
     _store(context, state)
     return RecordDict({SECAGG: encode_bundles(bundles)})
 

@@ -98,12 +98,14 @@ def decode_announcement(record: ConfigRecord) -> EpochAnnouncement:
 
 
 def encode_advertisement(ad: KeyAdvertisement) -> ConfigRecord:
-    return ConfigRecord({"share-key": ad.share_key, "mask-keys": list(ad.mask_keys)})
+    return ConfigRecord({"share-key": ad.share_key, "mask-keys": list(ad.mask_keys), "department": ad.department,
+                         "signature": ad.signature})
 
 
 def decode_advertisement(record: ConfigRecord, *, node: int) -> KeyAdvertisement:
     """The sender is the reply's source node, never an id the payload claims."""
-    return KeyAdvertisement(node, _get(record, "share-key", bytes), tuple(_get(record, "mask-keys", list)))
+    return KeyAdvertisement(node, _get(record, "share-key", bytes), tuple(_get(record, "mask-keys", list)),
+                            _get(record, "department", str), _get(record, "signature", bytes))
 
 
 def encode_directory(d: KeyDirectory) -> ConfigRecord:
@@ -116,6 +118,8 @@ def encode_directory(d: KeyDirectory) -> ConfigRecord:
             "key-owners": _ids(owners),
             "share-keys": [d.keys[o].share_key for o in owners],
             "mask-keys": [k for o in owners for k in d.keys[o].mask_keys],
+            "departments": [d.keys[o].department for o in owners],
+            "signatures": [d.keys[o].signature for o in owners],
         }
     )
 
@@ -124,10 +128,17 @@ def decode_directory(record: ConfigRecord, *, slots: int) -> KeyDirectory:
     owners = _read_ids(record, "key-owners")
     share_keys = _get(record, "share-keys", list)
     mask_keys = _get(record, "mask-keys", list)
-    if len(share_keys) != len(owners) or len(mask_keys) != len(owners) * slots:
+    signatures = _get(record, "signatures", list)
+    raw = record.get("departments")
+    if not isinstance(raw, list) or not all(isinstance(d, str) for d in raw):
+        raise SecureAggregationError("secure-aggregation 'departments' must be a list of strings")
+    departments = [str(d) for d in raw]
+    if (len(share_keys) != len(owners) or len(mask_keys) != len(owners) * slots
+            or len(signatures) != len(owners) or len(departments) != len(owners)):
         raise SecureAggregationError("key directory lists do not match its owners")
     keys = {
-        o: KeyAdvertisement(o, share_keys[i], tuple(mask_keys[i * slots: (i + 1) * slots])) for i, o in enumerate(owners)
+        o: KeyAdvertisement(o, share_keys[i], tuple(mask_keys[i * slots: (i + 1) * slots]), departments[i], signatures[i])
+        for i, o in enumerate(owners)
     }
     return KeyDirectory(_get(record, "epoch", bytes), _read_ids(record, "members"), _get(record, "graph-seed", bytes), keys)
 

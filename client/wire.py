@@ -25,7 +25,7 @@ from quorumfl.aggregation.compression import Encoded, Scheme, decode_arrays
 from quorumfl.aggregation.errors import ConfigError
 
 __all__ = [
-    "ARRAYS", "COMPRESSION", "CONFIG", "METRICS", "NODE", "REFUSAL", "UPDATE", "TrainConfig", "decode_update", "encode_update", "candidate_models", "cluster_key", "department_of",
+    "ARRAYS", "COMPRESSION", "CONFIG", "METRICS", "NODE", "REFUSAL", "ROSTER_KEY", "UPDATE", "TrainConfig", "decode_update", "encode_update", "candidate_models", "cluster_key", "department_of",
     "from_array_record", "to_array_record",
 ]
 
@@ -33,6 +33,7 @@ ARRAYS = "arrays"
 CONFIG = "config"
 METRICS = "metrics"
 NODE = "node"
+ROSTER_KEY = "roster"  # run-config key: the admin's roster of departments, JSON {name: OpenSSH public key}
 
 
 @dataclass(frozen=True)

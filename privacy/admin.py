@@ -65,6 +65,7 @@ _TOKEN_CONTEXT = b"quorumfl-admin-token-v1."
 _APP_CONTEXT = b"quorumfl-app-signature-v1."
 _FLOWER_META = ".info/CONTENT"  # Flower's manifest of the bundle's files, written by Flower's builder
 MAX_TOKEN_CHARS = 2048
+_SIGNATURE_FIELDS = {"version", "signed-at", "files", "key", "signature"}
 
 
 def _b64(data: bytes) -> str:
@@ -72,7 +73,12 @@ def _b64(data: bytes) -> str:
 
 
 def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    """Strict: only the canonical unpadded encoding (base64 leaves spare bits in the last character,
+    and a token or signature with another spelling of the same bytes is refused)."""
+    data = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    if _b64(data) != text:
+        raise ValueError("not canonical base64url")
+    return data
 
 
 def generate_admin_key() -> tuple[bytes, bytes]:
@@ -183,10 +189,14 @@ def sign_app(files: Mapping[str, bytes], key: Ed25519PrivateKey, *, now: float) 
         raise CredentialError(f"the app bundle already holds {SIGNATURE_FILE}")
     digests = _digests(files)
     signed_at = int(now)
-    return json.dumps({
+    return _canonical({
         "version": 1, "signed-at": signed_at, "files": digests,
         "key": key_id(key.public_key()), "signature": _b64(key.sign(_app_message(signed_at, digests))),
-    }, sort_keys=True, indent=1).encode()
+    })
+
+
+def _canonical(record: Mapping[str, object]) -> bytes:
+    return json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True)
@@ -210,12 +220,14 @@ def verify_app(fab: bytes, keys: Sequence[Ed25519PublicKey]) -> AppSignature:
     try:
         record = json.loads(raw)
         signed_at, digests, signature = int(record["signed-at"]), record["files"], _unb64(record["signature"])
-        if record.get("version") != 1 or not isinstance(digests, dict):
+        if record.get("version") != 1 or not isinstance(digests, dict) or set(record) != _SIGNATURE_FIELDS:
             raise ValueError("unknown signature format")
+        if _canonical(record) != raw:
+            raise ValueError("not in canonical form")
     except (ValueError, KeyError, TypeError) as exc:
         raise CredentialError(f"the app bundle's {SIGNATURE_FILE} is malformed ({exc})") from exc
     signer = _verify(keys, signature, _app_message(signed_at, digests))
-    if signer is None:
+    if signer is None or record["key"] != key_id(signer):
         raise CredentialError("the app bundle's signature does not verify with the federation admin's key")
     content = {name: data for name, data in files.items() if name != _FLOWER_META}
     if _digests(content) != dict(sorted(digests.items())):

@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from flwr.common.constant import ACCESS_TOKEN_KEY, NOOP_FLWR_AID
 from flwr.supercore.auth.typing import AccountAuthCredentials, AccountAuthLoginDetails, AccountInfo
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"quorumfl superlink: {exc}", file=sys.stderr)
             sys.exit(78)
         # the module, not the function of the same name that its package exports
-        flower = importlib.import_module("flwr.superlink.cli.flower_superlink")
+        flower: Any = importlib.import_module("flwr.superlink.cli.flower_superlink")
         flower.load_control_authn_plugin = lambda: plugin  # where Flower's CLI loads its own plugin
     from flwr.superlink.cli import flower_superlink
 

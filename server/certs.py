@@ -45,6 +45,7 @@ __all__ = [
     "init_credentials",
     "issue_server_cert",
     "node_public_key",
+    "roster_json",
     "retire_node_key",
     "server_hosts",
     "validate_node_name",
@@ -281,6 +282,19 @@ def node_public_key(path: Path) -> bytes:
     if not isinstance(key, ec.EllipticCurvePublicKey):
         raise CredentialError(f"{path} holds a {type(key).__name__}; node keys must be ECDSA (NIST curve)")
     return key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def roster_json(creds: Credentials) -> str:
+    """The admin's roster of departments for a run's config: JSON {name: OpenSSH public key} of every
+    current node key (retired keys are not on it). Nodes check peers' signed keys against it."""
+    import json
+
+    roster: dict[str, str] = {}
+    for name in creds.node_names():
+        node_public_key(creds.node_pub(name))  # refuses anything but an ECDSA key
+        fields = creds.node_pub(name).read_text().split()
+        roster[name] = f"{fields[0]} {fields[1]}"
+    return json.dumps(roster, sort_keys=True, separators=(",", ":"))
 
 
 def _check_private_mode(path: Path) -> None:

@@ -111,7 +111,20 @@ DEFAULTS: dict[str, Any] = {
     "max-reply-mb": 1024.0,
     "resume-run": 0,
     "node-state-key": "",
+    "roster": "",
 }
+
+
+def _roster_problems(text: str) -> list[str]:
+    """The roster is JSON {department: OpenSSH ECDSA public key}; its signature is the run's own."""
+    from quorumfl.aggregation.errors import SecureAggregationError
+    from quorumfl.aggregation.secagg.identity import Roster
+
+    try:
+        Roster.from_json(text)
+    except SecureAggregationError as exc:
+        return [f"roster: {exc}; it is written by the admin's 'quorumfl runs start' from the registered node keys"]
+    return []
 
 
 @dataclass(frozen=True)
@@ -169,6 +182,7 @@ class RunConfig:
     max_reply_mb: float
     resume_run: int
     node_state_key: str
+    roster: str
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
@@ -286,7 +300,10 @@ class RunConfig:
             max_reply_mb=number("max-reply-mb", float, low=0.0),
             resume_run=number("resume-run", int, low=0),
             node_state_key=text("node-state-key"),
+            roster=text("roster"),
         )
+        if config.roster:
+            problems.extend(_roster_problems(config.roster))
         if config.node_state_key and not (config.node_state_key.isdigit() and len(config.node_state_key) <= 20):
             problems.append(f"node-state-key must be a Flower run id (digits), got {config.node_state_key!r}")
         if config.selector not in SELECTORS:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import version as package_version
@@ -41,6 +41,7 @@ from flwr.supercore.fab import Fab
 from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
 
 from quorumfl.aggregation.errors import ConfigError, CredentialError, FederationError
+from quorumfl.client.wire import ROSTER_KEY
 from quorumfl.privacy.admin import (
     SIGNATURE_FILE,
     federation_id,
@@ -124,12 +125,14 @@ class Control:
     """Thin typed wrapper over Flower's Control API HTTP client."""
 
     def __init__(self, address: str, *, insecure: bool = True, root_certificates: str | None = None,
-                 admin_key: Path | None = None) -> None:
+                 admin_key: Path | None = None, roster: Callable[[], str] | None = None) -> None:
         """``root_certificates``: path of the CA certificate that signed the SuperLink's TLS
         certificate (with ``insecure=False``); ``admin_key``: the admin's private key, which signs a
         token for every call and every submitted bundle (needs ``root_certificates``: the token names
-        the federation by its CA)."""
+        the federation by its CA); ``roster``: gives the admin's current roster of departments
+        (``certs.roster_json``), written into every run it signs."""
         self.address = address
+        self.roster = roster
         self.insecure = insecure
         self.root_certificates = root_certificates
         self._admin: Ed25519PrivateKey | None = None
@@ -185,7 +188,10 @@ class Control:
             if unknown:
                 raise ConfigError(f"unknown run-config key(s) {', '.join(unknown)}; 'quorumfl runs start --help' "
                                   "lists the keys")
-            files, overrides = {"pyproject.toml": app_pyproject({**DEFAULTS, **overrides})}, {}
+            config = {**DEFAULTS, **overrides}
+            if self.roster is not None and not config.get(ROSTER_KEY):
+                config[ROSTER_KEY] = self.roster()
+            files, overrides = {"pyproject.toml": app_pyproject(config)}, {}
         elif self._admin is not None and overrides:
             raise ConfigError("a signed custom app carries its config in its pyproject.toml; pass no overrides")
         request = StartRunRequest(

@@ -114,6 +114,8 @@ def supernode_command(
     """``node_config``: more node-config keys (``dp-budget``, ``train-workers``, …) as TOML values;
     ``tls``: verify the SuperLink against the CA and authenticate with the node key (``None``: insecure)."""
     config = f"data-path='{data_path}' department='{department}'"
+    if tls is not None:  # the ClientApp signs its secure-aggregation keys with the node's registered key
+        config += f" node-key='{tls.key}'"
     for key, value in (node_config or {}).items():
         shown = ("true" if value else "false") if isinstance(value, bool) else (
             f"'{value}'" if isinstance(value, str) else repr(value))

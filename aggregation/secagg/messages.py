@@ -115,11 +115,14 @@ class EpochAnnouncement:
 
 @dataclass(frozen=True)
 class KeyAdvertisement:
-    """Stage 1, node → server: the node's public keys (one for share encryption, one per slot)."""
+    """Stage 1, node → server: the node's public keys (one for share encryption, one per slot),
+    signed with the department's registered node key (``identity``; empty in an unsigned federation)."""
 
     node: int
     share_key: bytes
     mask_keys: tuple[bytes, ...]
+    department: str = ""
+    signature: bytes = b""
 
     def check(self, slots: int) -> None:
         if len(self.share_key) != KEY_BYTES or len(self.mask_keys) != slots:

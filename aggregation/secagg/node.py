@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +20,7 @@ from numpy.typing import NDArray
 
 from ..errors import QuorumNotMetError, SecureAggregationError
 from .graph import neighbour_graph, share_threshold
+from .identity import Roster, advertisement_message
 from .messages import (
     EPOCH_BYTES,
     EpochAnnouncement,
@@ -62,13 +64,21 @@ class NodeEpoch:
     held: dict[int, bytes] = field(default_factory=dict)  # owner -> plaintext bundle (shares I hold)
     used: dict[int, tuple[int, ...]] = field(default_factory=dict)  # slot -> group it was masked with
     revealed: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    department: str = ""  # the roster name this node signs as ("" in an unsigned federation)
+    signature: bytes = b""  # over this node's advertisement
+    binding: bytes = b""  # the run the signatures are bound to
 
     def _fail(self, message: str) -> SecureAggregationError:
         return SecureAggregationError(message, node=str(self.node))
 
     # ---- stage 1 ----------------------------------------------------------------------------
     @classmethod
-    def advertise(cls, announcement: EpochAnnouncement, node: int) -> tuple[NodeEpoch, KeyAdvertisement]:
+    def advertise(
+        cls, announcement: EpochAnnouncement, node: int, *, signer: Callable[[bytes], bytes] | None = None,
+        department: str = "", binding: bytes = b"",
+    ) -> tuple[NodeEpoch, KeyAdvertisement]:
+        """Fresh keys; with ``signer`` (the department's node key) the advertisement is signed for
+        ``department`` and bound to the run (``binding``) and the epoch."""
         cohort = announcement.cohort
         if len(announcement.epoch) != EPOCH_BYTES:
             raise SecureAggregationError(f"epoch id must be {EPOCH_BYTES} bytes", node=str(node))
@@ -84,15 +94,44 @@ class NodeEpoch:
             share_private=new_private_key(),
             mask_private=[new_private_key() for _ in range(slots)],
             seeds=[os.urandom(KEY_BYTES) for _ in range(slots)],
+            department=department,
+            binding=binding,
         )
+        if signer is not None:
+            if not department:
+                raise SecureAggregationError("a signed advertisement names its department", node=str(node))
+            unsigned = state.advertisement()
+            state.signature = signer(state._message(unsigned))
         return state, state.advertisement()
+
+    def _message(self, ad: KeyAdvertisement) -> bytes:
+        return advertisement_message(binding=self.binding, epoch=self.epoch, node=ad.node, department=ad.department,
+                                     share_key=ad.share_key, mask_keys=ad.mask_keys)
 
     def advertisement(self) -> KeyAdvertisement:
         return KeyAdvertisement(
             node=self.node,
             share_key=public_key(self.share_private),
             mask_keys=tuple(public_key(k) for k in self.mask_private),
+            department=self.department,
+            signature=self.signature,
         )
+
+    def _check_identities(self, directory: KeyDirectory, roster: Roster | None) -> None:
+        """Every advertisement in the directory is signed by its department's roster key, and no
+        department appears twice; an unsigned federation (no roster) accepts unsigned ones only."""
+        if roster is None:
+            if any(ad.signature or ad.department for ad in directory.keys.values()) or self.signature:
+                raise self._fail("signed advertisements need the run's roster to be checked; refusing")
+            return
+        if not self.signature:
+            raise self._fail("the run has a roster, so this node must sign its advertisement")
+        seen: dict[str, int] = {}
+        for peer, ad in directory.keys.items():
+            roster.check(ad.department, self._message(ad), ad.signature, node=peer)
+            if seen.setdefault(ad.department, peer) != peer:
+                raise self._fail(f"department {ad.department!r} advertised keys for two nodes ({seen[ad.department]}, "
+                                 f"{peer}); refusing")
 
     # ---- stage 2 ----------------------------------------------------------------------------
     def _graph(self) -> list[frozenset[int]]:
@@ -102,7 +141,9 @@ class NodeEpoch:
         index = self.members.index(self.node)
         return [self.members[j] for j in sorted(self._graph()[index])]
 
-    def share(self, directory: KeyDirectory) -> list[ShareBundle]:
+    def share(self, directory: KeyDirectory, *, roster: Roster | None = None) -> list[ShareBundle]:
+        """Shamir shares for the neighbours; with ``roster``, only after every advertisement in the
+        directory verified under its department's registered key."""
         if self.members:
             raise self._fail("shares for this epoch were already made")
         if directory.epoch != self.epoch:
@@ -116,6 +157,7 @@ class NodeEpoch:
             )
         if directory.keys.get(self.node) != self.advertisement():
             raise self._fail("the directory does not carry this node's own keys")
+        self._check_identities(directory, roster)
         self.members, self.graph_seed = tuple(members), directory.graph_seed
         neighbours = self.neighbours()
         seen: set[bytes] = set()
@@ -263,7 +305,7 @@ class NodeEpoch:
     # ---- persistence ----------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
         def ad(a: KeyAdvertisement) -> list[str | list[str]]:
-            return [a.share_key.hex(), [k.hex() for k in a.mask_keys]]
+            return [a.share_key.hex(), [k.hex() for k in a.mask_keys], a.department, a.signature.hex()]
 
         return json.dumps(
             {
@@ -275,6 +317,7 @@ class NodeEpoch:
                 "held": {str(o): h.hex() for o, h in self.held.items()},
                 "used": {str(s): [str(g) for g in grp] for s, grp in self.used.items()},
                 "revealed": {str(s): [[str(x) for x in a], [str(x) for x in d]] for s, (a, d) in self.revealed.items()},
+                "department": self.department, "signature": self.signature.hex(), "binding": self.binding.hex(),
             }
         ).encode()
 
@@ -297,12 +340,16 @@ class NodeEpoch:
                 members=ids(raw["members"]),
                 graph_seed=bytes.fromhex(raw["graph_seed"]),
                 peers={
-                    int(p): KeyAdvertisement(int(p), bytes.fromhex(a[0]), tuple(bytes.fromhex(k) for k in a[1]))
+                    int(p): KeyAdvertisement(int(p), bytes.fromhex(a[0]), tuple(bytes.fromhex(k) for k in a[1]),
+                                             str(a[2]), bytes.fromhex(a[3]))
                     for p, a in raw["peers"].items()
                 },
                 held={int(o): bytes.fromhex(h) for o, h in raw["held"].items()},
                 used={int(s): ids(g) for s, g in raw["used"].items()},
                 revealed={int(s): (ids(v[0]), ids(v[1])) for s, v in raw["revealed"].items()},
+                department=str(raw["department"]),
+                signature=bytes.fromhex(raw["signature"]),
+                binding=bytes.fromhex(raw["binding"]),
             )
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise SecureAggregationError(f"stored secure-aggregation state is unreadable ({exc})") from exc

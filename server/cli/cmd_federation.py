@@ -16,7 +16,7 @@ from quorumfl.client.data.datasets import FASHION_MNIST_DIR
 from quorumfl.client.data.planted import plant_partitions
 from quorumfl.client.host_slots import host_slot_env
 
-from ..certs import Credentials, check_node_key, check_server
+from ..certs import Credentials, check_node_key, check_server, roster_json
 from ..config import SecureMode
 from ..control import Control
 from ..demo import DemoSettings, run_demo
@@ -129,7 +129,8 @@ def server_start(
                       f"log {child.log}", soft_wrap=True)
         admin = creds.admin_key if creds is not None and creds.admin_key.exists() else None
         control = Control(f"{local}:{port}", insecure=creds is None,
-                          root_certificates=str(creds.ca_cert) if creds else None, admin_key=admin)
+                          root_certificates=str(creds.ca_cert) if creds else None, admin_key=admin,
+                          roster=(lambda: roster_json(creds)) if creds else None)
         if creds is not None and admin is None:  # the server host holds admin.pub only, as it should
             console.print("the admin key is not on this host: register node keys with 'quorumfl certs register' "
                           "and resume interrupted runs with 'quorumfl runs resume' from the admin's machine")

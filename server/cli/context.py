@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from ..certs import Credentials
+from ..certs import Credentials, roster_json
 from ..control import Control
 from ..state.database import connect, default_home, default_url
 from ..state.repository import Repository
@@ -61,7 +61,9 @@ class Settings:
             raise CredentialError(f"no admin key at {admin}: the SuperLink obeys only calls signed by the federation "
                                   "admin; run this on the admin's machine, or make the key with "
                                   "'quorumfl certs admin-key' (then restart 'quorumfl server start')")
-        return Control(superlink, insecure=False, root_certificates=str(ca), admin_key=admin)
+        creds = Credentials(admin.parent)
+        return Control(superlink, insecure=False, root_certificates=str(ca), admin_key=admin,
+                       roster=lambda: roster_json(creds))
 
 
 def settings(ctx: typer.Context) -> Settings:

@@ -6,13 +6,20 @@ that keeps its state between Flower messages.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.typing import NDArray
 
-from quorumfl.aggregation.secagg import CoordinatorEpoch, GroupOutcome, MaskingParams, NodeEpoch
+from quorumfl.aggregation.secagg import (
+    CoordinatorEpoch,
+    GroupOutcome,
+    KeyDirectory,
+    MaskingParams,
+    NodeEpoch,
+)
+from quorumfl.aggregation.secagg.identity import Roster
 
 
 @dataclass
@@ -32,20 +39,28 @@ class Federation:
     masked_log: list[tuple[int, int]] = field(default_factory=list)  # (node, slot) each masked input
 
     @classmethod
-    def setup(cls, nodes: Sequence[int], params: MaskingParams, drop: Dropouts | None = None) -> Federation:
+    def setup(
+        cls, nodes: Sequence[int], params: MaskingParams, drop: Dropouts | None = None, *,
+        signers: Mapping[int, tuple[str, Callable[[bytes], bytes]]] | None = None, roster: Roster | None = None,
+        tamper: Callable[[int, KeyDirectory], KeyDirectory] | None = None, binding: bytes = b"run:1",
+    ) -> Federation:
+        """``signers``: node → (department, sign function) for a signed epoch checked against
+        ``roster``; ``tamper``: the server rewriting the key directory it sends each node."""
         drop = drop or Dropouts()
         coord = CoordinatorEpoch(nodes, params)
         states: dict[int, bytes] = {}
         for node in nodes:
             if node in drop.advertise:
                 continue
-            state, ad = NodeEpoch.advertise(coord.announcement(), node)
+            department, signer = (signers or {}).get(node, ("", None))
+            state, ad = NodeEpoch.advertise(coord.announcement(), node, signer=signer, department=department,
+                                            binding=binding)
             coord.receive_advertisement(ad)
             states[node] = state.to_bytes()
         sharers = []
         for node, directory in coord.directories().items():
             state = NodeEpoch.from_bytes(states[node])
-            bundles = state.share(directory)
+            bundles = state.share(tamper(node, directory) if tamper else directory, roster=roster)
             states[node] = state.to_bytes()
             if node in drop.share:
                 continue

@@ -1,0 +1,113 @@
+"""Who a secure-aggregation peer is: the admin's roster of departments and their signed messages.
+
+Against an active server, a node must not take the server's word for a neighbour's public keys:
+the server could hand out keys of its own and unmask one department's update in a single round. So
+every key advertisement is signed with the department's registered node key (ECDSA P-384, the key
+its SuperNode authenticates with), and a node accepts a peer only when the signature verifies under
+the key that the admin's roster lists for that department. The roster reaches the node inside the
+admin-signed run config (``quorumfl.client.app_guard`` checks that signature before the app runs),
+so the server can neither forge an entry nor add one. A department's name is the roster entry whose
+key verifies, never what a node or the server says.
+
+What is signed binds the purpose, the run, the key epoch, the node's Flower id, the department and
+every public key of the advertisement, so a signed advertisement cannot be replayed into another
+epoch or run, or claimed by another node. Pure: keys and bytes in, a verdict out (fails closed with
+``SecureAggregationError``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from ..errors import SecureAggregationError
+
+__all__ = ["Roster", "advertisement_message", "load_signing_key", "sign"]
+
+_AD_CONTEXT = b"quorumfl-secagg-advertisement-v1"
+_HASH = hashes.SHA384()
+
+
+def _field(data: bytes) -> bytes:
+    return len(data).to_bytes(4, "big") + data
+
+
+def advertisement_message(*, binding: bytes, epoch: bytes, node: int, department: str, share_key: bytes,
+                          mask_keys: tuple[bytes, ...]) -> bytes:
+    """The bytes a node signs for its key advertisement (length-prefixed fields: unambiguous)."""
+    parts = [_AD_CONTEXT, binding, epoch, node.to_bytes(8, "big"), department.encode(), share_key, *mask_keys]
+    return b"".join(_field(p) for p in parts)
+
+
+def load_signing_key(data: bytes, *, source: str) -> ec.EllipticCurvePrivateKey:
+    """A node's private key (OpenSSH or PEM, as 'quorumfl certs add-node' writes it)."""
+    try:
+        key = (serialization.load_ssh_private_key(data, None) if data.startswith(b"-----BEGIN OPENSSH")
+               else serialization.load_pem_private_key(data, None))
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+        raise SecureAggregationError(f"node key {source} is unreadable ({exc})") from exc
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise SecureAggregationError(f"node key {source} is not an ECDSA key")
+    return key
+
+
+def sign(key: ec.EllipticCurvePrivateKey, message: bytes) -> bytes:
+    return key.sign(message, ec.ECDSA(_HASH))
+
+
+@dataclass(frozen=True)
+class Roster:
+    """The admin's list of departments and their node public keys (OpenSSH lines)."""
+
+    keys: Mapping[str, ec.EllipticCurvePublicKey]
+
+    @classmethod
+    def from_json(cls, text: str) -> Roster:
+        try:
+            raw = json.loads(text)
+            if not isinstance(raw, dict) or not raw:
+                raise ValueError("expected a non-empty object of department: public key")
+            keys: dict[str, ec.EllipticCurvePublicKey] = {}
+            for name, line in raw.items():
+                key = serialization.load_ssh_public_key(str(line).encode())
+                if not isinstance(key, ec.EllipticCurvePublicKey):
+                    raise ValueError(f"{name}'s key is not ECDSA")
+                keys[str(name)] = key
+        except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+            raise SecureAggregationError(f"the run's roster is unusable ({exc})") from exc
+        fingerprints = [cls._fingerprint(k) for k in keys.values()]
+        if len(set(fingerprints)) != len(fingerprints):
+            raise SecureAggregationError("the run's roster lists one key for two departments")
+        return cls(keys)
+
+    @staticmethod
+    def _fingerprint(key: ec.EllipticCurvePublicKey) -> str:
+        return hashlib.sha256(key.public_bytes(serialization.Encoding.DER,
+                                               serialization.PublicFormat.SubjectPublicKeyInfo)).hexdigest()
+
+    def check(self, department: str, message: bytes, signature: bytes, *, node: int) -> None:
+        """Raise unless ``signature`` over ``message`` verifies under ``department``'s roster key."""
+        key = self.keys.get(department)
+        if key is None:
+            raise SecureAggregationError(f"department {department!r} is not on the admin's roster", node=str(node))
+        try:
+            key.verify(signature, message, ec.ECDSA(_HASH))
+        except InvalidSignature:
+            raise SecureAggregationError(
+                f"advertisement claimed for department {department!r} is not signed by its registered key; "
+                "refusing the key (substituted or forged)", node=str(node)) from None
+
+    def department_of(self, key: ec.EllipticCurvePrivateKey) -> str:
+        """The roster name of the department whose public key matches ``key`` (this node's own)."""
+        mine = self._fingerprint(key.public_key())
+        for name, public in self.keys.items():
+            if self._fingerprint(public) == mine:
+                return name
+        raise SecureAggregationError("this node's key is not on the admin's roster; the admin registers it "
+                                     "('quorumfl certs add-node') before the run")
