@@ -8,7 +8,7 @@ that need it (``steps``), so the secure-aggregation stages start fast.
 Handlers: ``train`` (plaintext reply, a masked one when the request carries ``secagg``, an
 encrypted one when it carries ``ckks``), ``evaluate``, ``query.ifca_pick`` (IFCA's cluster choice,
 asked before a masked round), the masking stages
-``query.secagg_advertise|secagg_share|secagg_unmask`` and the threshold-CKKS stages
+``query.secagg_advertise|secagg_share|secagg_confirm|secagg_unmask`` and the threshold-CKKS stages
 ``query.ckks_commit|ckks_reveal|ckks_finish|ckks_decrypt``.
 """
 
@@ -90,6 +90,11 @@ def secagg_advertise(msg: Message, context: Context) -> Message:
 @app.query("secagg_share")
 def secagg_share(msg: Message, context: Context) -> Message:
     return Message(content=secure.share(msg, context), reply_to=msg)
+
+
+@app.query("secagg_confirm")
+def secagg_confirm(msg: Message, context: Context) -> Message:
+    return Message(content=secure.confirm(msg, context), reply_to=msg)
 
 
 @app.query("secagg_unmask")

@@ -34,6 +34,7 @@ from .secure_wire import (
     decode_unmask_request,
     encode_advertisement,
     encode_bundles,
+    encode_confirmation,
     encode_masked,
     encode_unmask_reply,
 )
@@ -42,7 +43,7 @@ from .wire import METRICS, NODE, ROSTER_KEY
 if TYPE_CHECKING:
     from .steps import LocalTraining
 
-__all__ = ["Identity", "advertise", "identity", "masked_train_reply", "share", "unmask"]
+__all__ = ["Identity", "advertise", "confirm", "identity", "masked_train_reply", "share", "unmask"]
 
 _STATE = "secagg-epoch"
 
@@ -168,9 +169,22 @@ def masked_train_reply(msg: Message, context: Context, local: LocalTraining) -> 
     )
 
 
-def unmask(msg: Message, context: Context) -> RecordDict:
-    """Stage 4: the shares this node may reveal for the round's survivors and dropped nodes."""
+def confirm(msg: Message, context: Context) -> RecordDict:
+    """Consistency stage (signed epochs): sign the round's survivor/dropped view, once per slot."""
+    me = identity(context)
+    signer = me.signer()
+    if signer is None:
+        raise SecureAggregationError("this node has no key to confirm the survivors with", node=str(context.node_id))
     state = _load(context)
-    reply = state.unmask(decode_unmask_request(_record(msg)))
+    signature = state.confirm(decode_unmask_request(_record(msg)), signer)
+    _store(context, state)  # the confirmed view is recorded before the signature leaves
+    return RecordDict({SECAGG: encode_confirmation(signature)})
+
+
+def unmask(msg: Message, context: Context) -> RecordDict:
+    """Stage 4: the shares this node may reveal for the round's survivors and dropped nodes; in a
+    signed epoch only for the view it confirmed, with enough valid confirmations from its peers."""
+    state = _load(context)
+    reply = state.unmask(decode_unmask_request(_record(msg)), roster=identity(context).roster)
     _store(context, state)  # what was revealed is recorded before it leaves
     return RecordDict({SECAGG: encode_unmask_reply(reply)})

@@ -2,7 +2,8 @@
 
 Message types: ``query.secagg_advertise`` and ``query.secagg_share`` (key epoch setup),
 ``train`` carrying a ``secagg`` ConfigRecord (the mask request; the reply carries the masked vector
-in the ``masked`` ArrayRecord instead of ``arrays``), and ``query.secagg_unmask``.
+in the ``masked`` ArrayRecord instead of ``arrays``), ``query.secagg_confirm`` (signed epochs: the
+survivors sign the round's view) and ``query.secagg_unmask``.
 Node ids are Flower's uint64 ids and travel as 8-byte big-endian strings (ConfigRecord integers are
 signed 64-bit). Every decoder checks types and sizes and raises ``SecureAggregationError``.
 """
@@ -31,6 +32,7 @@ from quorumfl.aggregation.secagg.shamir import share_from_bytes, share_to_bytes
 
 __all__ = [
     "ADVERTISE",
+    "CONFIRM",
     "MASKED",
     "MISSING_KEYS",
     "SECAGG",
@@ -39,6 +41,7 @@ __all__ = [
     "decode_advertisement",
     "decode_announcement",
     "decode_bundles",
+    "decode_confirmation",
     "decode_directory",
     "decode_mask_request",
     "decode_masked",
@@ -47,6 +50,7 @@ __all__ = [
     "encode_advertisement",
     "encode_announcement",
     "encode_bundles",
+    "encode_confirmation",
     "encode_directory",
     "encode_mask_request",
     "encode_masked",
@@ -61,6 +65,7 @@ MASKED = "masked"
 ADVERTISE = "query.secagg_advertise"
 SHARE = "query.secagg_share"
 UNMASK = "query.secagg_unmask"
+CONFIRM = "query.secagg_confirm"  # signed epochs: each survivor signs the round's survivor/dropped view
 
 
 def _ids(values: Sequence[int]) -> bytes:
@@ -198,7 +203,9 @@ def decode_masked(arrays: ArrayRecord, record: ConfigRecord) -> tuple[NDArray[np
 def encode_unmask_request(r: UnmaskRequest) -> ConfigRecord:
     sizes = [len(part) for group in r.groups for part in group]
     nodes = [n for group in r.groups for part in group for n in part]
-    return ConfigRecord({"epoch": r.epoch, "slot": r.slot, "sizes": sizes, "nodes": _ids(nodes)})
+    signers = sorted(r.confirmations)
+    return ConfigRecord({"epoch": r.epoch, "slot": r.slot, "sizes": sizes, "nodes": _ids(nodes),
+                         "signers": _ids(signers), "signatures": [r.confirmations[n] for n in signers]})
 
 
 def decode_unmask_request(record: ConfigRecord) -> UnmaskRequest:
@@ -217,7 +224,23 @@ def decode_unmask_request(record: ConfigRecord) -> UnmaskRequest:
         parts.append(nodes[offset: offset + size])
         offset += size
     groups = tuple((parts[i], parts[i + 1]) for i in range(0, len(parts), 2))
-    return UnmaskRequest(_get(record, "epoch", bytes), _get(record, "slot", int), groups)
+    signers = _read_ids(record, "signers")
+    signatures = _get(record, "signatures", list) if signers else []
+    if len(signers) != len(signatures) or len(set(signers)) != len(signers):
+        raise SecureAggregationError("unmask request signers and signatures do not match")
+    return UnmaskRequest(_get(record, "epoch", bytes), _get(record, "slot", int), groups,
+                         dict(zip(signers, signatures, strict=True)))
+
+
+def encode_confirmation(signature: bytes) -> ConfigRecord:
+    return ConfigRecord({"signature": signature})
+
+
+def decode_confirmation(record: ConfigRecord) -> bytes:
+    signature = _get(record, "signature", bytes)
+    if not 0 < len(signature) <= 512:
+        raise SecureAggregationError("a confirmation signature must be 1-512 bytes")
+    return bytes(signature)
 
 
 def encode_unmask_reply(r: UnmaskReply) -> ConfigRecord:

@@ -4,7 +4,9 @@
 advertise, share) only when it must: first round, slots used up, a selected node outside the
 epoch's cohort (or too few of it left for its threshold), or a node that lost its keys (a restarted
 SuperNode says so in its error reply). A round is then the train round trip,
-whose replies carry masked vectors added into a running sum, plus one unmask round trip. Each stage
+whose replies carry masked vectors added into a running sum, plus one unmask round trip (and, in a
+signed epoch, one consistency round trip before it: every survivor signs the same view of who
+survived, and nodes unmask only for a view enough of them signed). Each stage
 has its own deadline; a node that misses one is recorded as a round failure at that stage. Fewer
 than t survivors: the unmask request is never sent and the round fails with nothing revealed.
 """
@@ -37,6 +39,7 @@ from quorumfl.aggregation.secagg import (
 )
 from quorumfl.client.secure_wire import (
     ADVERTISE,
+    CONFIRM,
     MASKED,
     MISSING_KEYS,
     SECAGG,
@@ -44,6 +47,7 @@ from quorumfl.client.secure_wire import (
     UNMASK,
     decode_advertisement,
     decode_bundles,
+    decode_confirmation,
     decode_masked,
     decode_unmask_reply,
     encode_announcement,
@@ -253,6 +257,19 @@ class MaskingSession:
         start = self.clock()
         request, _ = rnd.unmask_request()  # raises (and reveals nothing) when no group has its quorum
         survivors = [n for alive, _ in request.groups for n in alive]
+        if any(ad.signature for ad in epoch.ads.values()):  # signed epoch: the consistency stage first
+            view = encode_unmask_request(request)
+            signatures: dict[int, bytes] = {}
+            for node, reply in self.exchange([self._message(CONFIRM, n, view) for n in survivors], failures,
+                                             "secagg-confirm", config.secagg_stage_timeout):
+                try:
+                    signatures[node] = decode_confirmation(_secagg(reply))
+                except SecureAggregationError as exc:
+                    failures[node] = ("secagg-confirm", str(exc))
+            request = rnd.confirm(signatures)
+            survivors = [n for n in survivors if n in signatures]  # the others refuse to unmask
+            timings["secagg-confirm"] = self.clock() - start
+            start = self.clock()
         record = encode_unmask_request(request)
         # With the complete graph any t survivors hold every needed share: ask t + spare of them
         # (rotating with the slot) and the rest only if too few answer. Every survivor gets the same

@@ -11,8 +11,8 @@ dropped nodes, which is enough to cancel every mask in each group's sum and noth
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from numpy.typing import NDArray
@@ -207,6 +207,16 @@ class MaskedRound:
         for g in aborted:
             self.sums[g] = self.sums[g][:0]  # an aborted group's sum is never unmasked
         return self.request, aborted
+
+    def confirm(self, confirmations: Mapping[int, bytes]) -> UnmaskRequest:
+        """Close the consistency stage (signed epochs): the unmask request carries the survivors'
+        signatures over the view, which each node checks before it reveals anything."""
+        request = self.request
+        if request is None:
+            raise SecureAggregationError("confirmations before the survivors are known")
+        survivors = {n for alive, _ in request.groups for n in alive}
+        self.request = replace(request, confirmations={n: s for n, s in confirmations.items() if n in survivors})
+        return self.request
 
     def add_unmask(self, reply: UnmaskReply) -> None:
         request = self.request

@@ -11,7 +11,8 @@ key verifies, never what a node or the server says.
 
 What is signed binds the purpose, the run, the key epoch, the node's Flower id, the department and
 every public key of the advertisement, so a signed advertisement cannot be replayed into another
-epoch or run, or claimed by another node. Pure: keys and bytes in, a verdict out (fails closed with
+epoch or run, or claimed by another node. The consistency stage's signatures bind the run, epoch,
+slot and the survivor/dropped sets (Bonawitz et al. 2017, the active-server variant). Pure: keys and bytes in, a verdict out (fails closed with
 ``SecureAggregationError``).
 """
 
@@ -28,9 +29,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from ..errors import SecureAggregationError
 
-__all__ = ["Roster", "advertisement_message", "load_signing_key", "sign"]
+__all__ = ["Roster", "advertisement_message", "load_signing_key", "sign", "view_message"]
 
 _AD_CONTEXT = b"quorumfl-secagg-advertisement-v1"
+_VIEW_CONTEXT = b"quorumfl-secagg-survivors-v1"
 _HASH = hashes.SHA384()
 
 
@@ -42,6 +44,15 @@ def advertisement_message(*, binding: bytes, epoch: bytes, node: int, department
                           mask_keys: tuple[bytes, ...]) -> bytes:
     """The bytes a node signs for its key advertisement (length-prefixed fields: unambiguous)."""
     parts = [_AD_CONTEXT, binding, epoch, node.to_bytes(8, "big"), department.encode(), share_key, *mask_keys]
+    return b"".join(_field(p) for p in parts)
+
+
+def view_message(*, binding: bytes, epoch: bytes, slot: int,
+                 view: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]) -> bytes:
+    """The bytes a survivor signs in the consistency stage: who survived and who dropped, per group."""
+    parts = [_VIEW_CONTEXT, binding, epoch, slot.to_bytes(4, "big")]
+    for alive, gone in view:
+        parts += [b"".join(n.to_bytes(8, "big") for n in alive), b"".join(n.to_bytes(8, "big") for n in gone)]
     return b"".join(_field(p) for p in parts)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import ConfigError, SecureAggregationError
 from .fixedpoint import FixedPoint
@@ -162,11 +162,20 @@ class MaskRequest:
 
 @dataclass(frozen=True)
 class UnmaskRequest:
-    """After the masked inputs: per group, who survived and who dropped. One request for all survivors."""
+    """After the masked inputs: per group, who survived and who dropped. One request for all survivors.
+
+    In a signed epoch the same view first goes out alone (the consistency stage): each survivor signs
+    it, and the unmask request then carries those signatures (``confirmations``: node → signature),
+    so a node reveals shares only for a view that enough others confirmed too."""
 
     epoch: bytes
     slot: int
     groups: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (survivors, dropped) per group
+    confirmations: Mapping[int, bytes] = field(default_factory=dict)
+
+    def view(self) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+        """The survivor/dropped sets in one canonical order (what a node signs)."""
+        return tuple(sorted((tuple(sorted(a)), tuple(sorted(d))) for a, d in self.groups))
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from numpy.typing import NDArray
 
 from ..errors import QuorumNotMetError, SecureAggregationError
 from .graph import neighbour_graph, share_threshold
-from .identity import Roster, advertisement_message
+from .identity import Roster, advertisement_message, view_message
 from .messages import (
     EPOCH_BYTES,
     EpochAnnouncement,
@@ -67,6 +67,7 @@ class NodeEpoch:
     department: str = ""  # the roster name this node signs as ("" in an unsigned federation)
     signature: bytes = b""  # over this node's advertisement
     binding: bytes = b""  # the run the signatures are bound to
+    confirmed: dict[int, tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]] = field(default_factory=dict)
 
     def _fail(self, message: str) -> SecureAggregationError:
         return SecureAggregationError(message, node=str(self.node))
@@ -264,9 +265,11 @@ class NodeEpoch:
         return masked
 
     # ---- per round: unmask ----------------------------------------------------------------------
-    def unmask(self, request: UnmaskRequest) -> UnmaskReply:
+    def _check_view(self, request: UnmaskRequest, stage: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(all survivors, all dropped) of a consistency or unmask request, checked against what this
+        node itself did in the slot."""
         if request.epoch != self.epoch:
-            raise self._fail("unmask request is for another epoch")
+            raise self._fail(f"{stage} request is for another epoch")
         slot = request.slot
         if slot not in self.used:
             raise self._fail(f"this node sent no masked input in slot {slot}")
@@ -281,7 +284,7 @@ class NodeEpoch:
                 )
             both = set(alive) | set(gone)
             if len(both) != len(alive) + len(gone) or both & (survivors | dropped) or not both <= set(self.members):
-                raise self._fail("unmask groups must be disjoint sets of epoch members")
+                raise self._fail(f"{stage} groups must be disjoint sets of epoch members")
             survivors |= set(alive)
             dropped |= set(gone)
             if self.node in both:
@@ -290,7 +293,51 @@ class NodeEpoch:
             raise self._fail("this node is not listed as a survivor")
         if tuple(sorted(mine[0] + mine[1])) != self.used[slot]:
             raise self._fail("survivors and dropped nodes do not match the group this node masked with")
-        answer = (tuple(sorted(survivors)), tuple(sorted(dropped)))
+        return tuple(sorted(survivors)), tuple(sorted(dropped))
+
+    # ---- per round: consistency (signed epochs) -------------------------------------------------
+    def confirm(self, request: UnmaskRequest, signer: Callable[[bytes], bytes]) -> bytes:
+        """Sign the round's survivor/dropped view; a node signs one view per slot and no other."""
+        self._check_view(request, "consistency")
+        view = request.view()
+        previous = self.confirmed.get(request.slot)
+        if previous is not None and previous != view:
+            raise self._fail(f"slot {request.slot}: the server already showed this node other survivors; "
+                             "refusing to sign a second view")
+        self.confirmed[request.slot] = view
+        return signer(view_message(binding=self.binding, epoch=self.epoch, slot=request.slot, view=view))
+
+    def _check_confirmations(self, request: UnmaskRequest, roster: Roster, survivors: tuple[int, ...]) -> None:
+        """Enough of the nodes holding this node's shares signed this very view (and so did this node)."""
+        view = request.view()
+        if self.confirmed.get(request.slot) != view:
+            raise self._fail(f"slot {request.slot}: this node did not confirm these survivors; nothing revealed")
+        message = view_message(binding=self.binding, epoch=self.epoch, slot=request.slot, view=view)
+        holders = {*self.neighbours(), self.node}
+        valid = set()
+        for signer, signature in request.confirmations.items():
+            if signer not in holders or signer not in survivors:
+                continue
+            department = self.department if signer == self.node else self.peers[signer].department
+            try:
+                roster.check(department, message, signature, node=signer)
+            except SecureAggregationError:
+                continue  # a bad signature counts for nothing
+            valid.add(signer)
+        needed = share_threshold(self.params.threshold, len(self.members), len(holders))
+        if len(valid) < needed:
+            raise self._fail(f"only {len(valid)} survivor(s) confirmed this view with a valid signature, "
+                             f"{needed} needed; the server may be showing nodes different views; nothing revealed")
+
+    # ---- per round: unmask ----------------------------------------------------------------------
+    def unmask(self, request: UnmaskRequest, *, roster: Roster | None = None) -> UnmaskReply:
+        """The shares this node may reveal; in a signed epoch (``roster``) only for a view it confirmed
+        and enough of its share holders confirmed with valid signatures."""
+        survivors, dropped = self._check_view(request, "unmask")
+        slot = request.slot
+        if roster is not None:
+            self._check_confirmations(request, roster, survivors)
+        answer = (survivors, dropped)
         previous = self.revealed.get(slot)
         if previous is not None and previous != answer:
             raise self._fail(f"slot {slot} was already unmasked with other survivors; refusing")
@@ -318,6 +365,8 @@ class NodeEpoch:
                 "used": {str(s): [str(g) for g in grp] for s, grp in self.used.items()},
                 "revealed": {str(s): [[str(x) for x in a], [str(x) for x in d]] for s, (a, d) in self.revealed.items()},
                 "department": self.department, "signature": self.signature.hex(), "binding": self.binding.hex(),
+                "confirmed": {str(s): [[[str(x) for x in a], [str(x) for x in d]] for a, d in v]
+                              for s, v in self.confirmed.items()},
             }
         ).encode()
 
@@ -350,6 +399,7 @@ class NodeEpoch:
                 department=str(raw["department"]),
                 signature=bytes.fromhex(raw["signature"]),
                 binding=bytes.fromhex(raw["binding"]),
+                confirmed={int(s): tuple((ids(a), ids(d)) for a, d in v) for s, v in raw["confirmed"].items()},
             )
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise SecureAggregationError(f"stored secure-aggregation state is unreadable ({exc})") from exc

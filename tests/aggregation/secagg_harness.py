@@ -18,6 +18,7 @@ from quorumfl.aggregation.secagg import (
     KeyDirectory,
     MaskingParams,
     NodeEpoch,
+    UnmaskRequest,
 )
 from quorumfl.aggregation.secagg.identity import Roster
 
@@ -29,6 +30,7 @@ class Dropouts:
     advertise: set[int] = field(default_factory=set)
     share: set[int] = field(default_factory=set)
     mask: set[int] = field(default_factory=set)
+    confirm: set[int] = field(default_factory=set)
     unmask: set[int] = field(default_factory=set)
 
 
@@ -37,6 +39,8 @@ class Federation:
     coordinator: CoordinatorEpoch
     states: dict[int, bytes]
     masked_log: list[tuple[int, int]] = field(default_factory=list)  # (node, slot) each masked input
+    signers: Mapping[int, tuple[str, Callable[[bytes], bytes]]] | None = None
+    roster: Roster | None = None
 
     @classmethod
     def setup(
@@ -67,7 +71,7 @@ class Federation:
             coord.receive_bundles(node, bundles)
             sharers.append(node)
         coord.close_setup(sharers)
-        return cls(coord, states)
+        return cls(coord, states, signers=signers, roster=roster)
 
     def round(
         self,
@@ -76,7 +80,10 @@ class Federation:
         drop: Dropouts | None = None,
         *,
         seed: int = 0,
+        view_of: Callable[[int, UnmaskRequest], UnmaskRequest] | None = None,
     ) -> list[GroupOutcome]:
+        """``view_of``: what the server shows each node in the consistency and unmask stages (an
+        honest server shows everyone the same request)."""
         drop = drop or Dropouts()
         length = next(iter(values.values())).shape[0]
         rnd = self.coordinator.start_round(groups, length)
@@ -92,12 +99,23 @@ class Federation:
                 self.masked_log.append((node, rnd.slot))
                 rnd.add_masked(node, masked)
         request, _ = rnd.unmask_request()
+        if self.signers is not None:  # the consistency stage: every survivor signs the view it is shown
+            signatures = {}
+            for alive, _gone in request.groups:
+                for node in alive:
+                    if node in drop.confirm:
+                        continue
+                    state = NodeEpoch.from_bytes(self.states[node])
+                    shown = view_of(node, request) if view_of else request
+                    signatures[node] = state.confirm(shown, self.signers[node][1])
+                    self.states[node] = state.to_bytes()
+            request = rnd.confirm(signatures)
         for alive, _gone in request.groups:
             for node in alive:
-                if node in drop.unmask:
+                if node in drop.unmask or node in drop.confirm:  # gone before confirming: gone for unmasking
                     continue
                 state = NodeEpoch.from_bytes(self.states[node])
-                reply = state.unmask(request)
+                reply = state.unmask(view_of(node, request) if view_of else request, roster=self.roster)
                 self.states[node] = state.to_bytes()
                 rnd.add_unmask(reply)
         return rnd.result()

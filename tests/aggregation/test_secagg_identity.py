@@ -229,3 +229,77 @@ def test_a_node_started_under_another_departments_name_is_refused(tmp_path: obje
                         run_config={"roster": ""})
     with pytest.raises(SecureAggregationError, match="carries no roster"):
         secure.identity(no_roster)
+
+
+# ---- the consistency stage -------------------------------------------------------------------------
+def _masked_slot(fed: Federation, values: dict[int, np.ndarray]) -> tuple[object, object]:
+    """Every node masks its input on the next slot; the honest view of who survived."""
+    from quorumfl.aggregation.secagg import NodeEpoch
+
+    rnd = fed.coordinator.start_round([fed.coordinator.ready], 8)
+    rng = np.random.default_rng(0)
+    for node in rnd.groups[0]:
+        state = NodeEpoch.from_bytes(fed.states[node])
+        rnd.add_masked(node, state.mask(fed.coordinator.mask_request(node, rnd), values[node], rng))
+        fed.states[node] = state.to_bytes()
+    request, _ = rnd.unmask_request()
+    return rnd, request
+
+
+def test_a_split_view_of_who_dropped_is_refused_by_the_nodes() -> None:
+    """The server tells tax-office's neighbours 1, 2 that it dropped (to get its slot key from them)
+    and 3, 4 and tax-office itself that it survived (to get its self-mask seed): the consistency
+    signatures of each side fall short of the threshold for 1 and 2, so they reveal nothing."""
+    from quorumfl.aggregation.secagg import NodeEpoch, UnmaskRequest
+
+    fed = Federation.setup(NODES, PARAMS, signers=_signers(), roster=ROSTER)  # type: ignore[arg-type]
+    rnd, honest = _masked_slot(fed, {u: np.full(8, 0.5) for u in NODES})
+    assert isinstance(honest, UnmaskRequest)
+    victim = NODES[0]
+    dropped_view = dataclasses.replace(honest, groups=((tuple(NODES[1:]), (victim,)),))
+    shown = {NODES[1]: dropped_view, NODES[2]: dropped_view}
+    signatures: dict[int, bytes] = {}
+    for node in NODES:
+        state = NodeEpoch.from_bytes(fed.states[node])
+        signatures[node] = state.confirm(shown.get(node, honest), _signers()[node][1])  # type: ignore[operator]
+        fed.states[node] = state.to_bytes()
+    for node in (NODES[1], NODES[2]):
+        state = NodeEpoch.from_bytes(fed.states[node])
+        request = dataclasses.replace(dropped_view, confirmations=signatures)
+        with pytest.raises(SecureAggregationError, match="only 2 survivor\\(s\\) confirmed this view"):
+            state.unmask(request, roster=ROSTER)
+        # and it will not be talked into signing the other view for the same slot
+        with pytest.raises(SecureAggregationError, match="refusing to sign a second view"):
+            state.confirm(honest, _signers()[node][1])  # type: ignore[operator]
+    # Shown the dropped view without having confirmed it, a node refuses too.
+    state = NodeEpoch.from_bytes(fed.states[NODES[3]])
+    with pytest.raises(SecureAggregationError, match="did not confirm these survivors"):
+        state.unmask(dataclasses.replace(dropped_view, confirmations=signatures), roster=ROSTER)
+
+
+def test_forged_or_missing_confirmations_reveal_nothing() -> None:
+    from quorumfl.aggregation.secagg import NodeEpoch
+
+    fed = Federation.setup(NODES, PARAMS, signers=_signers(), roster=ROSTER)  # type: ignore[arg-type]
+    rnd, request = _masked_slot(fed, {u: np.full(8, 0.5) for u in NODES})
+    state = NodeEpoch.from_bytes(fed.states[NODES[1]])
+    mine = state.confirm(request, _signers()[NODES[1]][1])  # type: ignore[arg-type, operator]
+    forged = {n: sign(SERVER_KEY, b"anything") for n in NODES}
+    forged[NODES[1]] = mine
+    for confirmations in ({}, {NODES[1]: mine}, forged):
+        with pytest.raises(SecureAggregationError, match="confirmed this view with a valid signature"):
+            state.unmask(dataclasses.replace(request, confirmations=confirmations), roster=ROSTER)  # type: ignore[arg-type]
+
+
+def test_signed_rounds_with_dropouts_at_every_stage_equal_the_numpy_sum() -> None:
+    nodes = [(2**63 + 977 * i) % 2**64 for i in range(5)]
+    fed = Federation.setup(nodes, PARAMS, Dropouts(advertise=set()), signers=_signers(), roster=ROSTER)  # type: ignore[arg-type]
+    rng = np.random.default_rng(11)
+    bound = FixedPoint(32, 8.0, len(nodes)).error_bound
+    for drop in [Dropouts(mask={nodes[4]}), Dropouts(confirm={nodes[0]}, unmask={nodes[1]})]:
+        values = {u: rng.normal(size=12) for u in nodes}
+        (outcome,) = fed.round([fed.coordinator.ready], values, drop)
+        assert outcome.total is not None, outcome.error
+        expected = [u for u in nodes if u not in drop.mask]
+        assert list(outcome.survivors) == expected
+        assert np.max(np.abs(outcome.total - np.sum([values[u] for u in expected], axis=0))) <= bound
