@@ -91,6 +91,8 @@ DEFAULTS: dict[str, Any] = {
     "personal-layers": "head",
     "ditto-lambda": 0.1,
     "secagg-min-group": 0,
+    "secagg-colluding-fraction": 0.2,
+    "secagg-dropout-fraction": 0.1,
     "clip-norm": 0.0,
     "warmup-steps": 0,
     "lr-reference-batch": 0,
@@ -162,6 +164,8 @@ class RunConfig:
     personal_layers: str
     ditto_lambda: float
     secagg_min_group: int
+    secagg_colluding_fraction: float
+    secagg_dropout_fraction: float
     clip_norm: float
     warmup_steps: int
     lr_reference_batch: int
@@ -280,6 +284,8 @@ class RunConfig:
             personal_layers=text("personal-layers"),
             ditto_lambda=number("ditto-lambda", float, low=0.0),
             secagg_min_group=number("secagg-min-group", int, low=0, high=10_000),
+            secagg_colluding_fraction=number("secagg-colluding-fraction", float, low=0.0, high=0.49),
+            secagg_dropout_fraction=number("secagg-dropout-fraction", float, low=0.0, high=0.49),
             clip_norm=number("clip-norm", float, low=0.0),
             warmup_steps=number("warmup-steps", int, low=0),
             lr_reference_batch=number("lr-reference-batch", int, low=0),

@@ -121,6 +121,8 @@ class MaskingSession:
             modulus_bits=config.secagg_modulus_bits,
             clip=config.secagg_clip,
             min_group=config.secagg_min_group,
+            colluding_fraction=config.secagg_colluding_fraction,
+            dropout_fraction=config.secagg_dropout_fraction,
         )
         epoch = CoordinatorEpoch(cohort, params)
         record = encode_announcement(epoch.announcement())

@@ -18,7 +18,6 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..errors import QuorumNotMetError, SecureAggregationError
-from .graph import neighbour_graph, share_threshold
 from .messages import (
     EPOCH_BYTES,
     EpochAnnouncement,
@@ -75,7 +74,7 @@ class CoordinatorEpoch:
         if len(set(keys)) != len(keys):
             raise SecureAggregationError("two nodes advertised the same public key")
         self.members = members
-        self.graph = neighbour_graph(len(members), seed=self.graph_seed, complete_up_to=self.params.complete_up_to)
+        self.graph = self.params.graph(len(members), self.graph_seed)
         out: dict[int, KeyDirectory] = {}
         for i, node in enumerate(members):
             near = [members[j] for j in self.graph[i]] + [node]
@@ -85,7 +84,7 @@ class CoordinatorEpoch:
     @property
     def complete(self) -> bool:
         """Every member holds a share of every other member's secrets (the complete graph)."""
-        return len(self.members) <= self.params.complete_up_to
+        return bool(self.graph) and len(self.graph[0]) == len(self.members) - 1
 
     def neighbours(self, node: int) -> list[int]:
         return [self.members[j] for j in sorted(self.graph[self.members.index(node)])]
@@ -235,7 +234,7 @@ class MaskedRound:
     def _points(self, owner: int, *, key: bool) -> tuple[dict[int, int], int]:
         members = self.epoch.members
         holders = [*self.epoch.neighbours(owner), owner]
-        t = share_threshold(self.epoch.params.threshold, len(members), len(holders))
+        t = self.epoch.params.local_threshold(len(members), len(holders))
         points: dict[int, int] = {}
         for h in holders:
             reply = self.shares.get(h)

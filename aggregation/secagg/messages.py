@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError, SecureAggregationError
 from .fixedpoint import FixedPoint
-from .graph import COMPLETE_UP_TO
+from .graph import COMPLETE_UP_TO, neighbour_graph, share_threshold
 from .streams import KEY_BYTES
 
 __all__ = [
@@ -57,6 +57,8 @@ class MaskingParams:
     clip: float = 8.0
     min_group: int = 0  # 0 means "the threshold"
     complete_up_to: int = COMPLETE_UP_TO
+    colluding_fraction: float = 0.2  # assumed colluders, for the sparse graph's degree (graph.py)
+    dropout_fraction: float = 0.1  # assumed dropouts, likewise
 
     @property
     def group_quorum(self) -> int:
@@ -74,11 +76,22 @@ class MaskingParams:
             )
         if not 2 <= self.group_quorum <= max(self.threshold, 2):
             problems.append(f"min group {self.group_quorum} must be between 2 and the threshold {self.threshold}")
+        if not 0 <= self.colluding_fraction < 0.5 or not 0 <= self.dropout_fraction < 0.5:
+            problems.append(f"colluding and dropout fractions must be in [0, 0.5), got {self.colluding_fraction} "
+                            f"and {self.dropout_fraction}")
         if not 1 <= self.slots <= 10_000:
             problems.append(f"slots (rounds per key epoch) must be in [1, 10000], got {self.slots}")
         if problems:
             raise ConfigError(problems)
         self.fixed_point(n)
+
+    def graph(self, n: int, seed: bytes) -> list[frozenset[int]]:
+        return neighbour_graph(n, seed=seed, complete_up_to=self.complete_up_to,
+                               colluding_fraction=self.colluding_fraction, dropout_fraction=self.dropout_fraction)
+
+    def local_threshold(self, n: int, holders: int) -> int:
+        return share_threshold(self.threshold, n, holders, colluding_fraction=self.colluding_fraction,
+                               dropout_fraction=self.dropout_fraction)
 
     def fixed_point(self, n: int) -> FixedPoint:
         return FixedPoint(modulus_bits=self.modulus_bits, clip=self.clip, max_summands=n)
@@ -87,6 +100,7 @@ class MaskingParams:
         return {
             "threshold": self.threshold, "slots": self.slots, "modulus-bits": self.modulus_bits,
             "clip": self.clip, "min-group": self.min_group, "complete-up-to": self.complete_up_to,
+            "colluding-fraction": self.colluding_fraction, "dropout-fraction": self.dropout_fraction,
         }
 
     @classmethod
@@ -99,6 +113,8 @@ class MaskingParams:
                 clip=float(values["clip"]),  # type: ignore[arg-type]
                 min_group=int(values["min-group"]),  # type: ignore[call-overload]
                 complete_up_to=int(values["complete-up-to"]),  # type: ignore[call-overload]
+                colluding_fraction=float(values["colluding-fraction"]),  # type: ignore[arg-type]
+                dropout_fraction=float(values["dropout-fraction"]),  # type: ignore[arg-type]
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise SecureAggregationError(f"malformed secure-aggregation parameters ({exc})") from exc

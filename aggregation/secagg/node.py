@@ -19,7 +19,6 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..errors import QuorumNotMetError, SecureAggregationError
-from .graph import neighbour_graph, share_threshold
 from .identity import Roster, advertisement_message, view_message
 from .messages import (
     EPOCH_BYTES,
@@ -136,7 +135,7 @@ class NodeEpoch:
 
     # ---- stage 2 ----------------------------------------------------------------------------
     def _graph(self) -> list[frozenset[int]]:
-        return neighbour_graph(len(self.members), seed=self.graph_seed, complete_up_to=self.params.complete_up_to)
+        return self.params.graph(len(self.members), self.graph_seed)
 
     def neighbours(self) -> list[int]:
         index = self.members.index(self.node)
@@ -175,7 +174,7 @@ class NodeEpoch:
                 self.peers[peer] = ad
         holders = [*neighbours, self.node]
         xs = [members.index(h) + 1 for h in holders]
-        t = share_threshold(self.params.threshold, len(members), len(holders))
+        t = self.params.local_threshold(len(members), len(holders))
         parts: dict[int, list[bytes]] = {x: [] for x in xs}
         for key, seed in zip(self.mask_private, self.seeds, strict=True):
             key_shares = split_secret(key, threshold=t, holders=xs)
@@ -324,7 +323,7 @@ class NodeEpoch:
             except SecureAggregationError:
                 continue  # a bad signature counts for nothing
             valid.add(signer)
-        needed = share_threshold(self.params.threshold, len(self.members), len(holders))
+        needed = self.params.local_threshold(len(self.members), len(holders))
         if len(valid) < needed:
             raise self._fail(f"only {len(valid)} survivor(s) confirmed this view with a valid signature, "
                              f"{needed} needed; the server may be showing nodes different views; nothing revealed")

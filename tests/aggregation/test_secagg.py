@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from quorumfl.aggregation.secagg import (
     neighbour_graph,
     resolve_threshold,
 )
+from quorumfl.aggregation.secagg.graph import exposure_probability, sparse_parameters
 from quorumfl.aggregation.secagg.shamir import (
     PRIME,
     interpolate_at,
@@ -88,7 +90,7 @@ def test_several_rounds_several_groups_and_a_dropped_node_coming_back() -> None:
 
 def test_sparse_graph_rounds_are_correct() -> None:
     nodes = _ids(30)
-    params = MaskingParams(threshold=16, slots=1, complete_up_to=10)
+    params = MaskingParams(threshold=16, slots=1, complete_up_to=10, colluding_fraction=0.0, dropout_fraction=0.05)
     fed = Federation.setup(nodes, params)
     assert all(len(fed.coordinator.neighbours(u)) < 29 for u in nodes)
     rng = np.random.default_rng(3)
@@ -102,9 +104,48 @@ def test_sparse_graph_rounds_are_correct() -> None:
 def test_sparse_graph_is_regular_symmetric_and_seeded() -> None:
     graph = neighbour_graph(200, seed=b"s" * 16, complete_up_to=100)
     degrees = {len(g) for g in graph}
-    assert len(degrees) == 1 and degrees.pop() < 40
+    assert degrees == {sparse_parameters(200, 0.2, 0.1)[0]}  # type: ignore[index]
     assert all(i in graph[j] for i, g in enumerate(graph) for j in g) and all(i not in g for i, g in enumerate(graph))
     assert graph == neighbour_graph(200, seed=b"s" * 16, complete_up_to=100)
+    assert graph != neighbour_graph(200, seed=b"t" * 16, complete_up_to=100)
+
+
+@pytest.mark.parametrize("n", [128, 1000])
+@pytest.mark.parametrize("colluding", [0.1, 0.2, 0.3])
+def test_sparse_parameters_keep_colluders_from_exposing_any_honest_node(n: int, colluding: float) -> None:
+    """The chosen degree and local threshold, checked against scipy's hypergeometric tail: the
+    chance that the colluders hold t_local shares of some honest node's secrets is <= 2^-40, and the
+    chance that some node's secrets cannot be rebuilt (colluders refusing, 10 % dropped) <= 2^-20."""
+    from scipy.stats import hypergeom
+
+    choice = sparse_parameters(n, colluding, 0.1)
+    colluders, unavailable = int(colluding * n), int(colluding * n) + int(0.1 * n)
+    assert choice is not None
+    k, t_local = choice
+    assert k < n - 2 and k // 2 < t_local <= k
+    exposed = n * hypergeom.sf(t_local - 1, n - 1, colluders, k)  # P[X >= t_local]
+    stuck = n * hypergeom.cdf(t_local - 1, n - 1, n - 1 - unavailable, k)  # P[helpers < t_local]
+    assert exposed <= 2.0**-40 and stuck <= 2.0**-20
+    assert float(exposure_probability(n, colluders, k, t_local)) == pytest.approx(exposed, rel=1e-6, abs=1e-300)
+    # and it is the cheapest: one degree less (with any local threshold) misses a bound
+    smaller = k - 2
+    assert all(exposure_probability(n, colluders, smaller, t) > 2.0**-40
+               or n * hypergeom.cdf(t - 1, n - 1, n - 1 - unavailable, smaller) > 2.0**-20
+               for t in range(smaller // 2 + 1, smaller + 1))
+
+
+GRAPH_EPOCHS = int(os.environ.get("QUORUMFL_GRAPH_EPOCHS", "1000"))
+
+
+@settings(max_examples=GRAPH_EPOCHS, deadline=None)
+@given(n=st.sampled_from([101, 128, 257]), seed=st.binary(min_size=16, max_size=16))
+def test_the_sparse_graph_is_connected_in_every_epoch(n: int, seed: bytes) -> None:
+    """Each epoch's graph (a random seed) is connected; QUORUMFL_GRAPH_EPOCHS=10000 for the full run."""
+    graph = neighbour_graph(n, seed=seed, complete_up_to=100)
+    seen, frontier = {0}, [0]
+    while frontier:
+        frontier = [j for i in frontier for j in graph[i] if j not in seen and not seen.add(j)]  # type: ignore[func-returns-value]
+    assert len(seen) == n
 
 
 def test_too_many_dropouts_abort_the_round_reveal_nothing_and_the_next_round_completes() -> None:
@@ -282,3 +323,9 @@ def test_params_and_thresholds_are_validated_with_the_fix() -> None:
     assert resolve_threshold(0.6, 10) == 6 and resolve_threshold(7, 10) == 7 and resolve_threshold(0.51, 4) == 3
     with pytest.raises(ConfigError, match="majority"):
         resolve_threshold(0.3, 10)
+
+
+def test_only_the_complete_graph_protects_a_small_cohort_against_many_colluders() -> None:
+    assert sparse_parameters(120, 0.45, 0.1) is None  # no k < n − 2 meets both bounds
+    graph = neighbour_graph(120, seed=b"s" * 16, complete_up_to=100, colluding_fraction=0.45)
+    assert all(len(g) == 119 for g in graph)
