@@ -13,9 +13,14 @@ Key epoch (two message round trips, once per R rounds):
   2. share: the server returns each node its neighbours' public keys; the node Shamir-splits every
      s_uj and b_uj (t-of-n over GF(2^521−1)) among its neighbours and itself, and sends each
      neighbour its shares encrypted with ChaCha20-Poly1305 under HKDF(X25519(c_u, c_v)).
-Round on slot j (the train round trip plus one unmask round trip):
+  In a signed epoch every advertisement is signed with the department's registered node key and
+  every node checks its peers' against the admin's roster before sharing (``identity``).
+Round on slot j (the train round trip, a consistency round trip in signed epochs, one unmask):
   3. mask (in the train reply): y_u = enc(x_u) + PRG(b_uj) + Σ_{v ∈ N(u)∩G} ±PRG(KDF(X25519(s_uj, S_vj)))
      mod 2^32 (or 2^64), + when u < v, − otherwise, where G is u's group this round.
+  3½. consistency (signed epochs): the server shows each survivor the view (A, D) below; each signs
+     it, once per slot; the unmask request carries the signatures, and a node reveals only for a
+     view it signed and that enough of its share holders signed (Bonawitz et al., active variant).
   4. unmask: the server names the survivors A and the dropped D; each survivor returns its shares of
      b_vj for v ∈ A and of s_vj for v ∈ D. The server rebuilds those, removes PRG(b_vj) for v ∈ A and
      the pairwise masks between D and A; the pairwise masks inside A cancel in the sum.
@@ -33,8 +38,9 @@ Why the server learns only the sum (honest-but-curious server; up to t − 1 nod
     the next epoch re-keys everyone.
   * Share bundles are bound by AEAD associated data to epoch, sender and recipient; the server
     routes them but cannot read or redirect them.
-Not covered (as in SecAgg+ without its consistency round): a malicious server that tells different
-nodes different survivor sets. Nodes check every message they receive against their own state.
+Against an active server (signed epochs): substituted or replayed keys fail the roster check, and
+a split view of who dropped gathers too few confirmations unless 2t − n colluding nodes sign both
+views. Nodes check every message they receive against their own state.
 """
 
 from .coordinator import CoordinatorEpoch, GroupOutcome, MaskedRound
