@@ -23,7 +23,9 @@ reported on its own (``masked_setup_s``); with ≥ 3 rounds the median is a roun
 
 Keys: plain_round_s, masked_round_s, flower_secaggplus_round_s (run 3), masked_over_plain,
 overhead_ratio = (flower − plain) / (masked − plain); flower_secaggplus_eager_round_s and
-overhead_ratio_eager for run 4; masked_setup_s, masked_unmask_s, per-round lists, peak RSS.
+overhead_ratio_eager for run 4; masked_setup_s, masked_unmask_s, masked_confirm_s (the consistency
+round trip of a signed epoch: local federations run with node keys, so it is on), signed_bytes
+(what signing adds per node), per-round lists, peak RSS.
 """
 
 from __future__ import annotations
@@ -43,6 +45,26 @@ from _common import (
 from _common import parser as make_parser
 
 FILES = ["flower_secaggplus_app.py", "flower_secaggplus_eager.py"]
+
+
+def signed_step_bytes(n: int, department: str = "department-00") -> dict[str, int]:
+    """Bytes the signed protocol adds per node, from the wire fields and a real P-384 signature:
+    per key set-up the advertisement's signature and name (up) and every peer's (down, complete
+    graph); per round the consistency stage (the view down, a signature up) and the n signatures
+    the unmask request then carries."""
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from quorumfl.aggregation.secagg.identity import sign
+
+    signature = len(sign(ec.generate_private_key(ec.SECP384R1()), b"x" * 64))  # DER, 102-104 bytes
+    ids, name = 8 * n, len(department.encode())
+    return {
+        "setup_up": signature + name,
+        "setup_down": n * (signature + name),
+        "confirm_down": 16 + 4 + ids + 16,  # epoch, slot, the view's ids, its two sizes
+        "confirm_up": signature,
+        "unmask_down_extra": n * (8 + signature),
+    }
 
 
 def main() -> None:
@@ -80,6 +102,8 @@ def main() -> None:
             "overhead_ratio_eager": (eager_s - plain_s) / (masked_s - plain_s) if masked_s > plain_s else float("inf"),
             "masked_setup_s": masked[0].get("secagg-setup", 0.0),
             "masked_unmask_s": statistics.median(t.get("secagg-unmask", 0.0) for t in masked),
+            "masked_confirm_s": statistics.median(t.get("secagg-confirm", 0.0) for t in masked),
+            "signed_bytes": signed_step_bytes(nodes),
             "plain_rounds_s": [round(round_seconds(t), 2) for t in plain],
             "masked_rounds_s": [round(round_seconds(t), 2) for t in masked],
             "flower_rounds_s": [round(s, 2) for s in flower],
