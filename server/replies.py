@@ -84,11 +84,14 @@ def reply_bytes(reply: Message) -> int:
     return sum(len(a.data) for record in reply.content.array_records.values() for a in record.values())
 
 
-def parse_train_reply(node_id: int, reply: Message, bases: Sequence[Arrays], *, max_reply_mb: float = 0.0) -> TrainReply:
+def parse_train_reply(
+    node_id: int, reply: Message, bases: Sequence[Arrays], *, max_reply_mb: float = 0.0, max_weight: float = 0.0,
+) -> TrainReply:
     """Check a train reply's structure and decode a compressed update against the model the node was
     sent (``bases``: the global model, or the K cluster models); the arrays themselves are checked by
     the aggregator. ``max_reply_mb`` (> 0) refuses a larger payload before anything is decoded. The
-    payload's size goes into the metrics as ``uplink-bytes``."""
+    payload's size goes into the metrics as ``uplink-bytes``. ``max_weight`` (> 0) caps the example
+    count a node claims, as masking does, so one node cannot outweigh the rest by its word alone."""
     content = reply.content
     check_refusal(reply)
     size = reply_bytes(reply)
@@ -121,13 +124,15 @@ def parse_train_reply(node_id: int, reply: Message, bases: Sequence[Arrays], *, 
     except Exception as exc:  # a malformed record from a remote node must not stop the round
         raise ReplyError(f"reply arrays cannot be decoded ({exc})") from exc
     metrics["uplink-bytes"] = float(sum(len(a.data) for a in record.values()))
-    update = NodeUpdate(node=str(node_id), arrays=arrays, weight=examples)
+    weight = min(examples, max_weight) if max_weight > 0 else examples
+    update = NodeUpdate(node=str(node_id), arrays=arrays, weight=weight)
     return TrainReply(node_id, department_of(content), update, metrics)
 
 
 def aggregate_train_replies(
     strategy: FedAvg, number: int, models: list[Arrays], replies: Sequence[tuple[int, Message]],
     failures: dict[int, tuple[str, str]], retried: dict[int, int] | None = None, *, max_reply_mb: float = 0.0,
+    max_weight: float = 0.0,
 ) -> TrainPhase:
     """Parse, validate and aggregate one round's train replies (per cluster with IFCA); every refused
     reply goes into ``failures`` as (stage, reason) and leaves the aggregate untouched."""
@@ -136,7 +141,7 @@ def aggregate_train_replies(
     clusters: dict[int, int] = {}
     for node, reply in replies:
         try:
-            item = parse_train_reply(node, reply, models, max_reply_mb=max_reply_mb)
+            item = parse_train_reply(node, reply, models, max_reply_mb=max_reply_mb, max_weight=max_weight)
             if len(models) > 1:
                 clusters[node] = item.cluster(len(models))
         except ReplyError as exc:

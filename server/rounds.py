@@ -662,7 +662,8 @@ class Federation:
 
         start = self.clock()
         phase = aggregate_train_replies(self.strategy, number, models, replies, outcome.failures, retried,
-                                        max_reply_mb=self.config.max_reply_mb)
+                                        max_reply_mb=self.config.max_reply_mb,
+                                        max_weight=self.config.secagg_max_weight)
         timings["aggregate"] = self.clock() - start
         return phase
 

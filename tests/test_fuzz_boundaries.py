@@ -194,6 +194,24 @@ def test_hostile_train_replies_are_refused_and_leave_the_aggregate_unchanged(rep
         np.testing.assert_allclose(phase.arrays[k], expected, rtol=1e-6, atol=1e-6)
 
 
+def test_a_node_claiming_a_huge_example_count_weighs_at_most_the_cap() -> None:
+    """A well-formed reply that claims 10^12 examples, to drown out the others: its weight is capped
+    (secagg-max-weight, as masking caps it), so the mean equals the numpy reference with capped weights."""
+    honest = _honest_arrays(3)
+    loud = {k: np.full(s, 5.0, np.float32) for k, s in SHAPES.items()}
+    replies = [(n, _good(honest[n], w)) for n, w in HONEST.items()] + [(FUZZED, _good(loud, 1e12))]
+    config = RunConfig.from_mapping({"strategy": "fedavg", "min-nodes": 1})
+    template = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    cap = 100.0
+    phase = aggregate_train_replies(build_strategy(config), 1, [template], replies, {}, max_weight=cap)
+    assert phase.arrays is not None
+    weights = {**{n: min(w, cap) for n, w in HONEST.items()}, FUZZED: cap}
+    inputs = {**honest, FUZZED: loud}
+    for k in SHAPES:
+        expected = sum(weights[n] * inputs[n][k].astype(np.float64) for n in weights) / sum(weights.values())
+        np.testing.assert_allclose(phase.arrays[k], expected, rtol=1e-6, atol=1e-6)
+
+
 def test_an_oversized_reply_is_refused_before_decoding() -> None:
     big = _reply(RecordDict({ARRAYS: ArrayRecord({"fc.weight": Array(np.zeros(2**19, np.float32))}),
                              METRICS: MetricRecord({"num-examples": 1.0})}))
