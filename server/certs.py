@@ -8,6 +8,7 @@ ECDSA keys); this module makes the files they need, with ``cryptography``, in on
     nodes/NAME.key  NAME.pub    one OpenSSH ECDSA P-384 key pair per department node
     admin.key  admin.pub        the admin's Ed25519 key: signs Control API tokens and run bundles
                                 (the SuperLink and the nodes get admin.pub only)
+    retired-admin/admin-STAMP.pub  admin keys replaced by a rotation
     retired/NAME-STAMP.pub      keys replaced or revoked: unregistered at the SuperLink, never again valid
 
 Nothing here talks to the network. ``check_*`` functions fail closed with a ``CredentialError``
@@ -33,6 +34,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from quorumfl.aggregation.errors import ConfigError, CredentialError
+from quorumfl.aggregation.secagg.identity import parse_ec_private_key
 from quorumfl.privacy.admin import generate_admin_key, load_admin_private, load_admin_publics
 
 __all__ = [
@@ -185,12 +187,13 @@ def init_credentials(root: Path, *, hosts: Sequence[str], nodes: Sequence[str], 
 
 def add_admin_key(creds: Credentials, *, replace: bool = False) -> Path:
     """The admin's Ed25519 key pair (``admin.key`` 0600, ``admin.pub``). ``replace`` rotates it: the
-    old public key moves to ``retired/``; the SuperLink and every node need the new ``admin.pub``."""
+    old public key moves to ``retired-admin/``; the SuperLink and every node need the new ``admin.pub``."""
     if creds.admin_key.exists() or creds.admin_pub.exists():
         if not replace:
             raise CredentialError(f"{creds.admin_key} already exists; pass --replace to rotate the admin key")
         if creds.admin_pub.exists():
-            target = creds.root / "retired" / f"admin-{_now().strftime('%Y%m%dT%H%M%S%f')}.pub"
+            # not in retired/: every key there is a node key to unregister at the SuperLink
+            target = creds.root / "retired-admin" / f"admin-{_now().strftime('%Y%m%dT%H%M%S%f')}.pub"
             target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(creds.admin_pub, target)
     private, public = generate_admin_key()
@@ -313,13 +316,9 @@ def _load_private(path: Path, what: str) -> ec.EllipticCurvePrivateKey:
     except OSError as exc:
         raise CredentialError(f"cannot read {what} {path}: {exc.strerror}") from exc
     try:
-        key = (serialization.load_ssh_private_key(data, None) if data.startswith(b"-----BEGIN OPENSSH")
-               else serialization.load_pem_private_key(data, None))
-    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
-        raise CredentialError(f"{what} {path} is not an unencrypted PEM/OpenSSH private key ({exc})") from exc
-    if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise CredentialError(f"{what} {path} is not an ECDSA key")
-    return key
+        return parse_ec_private_key(data)
+    except ValueError as exc:
+        raise CredentialError(f"{what} {path} is {exc}") from exc
 
 
 def _load_cert(path: Path) -> x509.Certificate:

@@ -29,7 +29,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from ..errors import SecureAggregationError
 
-__all__ = ["Roster", "advertisement_message", "load_signing_key", "sign", "view_message"]
+__all__ = ["Roster", "advertisement_message", "load_signing_key", "parse_ec_private_key", "sign", "view_message"]
 
 _AD_CONTEXT = b"quorumfl-secagg-advertisement-v1"
 _VIEW_CONTEXT = b"quorumfl-secagg-survivors-v1"
@@ -56,16 +56,25 @@ def view_message(*, binding: bytes, epoch: bytes, slot: int,
     return b"".join(_field(p) for p in parts)
 
 
-def load_signing_key(data: bytes, *, source: str) -> ec.EllipticCurvePrivateKey:
-    """A node's private key (OpenSSH or PEM, as 'quorumfl certs add-node' writes it)."""
+def parse_ec_private_key(data: bytes) -> ec.EllipticCurvePrivateKey:
+    """An unencrypted ECDSA private key in OpenSSH or PEM form (as 'quorumfl certs' writes them);
+    raises ``ValueError`` saying what is wrong."""
     try:
         key = (serialization.load_ssh_private_key(data, None) if data.startswith(b"-----BEGIN OPENSSH")
                else serialization.load_pem_private_key(data, None))
     except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
-        raise SecureAggregationError(f"node key {source} is unreadable ({exc})") from exc
+        raise ValueError(f"not an unencrypted PEM/OpenSSH private key ({exc})") from exc
     if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise SecureAggregationError(f"node key {source} is not an ECDSA key")
+        raise ValueError("not an ECDSA key")
     return key
+
+
+def load_signing_key(data: bytes, *, source: str) -> ec.EllipticCurvePrivateKey:
+    """A node's private key (OpenSSH or PEM, as 'quorumfl certs add-node' writes it)."""
+    try:
+        return parse_ec_private_key(data)
+    except ValueError as exc:
+        raise SecureAggregationError(f"node key {source} is {exc}") from exc
 
 
 def sign(key: ec.EllipticCurvePrivateKey, message: bytes) -> bytes:

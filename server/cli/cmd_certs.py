@@ -146,6 +146,12 @@ def list_credentials(ctx: typer.Context, directory: DirOpt = None) -> None:
     console.print(f"SuperLink certificate for {', '.join(server_hosts(cert))}, valid until "
                   f"{cert.not_valid_after_utc:%Y-%m-%d}; CA {creds.ca_cert} until "
                   f"{x509.load_pem_x509_certificate(creds.ca_cert.read_bytes()).not_valid_after_utc:%Y-%m-%d}")
+    if creds.admin_pub.exists():
+        from quorumfl.privacy.admin import key_id, load_admin_publics
+
+        ids = [key_id(k) for k in load_admin_publics(creds.admin_pub.read_bytes(), source=str(creds.admin_pub))]
+        console.print(f"admin key {', '.join(ids)} ({creds.admin_pub}; private key "
+                      f"{'here' if creds.admin_key.exists() else 'not on this machine'})", soft_wrap=True)
     rows = []
     for name in creds.node_names():
         digest = hashes.Hash(hashes.SHA256())

@@ -127,3 +127,35 @@ def test_bad_hosts_and_days(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--days"):
         init_credentials(tmp_path / "b", hosts=["127.0.0.1"], nodes=[], days=0)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # nothing half-made to block a retry
+
+
+def test_init_makes_the_admin_key_and_rotation_retires_the_old_one(creds: Credentials) -> None:
+    from quorumfl.server.certs import add_admin_key, check_admin_key
+
+    check_admin_key(creds)
+    assert oct(creds.admin_key.stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(CredentialError, match="--replace"):
+        add_admin_key(creds)
+    old = creds.admin_pub.read_bytes()
+    add_admin_key(creds, replace=True)
+    assert creds.admin_pub.read_bytes() != old
+    assert [p.read_bytes() for p in (creds.root / "retired-admin").glob("*.pub")] == [old]
+    assert creds.retired() == []  # retired/ holds node keys only: they are unregistered at the SuperLink
+    check_admin_key(creds)
+    creds.admin_pub.write_bytes(old)  # a public key that is not the private key's
+    with pytest.raises(CredentialError, match="does not belong"):
+        check_admin_key(creds)
+
+
+def test_the_roster_lists_current_node_keys_only(creds: Credentials) -> None:
+    import json
+
+    from quorumfl.aggregation.secagg.identity import Roster
+    from quorumfl.server.certs import roster_json
+
+    roster = json.loads(roster_json(creds))
+    assert sorted(roster) == ["parks", "tax-office"]
+    assert roster["parks"].split() == creds.node_pub("parks").read_text().split()[:2]
+    retire_node_key(creds, "parks")
+    assert sorted(json.loads(roster_json(creds))) == ["tax-office"]
+    assert sorted(Roster.from_json(roster_json(creds)).keys) == ["tax-office"]
