@@ -23,7 +23,9 @@ __all__ = ["resume_interrupted", "resume_overrides", "resume_run"]
 
 
 def resume_overrides(run: Run) -> dict[str, Any]:
-    values: dict[str, Any] = {k: v for k, v in run.config.items() if k in DEFAULTS}
+    """The stored config for a resumed run, less its roster: the admin's current one is signed into
+    the resumed run, so a key revoked meanwhile is not trusted again."""
+    values: dict[str, Any] = {k: v for k, v in run.config.items() if k in DEFAULTS and k != "roster"}
     values["resume-run"] = run.id
     values["node-state-key"] = str(run.config.get("node-state-key") or run.flower_run_id or "")
     return values

@@ -378,7 +378,7 @@ class Federation:
     def _take_up(self, run_id: int) -> Run:
         """The interrupted run, checked against this config (the same run, not a look-alike)."""
         stored = self.repo.get_run(run_id)
-        ignored = {"resume-run", "node-state-key"}
+        ignored = {"resume-run", "node-state-key", "roster"}  # the roster is the admin's current one
         mine = {k: v for k, v in self.config.resolved().items() if k not in ignored}
         theirs = {k: v for k, v in stored.config.items() if k not in ignored}
         # Keys a newer release added are absent from an older run's stored config: they keep their defaults.
