@@ -10,8 +10,9 @@ public key(s) and the federation id (the CA certificate's SHA-256), and refuses 
 with Flower's own 401 answer. The SuperLink never holds the admin's private key.
 
 ``python -m quorumfl.server.admin_access --admin-keys admin.pub <flower-superlink arguments>`` is the
-SuperLink process: it installs the plugin where Flower's CLI loads its own, then runs Flower's
-``flower-superlink`` unchanged. A SuperLink started with TLS but without ``--admin-keys`` refuses
+SuperLink process: it installs the plugin where Flower's CLI loads its own, keeps the Runtime API
+(which Flower leaves unauthenticated in subprocess isolation) to this host's own processes
+(``RuntimeFromThisHost``), then runs Flower's ``flower-superlink`` unchanged. A SuperLink started with TLS but without ``--admin-keys`` refuses
 to start (fails closed); ``--insecure`` keeps Flower's no-op plugin, as documented for trusted
 networks only.
 """
@@ -34,7 +35,7 @@ from flwr.superlink.auth_plugin import ControlAuthnPlugin
 from quorumfl.aggregation.errors import CredentialError
 from quorumfl.privacy.admin import federation_id, load_admin_publics, verify_token
 
-__all__ = ["ADMIN_KEYS_FLAG", "AdminTokenPlugin", "main"]
+__all__ = ["ADMIN_KEYS_FLAG", "AdminTokenPlugin", "RuntimeFromThisHost", "main", "runtime_hosts"]
 
 ADMIN_KEYS_FLAG = "--admin-keys"
 log = logging.getLogger(__name__)
@@ -78,6 +79,35 @@ class AdminTokenPlugin(ControlAuthnPlugin):
         return None, None
 
 
+class RuntimeFromThisHost:
+    """ASGI middleware: the SuperLink's Runtime API (``/v1/runtime``) answers only the addresses its
+    own SuperExec and ServerApp processes connect from. In Flower 1.42's subprocess isolation the
+    Runtime API has no authentication of its own (its SuperExec secret applies to process isolation
+    only), and it shares the public port: without this, anyone who reaches the port could acquire a
+    pending ServerApp task and act as the run's server."""
+
+    def __init__(self, app: Any, allowed: frozenset[str]) -> None:
+        self.app, self.allowed = app, allowed
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and str(scope.get("path", "")).startswith("/v1/runtime"):
+            client = scope.get("client") or ("", 0)
+            if client[0] not in self.allowed:
+                log.warning("Runtime API call from %s refused (only this host's own processes may call it)", client[0])
+                await send({"type": "http.response.start", "status": 403,
+                            "headers": [(b"content-type", b"text/plain")]})
+                await send({"type": "http.response.body", "body": b"the Runtime API serves this host only"})
+                return
+        await self.app(scope, receive, send)
+
+
+def runtime_hosts(host: str) -> frozenset[str]:
+    """Where the SuperLink's own helper processes connect from: its bind host (or loopback for a
+    bind-all address) and the loopback addresses, which the kernel picks for local connections."""
+    own = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host.strip("[]"))
+    return frozenset({own, "127.0.0.1", "::1"})
+
+
 def _take_flag(argv: list[str], flag: str) -> str | None:
     for i, arg in enumerate(argv):
         if arg == flag and i + 1 < len(argv):
@@ -107,6 +137,16 @@ def main(argv: list[str] | None = None) -> None:
         # the module, not the function of the same name that its package exports
         flower: Any = importlib.import_module("flwr.superlink.cli.flower_superlink")
         flower.load_control_authn_plugin = lambda: plugin  # where Flower's CLI loads its own plugin
+        host = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--host"), "127.0.0.1")
+        main_module: Any = importlib.import_module("flwr.superlink.main")
+        create_app = main_module.create_app
+
+        def create_guarded_app(*a: Any, **kw: Any) -> Any:
+            app = create_app(*a, **kw)
+            app.add_middleware(RuntimeFromThisHost, allowed=runtime_hosts(host))
+            return app
+
+        main_module.create_app = create_guarded_app  # Flower's CLI imports it from there when it starts
     from flwr.superlink.cli import flower_superlink
 
     sys.argv = ["flower-superlink", *args]

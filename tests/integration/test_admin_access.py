@@ -114,7 +114,8 @@ def test_admin_calls_from_another_address_are_refused_without_the_admin_token(li
         for token in forged:
             response = _call(link, path, request, token)
             assert response.status_code == 401, (path, token, response.status_code, response.text)
-    assert [(r.run_id, r.status) for r in admin.list_runs()] == [(run_id, "pending")]  # nothing was stopped
+    runs = admin.list_runs()  # nothing was stopped (the SuperLink's own SuperExec may have started it)
+    assert [r.run_id for r in runs] == [run_id] and runs[0].status in ("pending", "starting", "running"), runs
     assert admin.nodes() == []  # nor registered
 
     # The same calls with the admin's token, from the same address, work.
@@ -143,3 +144,20 @@ def test_a_tls_superlink_without_admin_keys_refuses_to_start(tmp_path: Path) -> 
     result = subprocess.run(cmd, env=flower_env(tmp_path), capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 78, result.stdout + result.stderr
     assert "admin.pub" in result.stderr
+
+
+def test_the_runtime_api_refuses_callers_from_other_addresses(link: Link) -> None:
+    """Flower leaves its Runtime API unauthenticated in subprocess isolation, on the same port: a
+    caller from elsewhere could take a pending ServerApp task and act as the run's server."""
+    from flwr.proto.runtime_pb2 import AcquireTaskRequest
+
+    admin = Control(link.address, insecure=False, root_certificates=str(link.creds.ca_cert),
+                    admin_key=link.creds.admin_key)
+    admin.start_run({"num-rounds": 1})  # a pending ServerApp task to steal
+    context = ssl.create_default_context(cafile=str(link.creds.ca_cert))
+    transport = httpx.HTTPTransport(verify=context, local_address=ATTACKER_HOST)
+    with httpx.Client(transport=transport, timeout=20) as client:
+        response = client.post(f"https://{link.address}/v1/runtime/acquire-task",
+                               content=AcquireTaskRequest().SerializeToString(),
+                               headers={"Content-Type": "application/protobuf", "Authorization": f"Bearer {_admin_token(link)}"})
+    assert response.status_code == 403, (response.status_code, response.text)
