@@ -25,7 +25,8 @@ from .conftest import DEPARTMENTS
 
 
 def _clientapps(supernodes: set[int]) -> list[int]:
-    """ClientApp processes below the given SuperNodes (SuperNode → SuperExec → flwr-clientapp), via /proc."""
+    """ClientApp processes below the given SuperNodes (SuperNode → SuperExec → flwr-clientapp, which
+    runs as ``python -m quorumfl.client.app_guard`` behind the admin-signature check), via /proc."""
     parents: dict[int, int] = {}
     cmdlines: dict[int, bytes] = {}
     for entry in Path("/proc").glob("[0-9]*"):
@@ -38,7 +39,8 @@ def _clientapps(supernodes: set[int]) -> list[int]:
     while frontier:
         frontier = {pid for pid, ppid in parents.items() if ppid in frontier and pid not in below}
         below |= frontier
-    return sorted(pid for pid in below if b"flwr-clientapp" in cmdlines.get(pid, b""))
+    marks = (b"flwr-clientapp", b"quorumfl.client.app_guard")
+    return sorted(pid for pid in below if any(m in cmdlines.get(pid, b"") for m in marks))
 
 
 @pytest.mark.slow
