@@ -108,6 +108,11 @@ def runtime_hosts(host: str) -> frozenset[str]:
     return frozenset({own, "127.0.0.1", "::1"})
 
 
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """The value after ``flag`` in Flower's arguments (left in place)."""
+    return next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == flag), None)
+
+
 def _take_flag(argv: list[str], flag: str) -> str | None:
     for i, arg in enumerate(argv):
         if arg == flag and i + 1 < len(argv):
@@ -123,7 +128,7 @@ def _take_flag(argv: list[str], flag: str) -> str | None:
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     keys_path = _take_flag(args, ADMIN_KEYS_FLAG)
-    ca_path = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--ssl-ca-certfile"), None)
+    ca_path = _flag_value(args, "--ssl-ca-certfile")
     if "--insecure" not in args:
         try:
             if keys_path is None or ca_path is None:
@@ -137,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         # the module, not the function of the same name that its package exports
         flower: Any = importlib.import_module("flwr.superlink.cli.flower_superlink")
         flower.load_control_authn_plugin = lambda: plugin  # where Flower's CLI loads its own plugin
-        host = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--host"), "127.0.0.1")
+        host = _flag_value(args, "--host") or "127.0.0.1"
         main_module: Any = importlib.import_module("flwr.superlink.main")
         create_app = main_module.create_app
 

@@ -50,7 +50,7 @@ from quorumfl.privacy.admin import (
     sign_app,
 )
 
-from .certs import Credentials, check_admin_key
+from .certs import Credentials, check_admin_key, roster_json
 from .config import DEFAULTS
 
 __all__ = ["Control", "FlowerNode", "FlowerRun", "app_pyproject", "build_fab", "sign_app_dir", "store_flwr_token"]
@@ -148,6 +148,16 @@ class Control:
                 raise CredentialError(f"cannot read {exc.filename}: {exc.strerror}; the admin's files live in the "
                                       "credentials folder ('quorumfl certs init')") from exc
             self._interceptors.append(_AdminToken(self._admin, audience))
+
+    @classmethod
+    def for_federation(cls, address: str, creds: Credentials | None) -> Control:
+        """The client a federation's own tooling uses: TLS against its CA, and the admin's key and
+        current roster when the admin key is on this machine (``creds=None``: an insecure federation)."""
+        if creds is None:
+            return cls(address)
+        admin = creds.admin_key if creds.admin_key.exists() else None
+        return cls(address, insecure=False, root_certificates=str(creds.ca_cert), admin_key=admin,
+                   roster=lambda: roster_json(creds))
 
     @contextmanager
     def _client(self) -> Iterator[Any]:

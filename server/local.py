@@ -22,7 +22,7 @@ from quorumfl.aggregation.errors import FederationError
 from quorumfl.client.app_guard import app_guard_env
 from quorumfl.client.host_slots import host_slot_env
 
-from .certs import Credentials, add_admin_key, add_node_key, init_credentials, roster_json
+from .certs import Credentials, add_admin_key, add_node_key, init_credentials
 from .control import Control
 from .processes import (
     REJOIN_GRACE_S,
@@ -158,9 +158,7 @@ def local_federation(
             wait_for_port("127.0.0.1", port, timeout=60, process=link.process)
         except FederationError as exc:
             raise FederationError(f"{exc}\n{group.tail(link)}") from exc
-        control = Control(address, insecure=creds is None, root_certificates=str(creds.ca_cert) if creds else None,
-                          admin_key=creds.admin_key if creds else None,
-                          roster=(lambda: roster_json(creds)) if creds else None)
+        control = Control.for_federation(address, creds)
         if creds is not None:
             sync_registrations(control, creds)
         federation = LocalFederation(address, control, group, link, {}, creds, node_config)

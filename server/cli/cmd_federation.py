@@ -16,7 +16,7 @@ from quorumfl.client.data.datasets import FASHION_MNIST_DIR
 from quorumfl.client.data.planted import plant_partitions
 from quorumfl.client.host_slots import host_slot_env
 
-from ..certs import Credentials, check_node_key, check_server, roster_json
+from ..certs import Credentials, check_node_key, check_server
 from ..config import SecureMode
 from ..control import Control
 from ..demo import DemoSettings, run_demo
@@ -127,11 +127,8 @@ def server_start(
         mode = "TLS, node authentication" if creds else "INSECURE"
         console.print(f"[green]SuperLink listening on {host}:{port}[/green] ({mode}); state DB {state.db_url}; "
                       f"log {child.log}", soft_wrap=True)
-        admin = creds.admin_key if creds is not None and creds.admin_key.exists() else None
-        control = Control(f"{local}:{port}", insecure=creds is None,
-                          root_certificates=str(creds.ca_cert) if creds else None, admin_key=admin,
-                          roster=(lambda: roster_json(creds)) if creds else None)
-        if creds is not None and admin is None:  # the server host holds admin.pub only, as it should
+        control = Control.for_federation(f"{local}:{port}", creds)
+        if creds is not None and not creds.admin_key.exists():  # the server host holds admin.pub only, as it should
             console.print("the admin key is not on this host: register node keys with 'quorumfl certs register' "
                           "and resume interrupted runs with 'quorumfl runs resume' from the admin's machine")
             return
