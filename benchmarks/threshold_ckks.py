@@ -23,7 +23,9 @@ Per-round wall time is the median over rounds (with ≥ 3 rounds, a round withou
 Keys: plain_round_s, ckks_round_s, single_key_round_s, ckks_over_plain, ckks_over_single_key,
 encrypt_s_per_client, bytes_per_client, sum_s (all N), partial_decrypt_s, combine_s, max_abs_error,
 ceremony_s (in memory) and ckks_ceremony_round_s (deployed), single_key_encrypt_s, single_key_bytes,
-server peak RSS per mode, per-round lists.
+server peak RSS per mode, per-round lists; what tying decryptions to contributors adds: tag_s_per_client
+(computing, sealing and signing a contributor's tag), tag_bytes_per_client, tag_check_s (a decryptor
+checking every contributor's signature and tag against c1), decrypt_request_tag_bytes (per decryptor).
 """
 
 from __future__ import annotations
@@ -47,14 +49,19 @@ from _common import (
     sizes,
 )
 from _common import parser as make_parser
+from cryptography.hazmat.primitives.asymmetric import ec
+
 from quorumfl.aggregation.ckks import (
     CiphertextSum,
     CkksParams,
     ceremony_in_one_process,
+    check_request,
     combine,
+    contribute,
     encrypt_vector,
     partial_decrypt,
 )
+from quorumfl.aggregation.secagg.identity import sign
 from quorumfl.aggregation.secagg import resolve_threshold
 from quorumfl.server.state.repository import Repository
 
@@ -82,11 +89,22 @@ def _steps(length: int, nodes: int) -> dict[str, float]:
     for m, polys in zip(members, encrypted, strict=True):
         total.add(m, polys)
     sum_s = time.perf_counter() - start
+    node_key = ec.generate_private_key(ec.SECP384R1())  # the size and cost of a department's signature
+    tags, tag_s = [], []
+    for m, polys in zip(members, encrypted, strict=True):
+        start = time.perf_counter()
+        tags.append(contribute(shares[m], polys[:, 1], round_number=1, group=0, department=f"department-{m}",
+                               signer=lambda message: sign(node_key, message)))
+        tag_s.append(time.perf_counter() - start)
+    tag_bytes = [len(tag.department) + len(tag.sealed) + len(tag.signature) + 8 for tag in tags]
     manifest = total.manifest(key_id=coordinator.key_id, round=1, group=0, subset=members[:t])
+    start = time.perf_counter()
+    check_request(shares[members[0]], manifest, total.c1, set(), tags)  # the tie alone (signatures: ~1 ms each)
+    tag_check_s = time.perf_counter() - start
     partials, partial_s = {}, []
     for m in manifest.subset:
         start = time.perf_counter()
-        partials[m] = partial_decrypt(shares[m], manifest, total.c1, set())
+        partials[m] = partial_decrypt(shares[m], manifest, total.c1, set(), tags)
         partial_s.append(time.perf_counter() - start)
     start = time.perf_counter()
     result = combine(params, total.c0, partials, manifest)
@@ -108,6 +126,10 @@ def _steps(length: int, nodes: int) -> dict[str, float]:
         "max_abs_error": error,
         "predicted_error_std": params.error_std(t, nodes),
         "partial_bytes": float(total.c1.nbytes),
+        "tag_s_per_client": statistics.median(tag_s),
+        "tag_bytes_per_client": float(statistics.median(tag_bytes)),
+        "tag_check_s": tag_check_s,
+        "decrypt_request_tag_bytes": float(sum(tag_bytes)),
         "single_key_encrypt_s": single_s,
         "single_key_bytes": float(len(single)),
     }

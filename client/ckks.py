@@ -2,10 +2,15 @@
 
 Key material lives in the node's key store (``privacy.keystore``): a directory given by the node
 config ``key-dir`` (default ``$QUORUMFL_HOME/node-keys/<node id>``), never sent anywhere. What
-leaves the node: a commitment and a transport key, its public share b_i and Shamir shares
-encrypted for each member, its encrypted update, and partial decryptions of aggregates whose
-manifest passes every refusal rule. The refusal ledger is written to disk before a partial
-decryption is returned, so a restarted node still refuses a repeat.
+leaves the node: a commitment and a transport key (signed with its node key in a signed
+federation), its public share b_i and Shamir shares and MAC part encrypted for each member, its
+encrypted update with a sealed, signed tag tying it to the sum, and partial decryptions of
+aggregates whose manifest passes every refusal rule — among them that the c1 to decrypt is the
+sum of the contributors' tagged ciphertexts. A node encrypts only under a key it holds a share
+of: a node that joined after the ceremony refuses until the next one, so it never takes the
+server's word for a public key. The refusal ledger is written to disk before a partial
+decryption is returned, so a restarted node still refuses a repeat; each key answers at most the
+run's ``ckks-max-decryptions``.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from quorumfl.aggregation.ckks import KeyParty, check_request, encrypt_vector, partial_decrypt
+from quorumfl.aggregation.ckks import MAX_DECRYPTIONS, KeyParty, check_request, contribute, encrypt_vector, partial_decrypt
 from quorumfl.aggregation.ckks.seal import Seal
 from quorumfl.aggregation.errors import NotFoundError, SecureAggregationError
 from quorumfl.aggregation.secagg import flatten, weighted_payload
@@ -38,7 +43,10 @@ from .ckks_wire import (
     encode_partial,
     encode_reveal,
 )
+from .secure import _binding, identity
 from .wire import METRICS, NODE
+
+MAX_DECRYPTIONS_KEY = "ckks-max-decryptions"  # run-config key (declared in the server's config defaults)
 
 if TYPE_CHECKING:
     from .steps import LocalTraining
@@ -69,7 +77,9 @@ def _arrays(msg: Message) -> RecordDict:
 def commit(msg: Message, context: Context) -> RecordDict:
     """Ceremony stage 1: a fresh secret, its public share, and only a commitment to it."""
     announcement, _ = decode_announcement(_config(msg))
-    party, commitment = KeyParty.commit(announcement, int(context.node_id))
+    me = identity(context)
+    party, commitment = KeyParty.commit(announcement, int(context.node_id), signer=me.signer(),
+                                        department=me.department, binding=_binding(context))
     key_store(context).save_party(party)
     return RecordDict({CKKS: encode_commitment(commitment, announcement.ceremony)})
 
@@ -79,7 +89,7 @@ def reveal(msg: Message, context: Context) -> RecordDict:
     ceremony, commitments = decode_directory(_config(msg))
     store = key_store(context)
     party = store.load_party(ceremony)
-    result = party.reveal(commitments)
+    result = party.reveal(commitments, roster=identity(context).roster, binding=_binding(context))
     store.save_party(party)
     config, arrays = encode_reveal(result, ceremony)
     return RecordDict({CKKS: config, ARRAYS: arrays})
@@ -104,17 +114,24 @@ def encrypted_train_reply(msg: Message, context: Context, local: LocalTraining) 
     if request.primes not in seal.levels:
         raise SecureAggregationError(f"no ciphertext level with {request.primes} primes")
     store = key_store(context)
-    try:  # a key holder checks the server sent the key of its own ceremony
-        held = store.load_key(request.key_id).share.public_key
-        if not hmac.compare_digest(held, request.public_key):
-            raise SecureAggregationError(f"the public key sent for {request.key_id} is not the one this node holds")
+    try:
+        share = store.load_key(request.key_id).share
     except NotFoundError:
-        pass  # not a member of that ceremony: it can still contribute under the public key
+        raise SecureAggregationError(
+            f"this node holds no share of key {request.key_id} (it joined after that key ceremony), so it cannot "
+            "check the public key it was sent; it contributes after the next ceremony", node=str(context.node_id)
+        ) from None
+    if not hmac.compare_digest(share.public_key, request.public_key):
+        raise SecureAggregationError(f"the public key sent for {request.key_id} is not the one this node holds; "
+                                     "refusing to encrypt under it", node=str(context.node_id))
+    me = identity(context)
     update = flatten(local.trained) - flatten(local.received)
     payload = weighted_payload(update, examples=local.num_examples, loss=local.train_loss, max_weight=request.max_weight)
     payload = np.clip(payload, -request.clip, request.clip)
-    polys = encrypt_vector(request.params, request.public_key, payload, primes=request.primes)
-    arrays, config = encode_encrypted(polys, key_id=request.key_id, round_number=request.round_number)
+    polys = encrypt_vector(request.params, share.public_key, payload, primes=request.primes)
+    tag = contribute(share, polys[:, 1], round_number=request.round_number, group=request.group, signer=me.signer(),
+                     department=me.department, binding=_binding(context))
+    arrays, config = encode_encrypted(polys, tag, key_id=request.key_id, round_number=request.round_number)
     return RecordDict({
         ENCRYPTED: arrays,
         CKKS: config,
@@ -126,12 +143,21 @@ def encrypted_train_reply(msg: Message, context: Context, local: LocalTraining) 
 def decrypt(msg: Message, context: Context) -> RecordDict:
     """A partial decryption, after every refusal rule and after the ledger entry is on disk."""
     content = _arrays(msg)
-    manifest, c1 = decode_decrypt_request(_config(msg), content.array_records[ARRAYS])
+    manifest, c1, contributions = decode_decrypt_request(_config(msg), content.array_records[ARRAYS])
     store = key_store(context)
     stored = store.load_key(manifest.key_id)
     asked = set(stored.asked)
-    check_request(stored.share, manifest, c1, asked)
+    roster, binding, cap = identity(context).roster, _binding(context), _max_decryptions(context)
+    check_request(stored.share, manifest, c1, asked, contributions, roster=roster, binding=binding, max_decryptions=cap)
     store.record_asked(manifest.key_id, manifest.round, manifest.group)
-    partial = partial_decrypt(stored.share, manifest, c1, asked)
+    partial = partial_decrypt(stored.share, manifest, c1, asked, contributions, roster=roster, binding=binding,
+                              max_decryptions=cap)
     config, arrays = encode_partial(partial, manifest)
     return RecordDict({CKKS: config, ARRAYS: arrays})
+
+
+def _max_decryptions(context: Context) -> int:
+    value = context.run_config.get(MAX_DECRYPTIONS_KEY, MAX_DECRYPTIONS)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SecureAggregationError(f"run config {MAX_DECRYPTIONS_KEY}={value!r} must be a positive integer")
+    return value

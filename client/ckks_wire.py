@@ -17,7 +17,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord
 from numpy.typing import NDArray
 
-from quorumfl.aggregation.ckks import Announcement, CkksParams, Commitment, Manifest, Reveal
+from quorumfl.aggregation.ckks import Announcement, CkksParams, Commitment, Contribution, Manifest, Reveal
 from quorumfl.aggregation.errors import ConfigError, SecureAggregationError
 
 from .secure_wire import _get, _ids, _read_ids
@@ -72,6 +72,15 @@ def _u64(record: ArrayRecord, key: str, ndim: int) -> U64:
     return np.ascontiguousarray(values)
 
 
+def _strings(record: ConfigRecord, key: str) -> list[str]:
+    if key not in record:
+        raise SecureAggregationError(f"threshold-CKKS record is missing '{key}'")
+    value = record[key]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SecureAggregationError(f"threshold-CKKS '{key}' must be a list of strings")
+    return [str(v) for v in value]
+
+
 # ---- ceremony ---------------------------------------------------------------------------------------
 def encode_announcement(a: Announcement, *, run_id: int) -> ConfigRecord:
     return ConfigRecord({"ceremony": a.ceremony, "members": _ids(a.members), "threshold": a.threshold,
@@ -89,29 +98,35 @@ def decode_announcement(record: ConfigRecord) -> tuple[Announcement, int]:
 
 
 def encode_commitment(c: Commitment, ceremony: bytes) -> ConfigRecord:
-    return ConfigRecord({"ceremony": ceremony, "digest": c.digest, "transport": c.transport_key})
+    return ConfigRecord({"ceremony": ceremony, "digest": c.digest, "transport": c.transport_key,
+                         "department": c.department, "signature": c.signature})
 
 
 def decode_commitment(record: ConfigRecord, *, node: int, ceremony: bytes) -> Commitment:
     if _get(record, "ceremony", bytes) != ceremony:
         raise SecureAggregationError("commitment is for another ceremony")
-    return Commitment(node, _get(record, "digest", bytes), _get(record, "transport", bytes))
+    return Commitment(node, _get(record, "digest", bytes), _get(record, "transport", bytes),
+                      _get(record, "department", str), _get(record, "signature", bytes))
 
 
 def encode_directory(ceremony: bytes, commitments: Mapping[int, Commitment]) -> ConfigRecord:
     nodes = sorted(commitments)
     return ConfigRecord({"ceremony": ceremony, "nodes": _ids(nodes),
                          "digests": [commitments[n].digest for n in nodes],
-                         "transports": [commitments[n].transport_key for n in nodes]})
+                         "transports": [commitments[n].transport_key for n in nodes],
+                         "departments": [commitments[n].department for n in nodes],
+                         "signatures": [commitments[n].signature for n in nodes]})
 
 
 def decode_directory(record: ConfigRecord) -> tuple[bytes, dict[int, Commitment]]:
     nodes = _read_ids(record, "nodes")
     digests, transports = _get(record, "digests", list), _get(record, "transports", list)
-    if not len(nodes) == len(digests) == len(transports):
+    departments, signatures = _strings(record, "departments"), _get(record, "signatures", list)
+    if not len(nodes) == len(digests) == len(transports) == len(departments) == len(signatures):
         raise SecureAggregationError("commitment directory lists differ in length")
     return _get(record, "ceremony", bytes), {
-        n: Commitment(n, d, k) for n, d, k in zip(nodes, digests, transports, strict=True)
+        n: Commitment(n, d, k, dep, sig)
+        for n, d, k, dep, sig in zip(nodes, digests, transports, departments, signatures, strict=True)
     }
 
 
@@ -154,14 +169,16 @@ class TrainRequest:
     """What a node needs to encrypt its update: the key (public key included), level, clip, weight cap."""
 
     def __init__(self, *, key_id: str, public_key: bytes, params: CkksParams, primes: int, clip: float,
-                 max_weight: float, round_number: int) -> None:
+                 max_weight: float, round_number: int, group: int = 0) -> None:
         self.key_id, self.public_key, self.params = key_id, public_key, params
         self.primes, self.clip, self.max_weight, self.round_number = primes, clip, max_weight, round_number
+        self.group = group
 
 
 def encode_train_request(r: TrainRequest) -> ConfigRecord:
     return ConfigRecord({"key_id": r.key_id, "public_key": r.public_key, "params": json.dumps(r.params.to_dict()),
-                         "primes": r.primes, "clip": r.clip, "max_weight": r.max_weight, "round": r.round_number})
+                         "primes": r.primes, "clip": r.clip, "max_weight": r.max_weight, "round": r.round_number,
+                         "group": r.group})
 
 
 def decode_train_request(record: ConfigRecord) -> TrainRequest:
@@ -174,29 +191,46 @@ def decode_train_request(record: ConfigRecord) -> TrainRequest:
         raise SecureAggregationError("clip and max_weight must be positive")
     return TrainRequest(key_id=_get(record, "key_id", str), public_key=_get(record, "public_key", bytes), params=params,
                         primes=_get(record, "primes", int), clip=clip, max_weight=max_weight,
-                        round_number=_get(record, "round", int))
+                        round_number=_get(record, "round", int), group=_get(record, "group", int))
 
 
-def encode_encrypted(polys: U64, *, key_id: str, round_number: int) -> tuple[ArrayRecord, ConfigRecord]:
-    return ArrayRecord({"ct": Array(np.ascontiguousarray(polys))}), ConfigRecord({"key_id": key_id, "round": round_number})
+def encode_encrypted(polys: U64, contribution: Contribution, *, key_id: str,
+                     round_number: int) -> tuple[ArrayRecord, ConfigRecord]:
+    return ArrayRecord({"ct": Array(np.ascontiguousarray(polys))}), ConfigRecord({
+        "key_id": key_id, "round": round_number, "department": contribution.department,
+        "sealed": contribution.sealed, "signature": contribution.signature})
 
 
-def decode_encrypted(arrays: ArrayRecord, record: ConfigRecord) -> tuple[U64, str, int]:
-    return _u64(arrays, "ct", 4), _get(record, "key_id", str), _get(record, "round", int)
+def decode_encrypted(arrays: ArrayRecord, record: ConfigRecord, *, node: int) -> tuple[U64, Contribution, str, int]:
+    contribution = Contribution(node, _get(record, "department", str), _get(record, "sealed", bytes),
+                                _get(record, "signature", bytes))
+    return _u64(arrays, "ct", 4), contribution, _get(record, "key_id", str), _get(record, "round", int)
 
 
-def encode_decrypt_request(manifest: Manifest, c1: U64) -> tuple[ConfigRecord, ArrayRecord]:
-    return ConfigRecord({"manifest": json.dumps(manifest.to_dict())}), ArrayRecord({"c1": Array(np.ascontiguousarray(c1))})
+def encode_decrypt_request(manifest: Manifest, c1: U64,
+                           contributions: Mapping[int, Contribution]) -> tuple[ConfigRecord, ArrayRecord]:
+    nodes = sorted(contributions)
+    return ConfigRecord({
+        "manifest": json.dumps(manifest.to_dict()), "tag-nodes": _ids(nodes),
+        "tag-departments": [contributions[n].department for n in nodes],
+        "tags": [contributions[n].sealed for n in nodes], "tag-signatures": [contributions[n].signature for n in nodes],
+    }), ArrayRecord({"c1": Array(np.ascontiguousarray(c1))})
 
 
-def decode_decrypt_request(record: ConfigRecord, arrays: ArrayRecord) -> tuple[Manifest, U64]:
+def decode_decrypt_request(record: ConfigRecord, arrays: ArrayRecord) -> tuple[Manifest, U64, list[Contribution]]:
     try:
         data = json.loads(_get(record, "manifest", str))
     except ValueError as exc:
         raise SecureAggregationError("decryption manifest is not JSON") from exc
     if not isinstance(data, dict):
         raise SecureAggregationError("decryption manifest must be an object")
-    return Manifest.from_dict(data), _u64(arrays, "c1", 3)
+    nodes = _read_ids(record, "tag-nodes")
+    departments, tags = _strings(record, "tag-departments"), _get(record, "tags", list)
+    signatures = _get(record, "tag-signatures", list)
+    if not len(nodes) == len(departments) == len(tags) == len(signatures):
+        raise SecureAggregationError("decryption request's tag lists differ in length")
+    contributions = [Contribution(n, d, t, g) for n, d, t, g in zip(nodes, departments, tags, signatures, strict=True)]
+    return Manifest.from_dict(data), _u64(arrays, "c1", 3), contributions
 
 
 def encode_partial(d: U64, manifest: Manifest) -> tuple[ConfigRecord, ArrayRecord]:

@@ -1,12 +1,14 @@
 """A node's threshold-CKKS key material on disk: one file per key, 0600, integrity-checked, written atomically.
 
-What a file holds: the key share σ (secret), the joint public key, the ceremony's members and
+What a file holds: the key share σ and the members' MAC key (secret), the joint public key, the ceremony's members and
 holders, t, the CKKS parameters, which Flower run it was made for, and the (round, group) pairs
 this node has already partially decrypted — the refusal ledger, written *before* a partial
 decryption leaves the node, so a crash can only make the node refuse more, never answer twice.
 A ceremony in progress (this node's fresh secret s_i between stages) has its own file and is
-deleted when the ceremony ends. A SHA-256 over the content detects a corrupted or edited file;
-such a file is refused, never repaired. Nothing here logs; errors name the file, never its content.
+deleted when the ceremony ends. A SHA-256 over the content detects a corrupted or truncated file;
+such a file is refused, never repaired. The hash is not keyed: it does not stop someone who can
+write the node's key directory, who could also read the share itself — that directory's 0700/0600
+modes and the node's host security are the boundary (README "Security"). Nothing here logs; errors name the file, never its content.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ class KeyStore:
             "key_id": s.key_id, "ceremony": s.ceremony.hex(), "node": str(s.node), "index": s.index,
             "members": [str(m) for m in s.members], "holders": [str(h) for h in s.holders], "threshold": s.threshold,
             "params": s.params.to_dict(), "public_key": _b64(s.public_key), "share": _array(s.share),
-            "run_id": stored.run_id, "asked": sorted([r, g] for r, g in stored.asked),
+            "mac_key": _b64(s.mac_key), "run_id": stored.run_id, "asked": sorted([r, g] for r, g in stored.asked),
         })
 
     def load_key(self, key_id: str) -> StoredKey:
@@ -123,7 +125,7 @@ class KeyStore:
                 key_id=str(c["key_id"]), ceremony=bytes.fromhex(c["ceremony"]), node=int(c["node"]), index=int(c["index"]),
                 members=tuple(int(m) for m in c["members"]), holders=tuple(int(h) for h in c["holders"]),
                 threshold=int(c["threshold"]), params=CkksParams.from_dict(c["params"]),
-                public_key=_unb64(c["public_key"]), share=_unarray(c["share"]),
+                public_key=_unb64(c["public_key"]), share=_unarray(c["share"]), mac_key=_unb64(c.get("mac_key", "")),
             )
             stored = StoredKey(share, int(c["run_id"]), {(int(r), int(g)) for r, g in c["asked"]})
         except (KeyError, TypeError, ValueError) as exc:
@@ -149,8 +151,10 @@ class KeyStore:
             "ceremony": ann.ceremony.hex(), "members": [str(m) for m in ann.members], "threshold": ann.threshold,
             "params": ann.params.to_dict(), "seed": ann.seed.hex(), "node": str(party.node),
             "secret": _array(party.secret), "b": _array(party.b), "transport": party.transport_private.hex(),
-            "commitments": {str(n): [c.digest.hex(), c.transport_key.hex()] for n, c in party.commitments.items()},
+            "commitments": {str(n): [c.digest.hex(), c.transport_key.hex(), c.department, c.signature.hex()]
+                            for n, c in party.commitments.items()},
             "own_share": None if party.own_share is None else _array(party.own_share),
+            "mac_part": party.mac_part.hex(),
         })
 
     def load_party(self, ceremony: bytes) -> KeyParty:
@@ -162,9 +166,10 @@ class KeyStore:
             return KeyParty(
                 announcement=ann, node=int(c["node"]), secret=_unarray(c["secret"]), b=_unarray(c["b"]),
                 transport_private=bytes.fromhex(c["transport"]),
-                commitments={int(n): Commitment(int(n), bytes.fromhex(d), bytes.fromhex(k))
-                             for n, (d, k) in c["commitments"].items()},
+                commitments={int(n): Commitment(int(n), bytes.fromhex(d), bytes.fromhex(k), str(dep), bytes.fromhex(sig))
+                             for n, (d, k, dep, sig) in c["commitments"].items()},
                 own_share=None if c["own_share"] is None else _unarray(c["own_share"]),
+                mac_part=bytes.fromhex(c["mac_part"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise SecureAggregationError(f"key ceremony state {path} is malformed") from exc

@@ -4,11 +4,17 @@
 the admin asked for one (``quorumfl keys ceremony RUN``) or when too few key holders remain;
 three round trips (commit, reveal, finish), once. A round is then exactly two round trips:
 
-1. train — the request carries the public key and the ciphertext level; each reply carries the
-   node's encrypted ``[w, w·loss, w·Δθ]``, added at once into a running ciphertext sum;
+1. train — to the key's holders only; the request carries the public key and the ciphertext
+   level; each reply carries the node's encrypted ``[w, w·loss, w·Δθ]``, added at once into a
+   running ciphertext sum, and its sealed tag signed with its node key (checked against the
+   roster here too, so one bad contribution is dropped instead of failing the decryption);
 2. decrypt — the server fixes S (t key holders among the contributors, rotating with the round),
-   records the manifest (round, contributors, S) in the state DB, and sends S the aggregate's c1.
-   With every partial decryption of S back it combines and decodes the sum.
+   records the manifest (round, contributors, S) in the state DB, and sends S the aggregate's c1
+   with every contributor's tag. With every partial decryption of S back it combines and decodes.
+
+A new ceremony runs before a round when nodes that were not members of the current key's ceremony
+are available (they cannot contribute under a key they hold no share of), when too few holders
+remain, and when the key has answered ``ckks-max-decryptions`` decryptions (its holders refuse more).
 
 The server holds no key material. Fewer than t contributors, or a member of S that does not
 answer, ends the round with nothing decrypted; the global model stays as it was.
@@ -29,8 +35,10 @@ from quorumfl.aggregation.ckks import (
     Announcement,
     CeremonyCoordinator,
     CiphertextSum,
+    Contribution,
     DecryptionSum,
 )
+from quorumfl.aggregation.ckks.threshold import contribution_message
 from quorumfl.aggregation.errors import (
     EmptyAggregationError,
     QuorumError,
@@ -38,6 +46,7 @@ from quorumfl.aggregation.errors import (
     SecureAggregationError,
 )
 from quorumfl.aggregation.secagg import flatten, read_payload, resolve_threshold, unflatten
+from quorumfl.aggregation.secagg.identity import Roster
 from quorumfl.client.ckks_wire import ARRAYS as CKKS_ARRAYS
 from quorumfl.client.ckks_wire import (
     CKKS,
@@ -123,6 +132,9 @@ class CkksSession:
         self.clock = clock
         self.key: CkksKey | None = None
         self.ceremonies = 0
+        self.decryptions = 0  # asked under the current key
+        self.roster = Roster.from_json(config.roster) if config.roster else None
+        self.binding = b"run:" + str(run_id).encode()
 
     def _message(self, kind: str, node: int, content: RecordDict) -> Message:
         return Message(content=content, dst_node_id=node, message_type=kind)
@@ -184,6 +196,7 @@ class CkksSession:
         self.audit.ceremony_finished(record_id, key_id=key.key_id, holders=key.holders, error=None)
         self.key = key
         self.ceremonies += 1
+        self.decryptions = 0
         log.info("threshold CKKS: key %s with %s of %s holders (t=%s)", key.key_id, len(key.holders), len(members),
                  threshold)
         return key
@@ -194,7 +207,15 @@ class CkksSession:
             key is None
             or self.audit.ceremony_requested()
             or len(set(key.holders) & set(available)) < key.threshold
+            or bool(set(available) - set(key.members))  # new nodes hold no share of this key
+            or self.decryptions >= self.config.ckks_max_decryptions
         )
+
+    def _check_tag(self, tag: Contribution, key_id: str, number: int) -> None:
+        if self.roster is not None:
+            self.roster.check(tag.department, contribution_message(
+                binding=self.binding, key_id=key_id, round_number=number, group=0, node=tag.node,
+                department=tag.department, sealed=tag.sealed), tag.signature, node=tag.node)
 
     # ---- one round ----------------------------------------------------------------------------------------
     def round(
@@ -227,7 +248,7 @@ class CkksSession:
         timings: dict[str, float],
     ) -> TrainPhase:
         config = self.config
-        participants = sorted(configs)
+        participants = sorted(n for n in configs if n in key.holders)
         base = flatten(arrays)
         length = 2 + base.shape[0]
         primes = self.params.send_primes(key.threshold, max(len(key.members), len(participants)), config.secagg_clip)
@@ -242,6 +263,7 @@ class CkksSession:
             for n in participants
         ]
         total = CiphertextSum(self.params, length=length, primes=primes)
+        tags: dict[int, Contribution] = {}
         result = TrainPhase(arrays=None)
 
         def add(node: int, reply: Message) -> None:  # each reply joins the running sum as it arrives
@@ -249,14 +271,19 @@ class CkksSession:
                 content = reply.content
                 if ENCRYPTED not in content.array_records:
                     raise SecureAggregationError("reply has no 'encrypted' record")
-                polys, key_id, round_number = decode_encrypted(content.array_records[ENCRYPTED], _reply_config(reply))
+                polys, tag, key_id, round_number = decode_encrypted(content.array_records[ENCRYPTED],
+                                                                    _reply_config(reply), node=node)
                 if key_id != key.key_id or round_number != number:
                     raise SecureAggregationError(f"ciphertext is for key {key_id} round {round_number}")
+                self._check_tag(tag, key_id, number)
                 total.add(node, polys)
             except SecureAggregationError as exc:
                 failures[node] = ("train", str(exc))
                 return
+            tags[node] = tag
             result.note_node(node, content)
+            if self.roster is not None:  # the name its registered key signed, not what the reply says
+                result.departments[node] = tag.department
 
         start = self.clock()
         self.exchange(messages, failures, "train", config.train_deadline(), add)
@@ -275,7 +302,8 @@ class CkksSession:
         subset = sorted((candidates[turn:] + candidates[:turn])[: key.threshold])
         manifest = total.manifest(key_id=key.key_id, round=number, group=0, subset=subset)
         audit_id = self.audit.decryption_started(key_id=key.key_id, contributors=contributors, decryptors=subset)
-        config_record, c1_record = encode_decrypt_request(manifest, total.c1)
+        config_record, c1_record = encode_decrypt_request(manifest, total.c1, {n: tags[n] for n in contributors})
+        self.decryptions += 1
         content = RecordDict({CKKS: config_record, CKKS_ARRAYS: c1_record})
         decrypted = DecryptionSum(self.params, total.c0, manifest)
 

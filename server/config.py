@@ -15,7 +15,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from quorumfl.aggregation.ckks import CkksParams
+from quorumfl.aggregation.ckks import MAX_DECRYPTIONS, CkksParams
 from quorumfl.aggregation.errors import ConfigError
 
 __all__ = ["DEFAULTS", "Compression", "DpMode", "RunConfig", "SecureMode", "StartFrom", "StrategyName", "load_run_config_file"]
@@ -85,6 +85,7 @@ DEFAULTS: dict[str, Any] = {
     "secagg-stage-timeout": 120.0,
     "secagg-unmask-spare": 1,
     "ckks-poly-degree": 8192,
+    "ckks-max-decryptions": MAX_DECRYPTIONS,  # partial decryptions one key answers; then a new ceremony
     "clusters": 2,
     "ifca-merge-distance": 0.01,
     "ifca-reseed-noise": 0.1,
@@ -158,6 +159,7 @@ class RunConfig:
     secagg_stage_timeout: float
     secagg_unmask_spare: int
     ckks_poly_degree: int
+    ckks_max_decryptions: int
     clusters: int
     ifca_merge_distance: float
     ifca_reseed_noise: float
@@ -278,6 +280,7 @@ class RunConfig:
             secagg_stage_timeout=number("secagg-stage-timeout", float, low=0.0, open_low=True),
             secagg_unmask_spare=number("secagg-unmask-spare", int, low=0, high=10_000),
             ckks_poly_degree=number("ckks-poly-degree", int, low=8192, high=32768),
+            ckks_max_decryptions=number("ckks-max-decryptions", int, low=1, high=1_000_000),
             clusters=number("clusters", int, low=1, high=64),
             ifca_merge_distance=number("ifca-merge-distance", float, low=0.0),
             ifca_reseed_noise=number("ifca-reseed-noise", float, low=0.0),
@@ -370,7 +373,7 @@ class RunConfig:
         return values
 
     def ckks_params(self) -> CkksParams:
-        """The threshold-CKKS parameter set: N from the config, a (60, 60, 60)-bit chain, Δ = 2^96."""
+        """The threshold-CKKS parameter set: N from the config, a (60, 60, 60)-bit chain, Δ = 2^100."""
         return CkksParams(poly_degree=self.ckks_poly_degree)
 
     def epoch_choices(self) -> tuple[int, ...]:

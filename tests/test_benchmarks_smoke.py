@@ -49,7 +49,8 @@ def test_secagg_smoke() -> None:
 def test_threshold_ckks_smoke() -> None:
     figures = _run("threshold_ckks.py")
     keys = {"plain_round_s", "ckks_round_s", "single_key_round_s", "ckks_over_plain", "encrypt_s_per_client",
-            "bytes_per_client", "partial_decrypt_s", "combine_s", "max_abs_error"}
+            "bytes_per_client", "partial_decrypt_s", "combine_s", "max_abs_error", "tag_s_per_client",
+            "tag_bytes_per_client", "tag_check_s", "decrypt_request_tag_bytes"}
     assert keys <= set(figures)
     assert all(float(figures[k]) > 0 for k in keys - {"max_abs_error"})  # type: ignore[arg-type]
     # the step-by-step decryption matched numpy's sum within 6σ of the documented error

@@ -298,7 +298,7 @@ def test_protocol_wire_records_decode_or_are_refused(values: dict[str, Any], arr
         lambda: secure_wire.decode_unmask_request(config),
         lambda: ckks_wire.decode_commitment(config, node=7, ceremony=b"c" * 16),
         lambda: ckks_wire.decode_reveal(config, array_record, node=7, ceremony=b"c" * 16),
-        lambda: ckks_wire.decode_encrypted(array_record, config),
+        lambda: ckks_wire.decode_encrypted(array_record, config, node=1),
         lambda: ckks_wire.decode_announcement(config),
         lambda: ckks_wire.decode_train_request(config),
     ]

@@ -10,10 +10,14 @@ ships it (``tenseal.sealapi``), with numpy for everything SEAL does not expose:
 - ``keys``: the dealer-free, commit-then-reveal key ceremony and the ``KeyShare`` it leaves;
 - ``threshold``: encryption, the running ciphertext sum, refusal rules, partial decryption, combine.
 
-Security (semi-honest parties, honest-but-curious server): the server holds only public material;
-a decryption needs t members that each agree to a manifest (round, contributors, S) fixed in
-advance; flooding noise of 2^κ times the aggregate's noise hides the key in published decryptions.
-t colluding members (or t − 1 plus the server) can decrypt anything; fewer learn nothing.
+Security: the server holds only public material; a decryption needs t members that each agree to a
+manifest (round, contributors, S) and can tie the c1 they are asked to decrypt to the contributors'
+signed tags (so an active server cannot have a crafted c1 decrypted); ceremony commitments and
+contributions are signed with the members' registered node keys and checked against the admin's
+roster; flooding noise of 2^κ times the aggregate's noise hides the key in published decryptions,
+and each key answers a capped number of decryptions. t colluding members can decrypt anything;
+t − 1 learn nothing from the shares, but one member colluding with the server can craft its own
+ciphertext after seeing the others' (no proof of well-formed ciphertexts): see ``threshold``.
 """
 
 from .keys import (
@@ -28,22 +32,27 @@ from .keys import (
 )
 from .params import CkksParams
 from .threshold import (
+    MAX_DECRYPTIONS,
     CiphertextSum,
+    Contribution,
     DecryptionSum,
     Manifest,
     check_request,
     combine,
+    contribute,
     encrypt_vector,
     partial_decrypt,
 )
 
 __all__ = [
+    "MAX_DECRYPTIONS",
     "Announcement",
     "CeremonyCoordinator",
     "CiphertextSum",
     "CkksParams",
     "DecryptionSum",
     "Commitment",
+    "Contribution",
     "KeyParty",
     "KeyShare",
     "Manifest",
@@ -51,6 +60,7 @@ __all__ = [
     "ceremony_in_one_process",
     "check_request",
     "combine",
+    "contribute",
     "encrypt_vector",
     "partial_decrypt",
     "public_key_id",

@@ -5,12 +5,16 @@ Three stages, each one message round trip, for members m_1..m_n (party index x_i
 1. ``commit``: party i samples s_i with SEAL's KeyGenerator and e_i with SEAL's encryption of zero
    at the key level (c0 + c1·s_i = −e_i), computes its public share b_i = −e_i − a·s_i for the
    common uniform a (expanded from the announcement's seed), and sends only H(b_i) and an X25519
-   key for share transport.
-2. ``reveal``: given every commitment, it reveals b_i and sends each member p an encrypted Shamir
-   share f_i(x_p) of s_i — one degree t−1 polynomial per RNS prime and NTT coordinate.
+   key for share transport, signed with its registered node key (department, ceremony, digest and
+   transport key), so the server can substitute neither.
+2. ``reveal``: given every commitment — each signature checked against the admin's roster — it
+   reveals b_i and sends each member p an encrypted Shamir share f_i(x_p) of s_i (one degree t−1
+   polynomial per RNS prime and NTT coordinate) together with a fresh 32-byte MAC part k_i.
 3. ``finish``: given the revealers R, their b_j and the bundles addressed to it, it checks every
    H(b_j) against the commitment, sums its shares σ_p = Σ_{j∈R} f_j(x_p) (a share of s = Σ s_j)
-   and computes the joint public key pk = (Σ_{j∈R} b_j, a).
+   and computes the joint public key pk = (Σ_{j∈R} b_j, a) and the members' MAC key
+   H(k_j, j ∈ R), which the server never sees (``threshold`` uses it to tie a decryption request
+   to the contributors' own ciphertexts).
 
 Commitments before reveal stop a late party from choosing b_i as a function of the others'
 (e.g. to cancel them and plant a key it knows). Without a dealer nobody ever holds s; any t of
@@ -23,13 +27,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.typing import NDArray
 
 from ..errors import ConfigError, SecureAggregationError
+from ..secagg.identity import Roster, field_bytes
 from ..secagg.streams import decrypt_bundle, encrypt_bundle, new_private_key, public_key
 from .params import CkksParams
 from .rns import add_mod, mul_mod, shamir_shares, sub_mod
@@ -43,6 +48,7 @@ __all__ = [
     "KeyShare",
     "Reveal",
     "ceremony_in_one_process",
+    "commitment_message",
     "expand_uniform",
     "public_key_id",
 ]
@@ -70,6 +76,22 @@ def expand_uniform(seed: bytes, primes: Sequence[int], degree: int) -> U64:
 
 def _digest(ceremony: bytes, index: int, b: U64) -> bytes:
     return hashlib.sha256(b"quorumfl/ckks/commit" + ceremony + index.to_bytes(4, "big") + b.astype("<u8").tobytes()).digest()
+
+
+_COMMIT_CONTEXT = b"quorumfl-ckks-commitment-v1"
+MAC_PART = 32
+
+
+def commitment_message(*, binding: bytes, ceremony: bytes, node: int, department: str, digest: bytes,
+                       transport_key: bytes) -> bytes:
+    """The bytes a member signs for its commitment (length-prefixed fields: unambiguous)."""
+    parts = [_COMMIT_CONTEXT, binding, ceremony, node.to_bytes(8, "big"), department.encode(), digest, transport_key]
+    return b"".join(field_bytes(p) for p in parts)
+
+
+def _mac_key(ceremony: bytes, parts: Mapping[int, bytes]) -> bytes:
+    body = b"".join(n.to_bytes(8, "big") + parts[n] for n in sorted(parts))
+    return hashlib.sha256(b"quorumfl/ckks/mac-key" + ceremony + body).digest()
 
 
 def public_key_id(public_key: bytes) -> str:
@@ -115,6 +137,14 @@ class Commitment:
     node: int
     digest: bytes
     transport_key: bytes  # X25519 public key for share bundles
+    department: str = ""  # roster name the signature is checked under ("" in an unsigned federation)
+    signature: bytes = b""
+
+    def verify(self, roster: Roster, *, binding: bytes, ceremony: bytes) -> None:
+        """Raise unless the commitment is signed by its department's registered key."""
+        roster.check(self.department, commitment_message(
+            binding=binding, ceremony=ceremony, node=self.node, department=self.department, digest=self.digest,
+            transport_key=self.transport_key), self.signature, node=self.node)
 
 
 @dataclass(frozen=True)
@@ -138,6 +168,7 @@ class KeyShare:
     params: CkksParams
     public_key: bytes
     share: U64
+    mac_key: bytes = b""  # known to the members only: keys the tags that tie c1 to contributors
 
 
 @dataclass
@@ -151,9 +182,12 @@ class KeyParty:
     transport_private: bytes
     commitments: dict[int, Commitment] = field(default_factory=dict)
     own_share: U64 | None = None
+    mac_part: bytes = b""
 
     @classmethod
-    def commit(cls, announcement: Announcement, node: int) -> tuple[KeyParty, Commitment]:
+    def commit(cls, announcement: Announcement, node: int, *, signer: Callable[[bytes], bytes] | None = None,
+               department: str = "", binding: bytes = b"") -> tuple[KeyParty, Commitment]:
+        """Stage 1; with ``signer`` (a signed federation) the commitment carries the node's signature."""
         index = announcement.index(node)
         seal = Seal.of(announcement.params)
         key_primes = seal.primes
@@ -163,11 +197,21 @@ class KeyParty:
         c0, c1 = zero.polys[0], zero.polys[1]
         b = add_mod(c0, mul_mod(sub_mod(c1, a, key_primes), secret, key_primes), key_primes)  # −e − a·s
         private = new_private_key()
-        party = cls(announcement, node, secret, b, private)
-        return party, Commitment(node, _digest(announcement.ceremony, index, b), public_key(private))
+        party = cls(announcement, node, secret, b, private, mac_part=os.urandom(MAC_PART))
+        digest, transport = _digest(announcement.ceremony, index, b), public_key(private)
+        signature = b"" if signer is None else signer(commitment_message(
+            binding=binding, ceremony=announcement.ceremony, node=node, department=department, digest=digest,
+            transport_key=transport))
+        return party, Commitment(node, digest, transport, department, signature)
 
-    def reveal(self, commitments: Mapping[int, Commitment]) -> Reveal:
-        """Stage 2: reveal b and send each committed member its encrypted share of s_i."""
+    def reveal(self, commitments: Mapping[int, Commitment], *, roster: Roster | None = None,
+               binding: bytes = b"") -> Reveal:
+        """Stage 2: reveal b and send each committed member its encrypted share of s_i and MAC part.
+
+        With ``roster`` (a signed federation) every commitment must verify under its department's
+        registered key and name a distinct department, or nothing is revealed: a transport key
+        the server substituted would let it read the shares.
+        """
         ann = self.announcement
         if self.node not in commitments or commitments[self.node].digest != _digest(ann.ceremony, ann.index(self.node), self.b):
             raise SecureAggregationError("the directory does not carry this node's own commitment")
@@ -175,6 +219,12 @@ class KeyParty:
             raise SecureAggregationError(f"only {len(commitments)} members committed; {ann.threshold} are needed")
         for node in commitments:
             ann.index(node)
+        if roster is not None:
+            for commitment in commitments.values():
+                commitment.verify(roster, binding=binding, ceremony=ann.ceremony)
+            departments = [c.department for c in commitments.values()]
+            if len(set(departments)) != len(departments):
+                raise SecureAggregationError("two members of the ceremony claim one department; refusing")
         self.commitments = dict(commitments)
         seal = Seal.of(ann.params)
         recipients = sorted(commitments)
@@ -185,7 +235,7 @@ class KeyParty:
                 self.own_share = share
                 continue
             bundles[node] = encrypt_bundle(
-                share.astype("<u8").tobytes(), private=self.transport_private,
+                share.astype("<u8").tobytes() + self.mac_part, private=self.transport_private,
                 peer_public=commitments[node].transport_key, epoch=ann.ceremony, sender=self.node, recipient=node,
             )
         return Reveal(self.node, self.b, bundles)
@@ -202,6 +252,7 @@ class KeyParty:
         shape = (len(primes), ann.params.poly_degree)
         total_b = np.zeros(shape, dtype=np.uint64)
         share = self.own_share.copy()
+        mac_parts = {self.node: self.mac_part}
         for node in sorted(revealers):
             if node not in self.commitments:
                 raise SecureAggregationError(f"node {node} revealed without having committed")
@@ -220,9 +271,10 @@ class KeyParty:
                 bundles[node], private=self.transport_private, peer_public=self.commitments[node].transport_key,
                 epoch=ann.ceremony, sender=node, recipient=self.node,
             )
-            if len(raw) != 8 * shape[0] * shape[1]:
+            if len(raw) != 8 * shape[0] * shape[1] + MAC_PART:
                 raise SecureAggregationError(f"share from node {node} has the wrong size")
-            part = np.frombuffer(raw, dtype="<u8").astype(np.uint64).reshape(shape)
+            mac_parts[node] = raw[-MAC_PART:]
+            part = np.frombuffer(raw[:-MAC_PART], dtype="<u8").astype(np.uint64).reshape(shape)
             if bool(np.any(part >= np.asarray(primes, dtype=np.uint64)[:, None])):
                 raise SecureAggregationError(f"share from node {node} is not reduced")
             share = add_mod(share, part, primes)
@@ -231,7 +283,7 @@ class KeyParty:
         return KeyShare(
             key_id=public_key_id(pk), ceremony=ann.ceremony, node=self.node, index=ann.index(self.node),
             members=ann.members, holders=tuple(sorted(revealers)), threshold=ann.threshold, params=ann.params,
-            public_key=pk, share=share,
+            public_key=pk, share=share, mac_key=_mac_key(ann.ceremony, mac_parts),
         )
 
 

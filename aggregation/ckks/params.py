@@ -6,9 +6,11 @@ noise. Decisions, each checked by ``check``:
 
 - security: total coefficient bits ≤ SEAL's ``CoeffModulus.MaxBitCount(N, tc128)``;
 - flooding (smudging): every partial decryption adds uniform noise in [−B, B) with
-  log2 B = κ + log2 N + log2 β(n), β(n) = 2^6·n a bound on the aggregate's own noise (about 2^8–2^9
-  measured for 10 fresh encryptions), so the published decryption hides that noise, and with it
-  the key, up to statistical distance 2^−κ (Li–Micciancio IND-CPA-D);
+  log2 B = κ + log2 N + log2 β(n, h), β(n, h) = 2^7·n·h a bound on the aggregate's own noise for n
+  contributors under a key of h holders (a fresh encryption's noise e_pk·u + e0 + s·e1 grows with
+  the h summed key parts; about 2^8–2^9 measured for 10 encryptions under 10 holders, so β(10, 10)
+  = 2^13.6 leaves a margin of 2^4 or more), so the published decryption hides that noise, and with
+  it the key, up to statistical distance 2^−κ (Li–Micciancio IND-CPA-D);
 - capacity: |Σ values|·Δ + t·B must stay below half the modulus the ciphertexts travel at;
 - precision: 6σ of the decryption error, σ = (B/√3)·√t·√(N/2)/Δ, must be ≤ the precision target.
 
@@ -27,7 +29,7 @@ __all__ = ["CkksParams", "MAX_COEFF_BITS"]
 
 # SEAL CoeffModulus.MaxBitCount(N, sec_level_type.tc128): special prime included.
 MAX_COEFF_BITS = {4096: 109, 8192: 218, 16384: 438, 32768: 881}
-NOISE_BITS_PER_NODE = 6  # log2 of the per-contributor bound on the aggregate's own noise β(n) = 2^6·n
+NOISE_BITS = 7  # log2 of the per-contributor, per-holder bound on the aggregate's own noise β(n, h) = 2^7·n·h
 SIGMAS = 6.0  # the precision target is checked at 6 standard deviations
 
 
@@ -37,7 +39,7 @@ class CkksParams:
 
     poly_degree: int = 8192
     coeff_bits: tuple[int, ...] = (60, 60, 60)
-    scale_bits: int = 96
+    scale_bits: int = 100
     smudging_bits: int = 40
     precision: float = 1e-5
 
@@ -74,20 +76,22 @@ class CkksParams:
         """Ciphertexts needed for a vector of ``length`` values."""
         return max(1, -(-length // self.slots))
 
-    def flood_bits(self, contributors: int) -> int:
-        """log2 of the flooding bound B for an aggregate of ``contributors`` fresh encryptions."""
-        beta = NOISE_BITS_PER_NODE + math.log2(max(contributors, 1))
+    def flood_bits(self, contributors: int, holders: int) -> int:
+        """log2 of the flooding bound B for an aggregate of ``contributors`` fresh encryptions under a
+        key whose public key sums ``holders`` members' parts."""
+        beta = NOISE_BITS + math.log2(max(contributors, 1)) + math.log2(max(holders, 1))
         return math.ceil(self.smudging_bits + math.log2(self.poly_degree) + beta)
 
     def error_std(self, threshold: int, contributors: int) -> float:
-        """Predicted std of one decrypted slot's error: (B/√3)·√t·√(N/2)/Δ (flooding dominates)."""
-        flood = 2.0 ** self.flood_bits(contributors)
+        """Predicted std of one decrypted slot's error: (B/√3)·√t·√(N/2)/Δ (flooding dominates);
+        ``contributors`` bounds the holders too (a key has at most as many holders as members)."""
+        flood = 2.0 ** self.flood_bits(contributors, contributors)
         return flood / math.sqrt(3.0) * math.sqrt(threshold) * math.sqrt(self.poly_degree / 2) / 2.0**self.scale_bits
 
     def needed_bits(self, threshold: int, contributors: int, value_bound: float) -> float:
         """Bits the modulus needs for a sum of ``contributors`` values within ±value_bound, plus flooding."""
         message = contributors * value_bound * 2.0**self.scale_bits
-        noise = threshold * 2.0 ** self.flood_bits(contributors) * 2  # t floods plus the aggregate's own noise
+        noise = threshold * 2.0 ** self.flood_bits(contributors, contributors) * 2  # t floods plus the aggregate's own noise
         return math.log2(message + noise) + 2  # sign bit and a factor-2 margin
 
     def send_primes(self, threshold: int, contributors: int, value_bound: float) -> int:
@@ -100,7 +104,7 @@ class CkksParams:
                 return count
         raise ConfigError([
             f"{sum(self.data_bits)} data bits cannot hold {needed:.0f} bits (sum of {contributors} values "
-            f"within ±{value_bound:g} at scale 2^{self.scale_bits} plus flooding 2^{self.flood_bits(contributors)}); "
+            f"within ±{value_bound:g} at scale 2^{self.scale_bits} plus flooding 2^{self.flood_bits(contributors, contributors)}); "
             "add a prime, lower the scale or the clip"
         ])
 

@@ -11,30 +11,149 @@
 - The server combines m = c0 + Σ_{p∈S} d_p = Δ·Σx + small noise and decodes.
 
 A member refuses (fails closed): a manifest for another key, fewer than t contributors, |S| < t,
-itself not in S, S outside the key's holders, a c1 whose digest differs from the manifest's, and any
+itself not in S, S outside the key's holders, a c1 whose digest differs from the manifest's, any
 second request for the same (round, group) — decrypting one aggregate twice would let the server
 average the flooding away, and decrypting two sums over different contributors of one round would
-reveal their difference.
+reveal their difference — more decryptions under one key than the run's cap, and a c1 it cannot
+tie to the contributors' own ciphertexts.
+
+Tying c1 to contributors (an active server could otherwise send a crafted c1, e.g. a large
+constant K, and read s·K — the joint secret key — off the partial decryptions). Sending every
+contributor's signed c1_i to every decryptor would be sound but costs contributors × |c1| per
+decryptor (36 MB per contributor for a 1.1M-parameter model), so instead:
+
+- each contributor i computes τ_i = ⟨R, c1_i⟩ mod q per prime, R a vector of 40-bit words from
+  ChaCha20 keyed by the members' MAC key (``KeyShare.mac_key``, agreed in the ceremony over the
+  pairwise-encrypted bundles, never seen by the server) and (key, round, group); it seals τ_i with
+  ChaCha20-Poly1305 under a key derived the same way and signs (run, key, round, group, node,
+  department, sealed tag) with its registered node key — about 170 bytes per contributor;
+- the server relays every contributor's sealed, signed tag with the decryption request; a
+  decryptor checks each signature against the roster, opens the tags and decrypts only if
+  ⟨R, c1⟩ = Σ τ_i for every prime.
+
+A c1 ≠ Σ c1_i passes with probability at most 2^−40 per prime (R's coordinate at any position where
+they differ has 2^40 equally likely values, at most one of which works), independently per prime,
+and the server gets one try per (key, round, group) — the ledger refuses a second; the tags are
+sealed so the server cannot pick a combination of the contributors' own ciphertexts that passes.
+Not covered: a member colluding with the server knows the MAC key and can choose its own c1_i after
+seeing the others' (a proof that each c1_i is a well-formed encryption would be needed); against
+colluding departments the masking mode holds.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+import hmac
+import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from numpy.typing import NDArray
 
 from ..errors import QuorumNotMetError, SecureAggregationError
+from ..secagg.identity import Roster, field_bytes
 from .keys import KeyShare
 from .params import CkksParams
 from .rns import add_mod, add_mod_into, flooding_noise, lagrange_at_zero, mul_scalar
 from .seal import Seal
 
-__all__ = ["CiphertextSum", "DecryptionSum", "Manifest", "c1_digest", "combine", "encrypt_vector", "partial_decrypt"]
+__all__ = [
+    "MAX_DECRYPTIONS",
+    "CiphertextSum",
+    "Contribution",
+    "DecryptionSum",
+    "Manifest",
+    "c1_digest",
+    "combine",
+    "contribute",
+    "encrypt_vector",
+    "partial_decrypt",
+]
 
 U64 = NDArray[np.uint64]
+MAX_DECRYPTIONS = 1000  # default cap on partial decryptions one key share answers (run key ckks-max-decryptions)
+_TAG_BITS = 40
+_CONTRIBUTION_CONTEXT = b"quorumfl-ckks-contribution-v1"
+_NONCE = 12
+
+
+def _round_keys(share: KeyShare, round_number: int, group: int) -> tuple[bytes, bytes]:
+    """(ChaCha20 key for R, AEAD key for the sealed tags) of one key, round and group."""
+    if len(share.mac_key) != 32:
+        raise SecureAggregationError(f"key {share.key_id} has no MAC key (made before contributions were tied "
+                                     "to decryptions); run a new key ceremony")
+    info = b"quorumfl/ckks/round-keys" + share.key_id.encode() + round_number.to_bytes(8, "big", signed=True) \
+        + group.to_bytes(4, "big", signed=True)
+    both = HKDF(algorithm=hashes.SHA256(), length=64, salt=None, info=info).derive(share.mac_key)
+    return both[:32], both[32:]
+
+
+def _projection(key: bytes, c1: U64, primes: Sequence[int]) -> list[int]:
+    """⟨R, c1⟩ mod q per prime, R 40-bit words of ChaCha20(key) (one stream per prime).
+
+    numpy has no 128-bit product: the quotient ⌊c·r/q⌋ < 2^40 is estimated in float64 (off by at
+    most one), so c·r − quotient·q, computed modulo 2^64, is the exact remainder up to one q
+    either way and fits an int64; those are summed exactly as 30-bit halves and reduced once.
+    """
+    out = []
+    for j, q in enumerate(primes):
+        part = np.ascontiguousarray(c1[:, j, :]).reshape(-1)
+        stream = Cipher(algorithms.ChaCha20(key, j.to_bytes(16, "little")), mode=None).encryptor()
+        r = np.frombuffer(stream.update(bytes(8 * part.size)), dtype="<u8") & np.uint64((1 << _TAG_BITS) - 1)
+        estimate = part.astype(np.float64)
+        estimate *= r.astype(np.float64)
+        estimate *= 1.0 / float(q)
+        with np.errstate(over="ignore"):
+            rem = part * r
+            rem -= estimate.astype(np.uint64) * np.uint64(q)
+        signed = rem.view(np.int64)  # in (−q, 2q): exact
+        high = int(np.sum(signed >> np.int64(30), dtype=np.int64))
+        low = int(np.sum(signed & np.int64((1 << 30) - 1), dtype=np.int64))
+        out.append((high * (1 << 30) + low) % int(q))
+    return out
+
+
+def _aad(share: KeyShare, round_number: int, group: int, node: int) -> bytes:
+    return share.key_id.encode() + round_number.to_bytes(8, "big", signed=True) + group.to_bytes(4, "big", signed=True) \
+        + node.to_bytes(8, "big")
+
+
+def contribution_message(*, binding: bytes, key_id: str, round_number: int, group: int, node: int, department: str,
+                         sealed: bytes) -> bytes:
+    """The bytes a contributor signs for its encrypted update's tag (length-prefixed fields)."""
+    parts = [_CONTRIBUTION_CONTEXT, binding, key_id.encode(), round_number.to_bytes(8, "big", signed=True),
+             group.to_bytes(4, "big", signed=True), node.to_bytes(8, "big"), department.encode(), sealed]
+    return b"".join(field_bytes(p) for p in parts)
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """What ties one contributor's ciphertext to the decryption of the sum: its sealed tag, signed."""
+
+    node: int
+    department: str
+    sealed: bytes  # nonce ‖ ChaCha20-Poly1305(⟨R, c1_i⟩ per prime)
+    signature: bytes  # b"" in an unsigned federation
+
+
+def contribute(share: KeyShare, c1: U64, *, round_number: int, group: int,
+               signer: Callable[[bytes], bytes] | None = None, department: str = "", binding: bytes = b"") -> Contribution:
+    """A member's tag for its own ciphertext's c1 ([chunk, prime, coeff]) in (round, group)."""
+    primes = Seal.of(share.params).primes_at(c1.shape[1])
+    prg, aead = _round_keys(share, round_number, group)
+    tag = b"".join(v.to_bytes(8, "big") for v in _projection(prg, c1, primes))
+    nonce = os.urandom(_NONCE)
+    sealed = nonce + ChaCha20Poly1305(aead).encrypt(nonce, tag, _aad(share, round_number, group, share.node))
+    signature = b"" if signer is None else signer(contribution_message(
+        binding=binding, key_id=share.key_id, round_number=round_number, group=group, node=share.node,
+        department=department, sealed=sealed))
+    return Contribution(share.node, department, sealed, signature)
 
 
 def encrypt_vector(params: CkksParams, public_key: bytes, values: NDArray[np.float64], *, primes: int) -> U64:
@@ -117,8 +236,14 @@ class CiphertextSum:
         return self.total[:, 0]
 
 
-def check_request(share: KeyShare, manifest: Manifest, c1: U64, asked: set[tuple[int, int]]) -> None:
-    """Every refusal rule; raises ``SecureAggregationError`` naming the rule."""
+def check_request(share: KeyShare, manifest: Manifest, c1: U64, asked: set[tuple[int, int]],
+                  contributions: Sequence[Contribution], *, roster: Roster | None = None, binding: bytes = b"",
+                  max_decryptions: int = MAX_DECRYPTIONS) -> None:
+    """Every refusal rule; raises ``SecureAggregationError`` naming the rule.
+
+    ``roster`` (a signed federation): every contribution must be signed by its department's
+    registered key, for a distinct department. ``max_decryptions``: the key's cap.
+    """
     t = share.threshold
     if manifest.key_id != share.key_id:
         raise SecureAggregationError(f"manifest is for key {manifest.key_id}, this node holds {share.key_id}")
@@ -135,22 +260,67 @@ def check_request(share: KeyShare, manifest: Manifest, c1: U64, asked: set[tuple
         raise SecureAggregationError(
             f"refusing: round {manifest.round} group {manifest.group} was already decrypted by this node"
         )
+    if len(asked) >= max_decryptions:
+        raise SecureAggregationError(f"refusing: key {share.key_id} has answered {len(asked)} decryptions, its cap "
+                                     f"of {max_decryptions}; a new key ceremony is needed")
     if c1.ndim != 3 or c1_digest(c1) != manifest.digest:
         raise SecureAggregationError("refusing: the ciphertext does not match the manifest's digest")
     if c1.shape[0] != share.params.chunks(manifest.length):
         raise SecureAggregationError("refusing: the ciphertext's size does not match the manifest's length")
+    _check_contributions(share, manifest, c1, contributions, roster=roster, binding=binding)
 
 
-def partial_decrypt(share: KeyShare, manifest: Manifest, c1: U64, asked: set[tuple[int, int]]) -> U64:
+def _check_contributions(share: KeyShare, manifest: Manifest, c1: U64, contributions: Sequence[Contribution], *,
+                         roster: Roster | None, binding: bytes) -> None:
+    nodes = [c.node for c in contributions]
+    if len(set(nodes)) != len(nodes) or set(nodes) != set(manifest.contributors):
+        raise SecureAggregationError("refusing: the contributors' tags do not match the manifest's contributors")
+    if not set(nodes) <= set(share.holders):
+        raise SecureAggregationError("refusing: a contributor holds no share of this key, so its ciphertext cannot "
+                                     "be tied to the sum")
+    if roster is not None:
+        for c in contributions:
+            roster.check(c.department, contribution_message(
+                binding=binding, key_id=share.key_id, round_number=manifest.round, group=manifest.group, node=c.node,
+                department=c.department, sealed=c.sealed), c.signature, node=c.node)
+        if len({c.department for c in contributions}) != len(contributions):
+            raise SecureAggregationError("refusing: two contributions claim one department")
+    primes = Seal.of(share.params).primes_at(c1.shape[1])
+    if bool(np.any(c1 >= np.asarray(primes, dtype=np.uint64)[:, None])):
+        raise SecureAggregationError("refusing: ciphertext residues are not reduced")
+    prg, aead = _round_keys(share, manifest.round, manifest.group)
+    total = [0] * len(primes)
+    for c in contributions:
+        try:
+            tag = ChaCha20Poly1305(aead).decrypt(c.sealed[:_NONCE], c.sealed[_NONCE:],
+                                                 _aad(share, manifest.round, manifest.group, c.node))
+        except (InvalidTag, ValueError):
+            raise SecureAggregationError(f"refusing: node {c.node}'s tag does not open under this key's MAC key "
+                                         "(forged, or from another round)", node=str(c.node)) from None
+        if len(tag) != 8 * len(primes):
+            raise SecureAggregationError(f"refusing: node {c.node}'s tag is for another ciphertext level", node=str(c.node))
+        for j, q in enumerate(primes):
+            total[j] = (total[j] + int.from_bytes(tag[8 * j: 8 * j + 8], "big")) % int(q)
+    expected = b"".join(v.to_bytes(8, "big") for v in total)
+    actual = b"".join(v.to_bytes(8, "big") for v in _projection(prg, c1, primes))
+    if not hmac.compare_digest(expected, actual):
+        raise SecureAggregationError("refusing: the ciphertext to decrypt is not the sum of the contributors' own "
+                                     "ciphertexts (crafted or altered c1)")
+
+
+def partial_decrypt(share: KeyShare, manifest: Manifest, c1: U64, asked: set[tuple[int, int]],
+                    contributions: Sequence[Contribution], *, roster: Roster | None = None, binding: bytes = b"",
+                    max_decryptions: int = MAX_DECRYPTIONS) -> U64:
     """d_p = λ_p(S)·σ_p·c1 + NTT(flooding noise) after every refusal check.
 
     The caller must record ``(manifest.round, manifest.group)`` as asked *before* sending the result.
     """
-    check_request(share, manifest, c1, asked)
+    check_request(share, manifest, c1, asked, contributions, roster=roster, binding=binding,
+                  max_decryptions=max_decryptions)
     seal = Seal.of(share.params)
     primes = seal.primes_at(c1.shape[1])
     product = _unflooded(share, manifest, c1)
-    bits = share.params.flood_bits(len(manifest.contributors))
+    bits = share.params.flood_bits(len(manifest.contributors), len(share.holders))
     noise = seal.to_ntt(flooding_noise(bits, primes, c1.shape))
     return add_mod(product, noise, primes)
 

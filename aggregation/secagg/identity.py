@@ -29,14 +29,15 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from ..errors import SecureAggregationError
 
-__all__ = ["Roster", "advertisement_message", "load_signing_key", "parse_ec_private_key", "sign", "view_message"]
+__all__ = ["Roster", "advertisement_message", "field_bytes", "load_signing_key", "parse_ec_private_key", "sign", "view_message"]
 
 _AD_CONTEXT = b"quorumfl-secagg-advertisement-v1"
 _VIEW_CONTEXT = b"quorumfl-secagg-survivors-v1"
 _HASH = hashes.SHA384()
 
 
-def _field(data: bytes) -> bytes:
+def field_bytes(data: bytes) -> bytes:
+    """One length-prefixed field of a signed message."""
     return len(data).to_bytes(4, "big") + data
 
 
@@ -44,7 +45,7 @@ def advertisement_message(*, binding: bytes, epoch: bytes, node: int, department
                           mask_keys: tuple[bytes, ...]) -> bytes:
     """The bytes a node signs for its key advertisement (length-prefixed fields: unambiguous)."""
     parts = [_AD_CONTEXT, binding, epoch, node.to_bytes(8, "big"), department.encode(), share_key, *mask_keys]
-    return b"".join(_field(p) for p in parts)
+    return b"".join(field_bytes(p) for p in parts)
 
 
 def view_message(*, binding: bytes, epoch: bytes, slot: int,
@@ -53,7 +54,7 @@ def view_message(*, binding: bytes, epoch: bytes, slot: int,
     parts = [_VIEW_CONTEXT, binding, epoch, slot.to_bytes(4, "big")]
     for alive, gone in view:
         parts += [b"".join(n.to_bytes(8, "big") for n in alive), b"".join(n.to_bytes(8, "big") for n in gone)]
-    return b"".join(_field(p) for p in parts)
+    return b"".join(field_bytes(p) for p in parts)
 
 
 def parse_ec_private_key(data: bytes) -> ec.EllipticCurvePrivateKey:
@@ -120,8 +121,8 @@ class Roster:
             key.verify(signature, message, ec.ECDSA(_HASH))
         except InvalidSignature:
             raise SecureAggregationError(
-                f"advertisement claimed for department {department!r} is not signed by its registered key; "
-                "refusing the key (substituted or forged)", node=str(node)) from None
+                f"message claimed for department {department!r} is not signed by its registered key; "
+                "refusing it (substituted, forged or replayed)", node=str(node)) from None
 
     def department_of(self, key: ec.EllipticCurvePrivateKey) -> str:
         """The roster name of the department whose public key matches ``key`` (this node's own)."""

@@ -19,11 +19,13 @@ from quorumfl.aggregation.ckks import (
     CeremonyCoordinator,
     CiphertextSum,
     CkksParams,
+    Contribution,
     KeyParty,
     KeyShare,
     Manifest,
     ceremony_in_one_process,
     combine,
+    contribute,
     encrypt_vector,
     partial_decrypt,
 )
@@ -91,17 +93,31 @@ class Round:
     values: dict[int, np.ndarray]
     total: CiphertextSum
     primes: int
+    ciphertexts: dict[int, np.ndarray]
+    shares: dict[int, KeyShare]
+
+    def tags(self, round_number: int = 1, nodes: tuple[int, ...] | None = None) -> list[Contribution]:
+        """What each contributor sends with its ciphertext in ``round_number``."""
+        return [contribute(self.shares[n], self.ciphertexts[n][:, 1], round_number=round_number, group=0)
+                for n in (nodes or tuple(self.ciphertexts))]
+
+
+def summed(shares: dict[int, KeyShare], public_key: bytes, values: dict[int, np.ndarray], *, length: int,
+           primes: int, params: CkksParams = PARAMS) -> Round:
+    total = CiphertextSum(params, length=length, primes=primes)
+    ciphertexts = {}
+    for node, vector in values.items():
+        ciphertexts[node] = encrypt_vector(params, public_key, vector, primes=primes)
+        total.add(node, ciphertexts[node])
+    return Round(values, total, primes, ciphertexts, shares)
 
 
 @pytest.fixture(scope="module")
 def encrypted(ceremony: Ceremony) -> Round:
     rng = np.random.default_rng(7)
     values = {n: rng.normal(0.0, 0.01, LENGTH) for n in MEMBERS}
-    primes = PARAMS.send_primes(T, len(MEMBERS), 8.0)
-    total = CiphertextSum(PARAMS, length=LENGTH, primes=primes)
-    for node in MEMBERS:
-        total.add(node, encrypt_vector(PARAMS, ceremony.public_key, values[node], primes=primes))
-    return Round(values, total, primes)
+    return summed(ceremony.shares, ceremony.public_key, values, length=LENGTH,
+                  primes=PARAMS.send_primes(T, len(MEMBERS), 8.0))
 
 
 def secret_sum(ceremony: Ceremony) -> np.ndarray:
@@ -121,7 +137,8 @@ def manifest(ceremony: Ceremony, rnd: Round, subset: tuple[int, ...], *, round_n
 @given(st.sets(st.sampled_from(MEMBERS), min_size=T, max_size=T))
 def test_any_t_subset_decrypts_within_the_documented_bound(ceremony: Ceremony, encrypted: Round, subset: set[int]) -> None:
     m = manifest(ceremony, encrypted, tuple(sorted(subset)))
-    partials = {n: partial_decrypt(ceremony.shares[n], m, encrypted.total.c1, set()) for n in m.subset}
+    tags = encrypted.tags()
+    partials = {n: partial_decrypt(ceremony.shares[n], m, encrypted.total.c1, set(), tags) for n in m.subset}
     result = combine(PARAMS, encrypted.total.c0, partials, m)
     reference = np.sum(np.stack(list(encrypted.values.values())), axis=0)
     bound = 6 * PARAMS.error_std(T, len(MEMBERS))  # the bound the README and params.check quote
@@ -143,7 +160,8 @@ def test_without_flooding_the_threshold_result_equals_seals_decryptor_with_the_s
 
 def test_measured_error_matches_the_formula_within_30_percent(ceremony: Ceremony, encrypted: Round) -> None:
     m = manifest(ceremony, encrypted, MEMBERS[:T])
-    partials = {n: partial_decrypt(ceremony.shares[n], m, encrypted.total.c1, set()) for n in m.subset}
+    tags = encrypted.tags()
+    partials = {n: partial_decrypt(ceremony.shares[n], m, encrypted.total.c1, set(), tags) for n in m.subset}
     error = combine(PARAMS, encrypted.total.c0, partials, m) - np.sum(np.stack(list(encrypted.values.values())), axis=0)
     predicted = PARAMS.error_std(T, len(MEMBERS))
     assert abs(float(np.std(error)) / predicted - 1.0) < 0.30
@@ -219,22 +237,24 @@ def test_a_node_refuses_every_request_the_rules_forbid(ceremony: Ceremony, encry
         "wrong digest": dataclasses.replace(good, digest="f" * 64),
         "unknown decryptor": dataclasses.replace(good, subset=(*MEMBERS[: T - 1], 12345)),
     }
+    tags = encrypted.tags(5)
     for name, bad in cases.items():
         with pytest.raises(SecureAggregationError):
-            partial_decrypt(share, bad, c1, set())
+            partial_decrypt(share, bad, c1, set(), tags)
         print("refused:", name)
     asked: set[tuple[int, int]] = set()
-    partial_decrypt(share, good, c1, asked)
+    partial_decrypt(share, good, c1, asked, tags)
     asked.add((good.round, good.group))
     with pytest.raises(SecureAggregationError, match="already decrypted"):
-        partial_decrypt(share, good, c1, asked)  # the same aggregate again
+        partial_decrypt(share, good, c1, asked, tags)  # the same aggregate again
     with pytest.raises(SecureAggregationError, match="already decrypted"):  # same round, other contributors
-        partial_decrypt(share, dataclasses.replace(good, contributors=MEMBERS[:8]), c1, asked)
+        partial_decrypt(share, dataclasses.replace(good, contributors=MEMBERS[:8]), c1, asked, tags[:8])
 
 
 def test_combine_without_every_decryptor_reveals_nothing(ceremony: Ceremony, encrypted: Round) -> None:
     m = manifest(ceremony, encrypted, MEMBERS[:T])
-    partials = {n: partial_decrypt(ceremony.shares[n], m, encrypted.total.c1, set()) for n in m.subset[:-1]}
+    tags = encrypted.tags()
+    partials = {n: partial_decrypt(ceremony.shares[n], m, encrypted.total.c1, set(), tags) for n in m.subset[:-1]}
     with pytest.raises(QuorumNotMetError):
         combine(PARAMS, encrypted.total.c0, partials, m)
 
@@ -279,14 +299,14 @@ def test_a_ceremony_where_one_member_never_reveals_still_yields_a_working_key() 
     shares = {n: parties[n].finish(reveals, inbox[n]) for n in members[:-1]}
     assert coordinator.public_key is not None
     values = np.arange(50, dtype=np.float64) / 10
-    total = CiphertextSum(PARAMS, length=50, primes=2)
-    for node in members[:3]:
-        total.add(node, encrypt_vector(PARAMS, coordinator.public_key, values, primes=2))
+    rnd = summed(shares, coordinator.public_key, {n: values for n in members[:3]}, length=50, primes=2)
+    total, tags = rnd.total, rnd.tags()
     m = total.manifest(key_id=coordinator.key_id, round=1, group=0, subset=members[1:4])
-    partials = {n: partial_decrypt(shares[n], m, total.c1, set()) for n in m.subset}
+    partials = {n: partial_decrypt(shares[n], m, total.c1, set(), tags) for n in m.subset}
     assert np.max(np.abs(combine(PARAMS, total.c0, partials, m) - 3 * values)) < 1e-6
     with pytest.raises(SecureAggregationError, match="hold no share"):
-        partial_decrypt(shares[members[0]], dataclasses.replace(m, subset=(*members[:2], members[-1])), total.c1, set())
+        partial_decrypt(shares[members[0]], dataclasses.replace(m, subset=(*members[:2], members[-1])), total.c1, set(),
+                        tags)
 
 
 # ---- parameters --------------------------------------------------------------------------------------------
@@ -307,11 +327,11 @@ def test_a_longer_chain_is_switched_down_to_the_primes_the_sum_needs() -> None:
     assert params.send_primes(6, 10, 8.0) == 2
     ceremony = run_ceremony(MEMBERS[:3], 2, params)
     values = np.linspace(-1, 1, 300)
-    total = CiphertextSum(params, length=300, primes=2)
-    for node in MEMBERS[:3]:
-        total.add(node, encrypt_vector(params, ceremony.public_key, values, primes=2))
+    rnd = summed(ceremony.shares, ceremony.public_key, {n: values for n in MEMBERS[:3]}, length=300, primes=2,
+                 params=params)
+    total, tags = rnd.total, rnd.tags()
     m = total.manifest(key_id=ceremony.key_id, round=1, group=0, subset=MEMBERS[:2])
-    partials = {n: partial_decrypt(ceremony.shares[n], m, total.c1, set()) for n in m.subset}
+    partials = {n: partial_decrypt(ceremony.shares[n], m, total.c1, set(), tags) for n in m.subset}
     assert np.max(np.abs(combine(params, total.c0, partials, m) - 3 * values)) < 1e-6
 
 

@@ -11,9 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Message
+from flwr.app import Context, Message, RecordDict
 
-from quorumfl.client.ckks_wire import COMMIT, DECRYPT, FINISH, REVEAL
+from quorumfl.aggregation.ckks import CkksParams, ceremony_in_one_process
+from quorumfl.aggregation.errors import SecureAggregationError
+from quorumfl.client.app import app
+from quorumfl.client.ckks_wire import CKKS as CKKS_RECORD
+from quorumfl.client.ckks_wire import COMMIT, DECRYPT, FINISH, REVEAL, decode_train_request, encode_train_request
 from quorumfl.client.wire import ARRAYS
 from quorumfl.privacy.keystore import KeyStore
 from quorumfl.server.state.repository import RoundStatus, RunStatus
@@ -145,3 +149,42 @@ def test_an_admin_requested_ceremony_re_keys_before_the_next_round(
     assert first.status == second.status == "complete" and first.key_id != second.key_id
     assert [d.key_id for _, d in repo.decryptions(run.id)] == [first.key_id, second.key_id]
     assert _kinds(grid).count(COMMIT) == 12
+
+
+def test_a_node_that_joined_after_the_ceremony_refuses_a_key_it_cannot_check_and_the_server_re_keys(
+    tmp_path: Path, six_parts: dict[str, Path]
+) -> None:
+    contexts = _contexts(six_parts)
+    late = list(contexts)[-1]
+    grid = LoopbackGrid({n: c for n, c in contexts.items() if n != late})
+
+    def join(sent: list[Message], replies: list[Message]) -> list[Message]:  # connects during round 1's decryption
+        if sent and sent[0].metadata.message_type == DECRYPT:
+            grid.nodes[late] = contexts[late]
+        return replies
+
+    grid.drop = join
+    fed, repo = _federation(tmp_path, grid, **CKKS)
+    run = repo.get_run(fed.run())
+    assert [r.status for r in run.rounds] == [RoundStatus.COMPLETED, RoundStatus.COMPLETED]
+    first, second = repo.ceremonies(run.id)
+    assert len(first.holders) == 5 and len(second.holders) == 6  # the newcomer got a share before round 2
+    assert len(run.rounds[1].participants) == 6
+
+    # The attack: the server hands a node a public key of its own making (it knows that key's secret).
+    train = next(m for m in grid.sent if m.metadata.message_type == "train")
+    request = decode_train_request(train.content.config_records[CKKS_RECORD])
+    coordinator, _, _ = ceremony_in_one_process([1, 2], 2, CkksParams())
+    assert coordinator.public_key is not None
+
+    def forged(key_id: str, public_key: bytes) -> Message:
+        request.key_id, request.public_key = key_id, public_key
+        content = RecordDict({**train.content, CKKS_RECORD: encode_train_request(request)})
+        return Message(content=content, dst_node_id=late, message_type="train")
+
+    newcomer = Context(run_id=99, node_id=4242, node_config={**contexts[late].node_config}, state=RecordDict(),
+                       run_config={})  # a node that was in no ceremony of this run
+    with pytest.raises(SecureAggregationError, match="holds no share of key"):
+        app(forged(coordinator.key_id, coordinator.public_key), newcomer)
+    with pytest.raises(SecureAggregationError, match="is not the one this node holds"):  # a member, same key id
+        app(forged(second.key_id, coordinator.public_key), contexts[late])
