@@ -40,7 +40,7 @@ def train_handler(msg: Message, context: Context) -> Message:
         local = train_received(msg, context)
     except PrivacyBudgetError as exc:  # the department's decision, said as an answer rather than a crash
         content = RecordDict({REFUSAL: ConfigRecord({"reason": str(exc)}),
-                              NODE: ConfigRecord({"department": str(context.node_config.get("department", ""))})})
+                              NODE: secure.node_record(context, str(context.node_config.get("department", "")))})
         return Message(content=content, reply_to=msg)
     if SECAGG in msg.content.config_records:
         return Message(content=secure.masked_train_reply(msg, context, local), reply_to=msg)
@@ -52,7 +52,7 @@ def train_handler(msg: Message, context: Context) -> Message:
     content = RecordDict(
         {
             METRICS: MetricRecord({k: v for k, v in local.metrics.items()}),
-            NODE: ConfigRecord({"department": local.department}),
+            NODE: secure.node_record(context, local.department),
         }
     )
     if local.config.compression != "none":  # the update, encoded with error feedback
@@ -68,7 +68,7 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
     from .steps import evaluate_received
 
     metrics, department = evaluate_received(msg, context)
-    content = RecordDict({METRICS: MetricRecord(dict(metrics)), NODE: ConfigRecord({"department": department})})
+    content = RecordDict({METRICS: MetricRecord(dict(metrics)), NODE: secure.node_record(context, department)})
     return Message(content=content, reply_to=msg)
 
 
@@ -78,7 +78,7 @@ def ifca_pick(msg: Message, context: Context) -> Message:
     from .steps import pick_received
 
     cluster, department = pick_received(msg, context)
-    content = RecordDict({METRICS: MetricRecord({"cluster": cluster}), NODE: ConfigRecord({"department": department})})
+    content = RecordDict({METRICS: MetricRecord({"cluster": cluster}), NODE: secure.node_record(context, department)})
     return Message(content=content, reply_to=msg)
 
 

@@ -43,7 +43,7 @@ from .ckks_wire import (
     encode_partial,
     encode_reveal,
 )
-from .secure import _binding, identity
+from .secure import _binding, identity, node_record
 from .wire import METRICS, NODE
 
 MAX_DECRYPTIONS_KEY = "ckks-max-decryptions"  # run-config key (declared in the server's config defaults)
@@ -126,7 +126,8 @@ def encrypted_train_reply(msg: Message, context: Context, local: LocalTraining) 
                                      "refusing to encrypt under it", node=str(context.node_id))
     me = identity(context)
     update = flatten(local.trained) - flatten(local.received)
-    payload = weighted_payload(update, examples=local.num_examples, loss=local.train_loss, max_weight=request.max_weight)
+    payload = weighted_payload(update, examples=local.num_examples, loss=local.train_loss, max_weight=request.max_weight,
+                               clip=request.clip)
     payload = np.clip(payload, -request.clip, request.clip)
     polys = encrypt_vector(request.params, share.public_key, payload, primes=request.primes)
     tag = contribute(share, polys[:, 1], round_number=request.round_number, group=request.group, signer=me.signer(),
@@ -136,7 +137,7 @@ def encrypted_train_reply(msg: Message, context: Context, local: LocalTraining) 
         ENCRYPTED: arrays,
         CKKS: config,
         METRICS: MetricRecord({"train-seconds": local.metrics["train-seconds"]}),
-        NODE: ConfigRecord({"department": local.department}),
+        NODE: node_record(context, local.department),
     })
 
 

@@ -166,19 +166,20 @@ def decode_finish(record: ConfigRecord, arrays: ArrayRecord) -> tuple[bytes, dic
 
 # ---- rounds -------------------------------------------------------------------------------------------
 class TrainRequest:
-    """What a node needs to encrypt its update: the key (public key included), level, clip, weight cap."""
+    """What a node needs to encrypt its update: the key (public key included), level, clip, weight cap,
+    and who the round's participants are (for the node's contribution ledger)."""
 
     def __init__(self, *, key_id: str, public_key: bytes, params: CkksParams, primes: int, clip: float,
-                 max_weight: float, round_number: int, group: int = 0) -> None:
+                 max_weight: float, round_number: int, participants: tuple[int, ...], group: int = 0) -> None:
         self.key_id, self.public_key, self.params = key_id, public_key, params
         self.primes, self.clip, self.max_weight, self.round_number = primes, clip, max_weight, round_number
-        self.group = group
+        self.participants, self.group = participants, group
 
 
 def encode_train_request(r: TrainRequest) -> ConfigRecord:
     return ConfigRecord({"key_id": r.key_id, "public_key": r.public_key, "params": json.dumps(r.params.to_dict()),
                          "primes": r.primes, "clip": r.clip, "max_weight": r.max_weight, "round": r.round_number,
-                         "group": r.group})
+                         "group": r.group, "participants": _ids(r.participants)})
 
 
 def decode_train_request(record: ConfigRecord) -> TrainRequest:
@@ -191,7 +192,8 @@ def decode_train_request(record: ConfigRecord) -> TrainRequest:
         raise SecureAggregationError("clip and max_weight must be positive")
     return TrainRequest(key_id=_get(record, "key_id", str), public_key=_get(record, "public_key", bytes), params=params,
                         primes=_get(record, "primes", int), clip=clip, max_weight=max_weight,
-                        round_number=_get(record, "round", int), group=_get(record, "group", int))
+                        round_number=_get(record, "round", int), participants=_read_ids(record, "participants"),
+                        group=_get(record, "group", int))
 
 
 def encode_encrypted(polys: U64, contribution: Contribution, *, key_id: str,

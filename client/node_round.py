@@ -149,9 +149,11 @@ def train_round(
     engine: EngineSettings | None = None,
     checkpoint: Path | None = None,
     privacy: PrivacyGate | None = None,
+    fresh_seed: int | None = None,
 ) -> NodeRound:
     """Pick (IFCA), train with the node's engine (resuming from ``checkpoint`` after a crash), evaluate
-    before and after; personal state in and out."""
+    before and after; personal state in and out. Training is seeded by the run's seed and the round,
+    or by ``fresh_seed`` (the node's own entropy, in secure rounds)."""
     mode = _mode(config)
     if mode is Personalisation.DITTO and not config.ditto_lambda >= 0:
         raise ConfigError(f"ditto-lambda must be >= 0, got {config.ditto_lambda}")
@@ -160,7 +162,7 @@ def train_round(
     arrays_to_model(model, start)
     before = evaluate(model, test_data)
     started = time.perf_counter()
-    seed = config.seed + config.server_round
+    seed = config.seed + config.server_round if fresh_seed is None else fresh_seed
     job = train_job(config, seed=seed)
     dp_metrics: dict[str, float] = {}
     if config.dp == "local":

@@ -22,7 +22,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from quorumfl.aggregation.errors import SecureAggregationError
 from quorumfl.aggregation.secagg import NodeEpoch, flatten, weighted_payload
-from quorumfl.aggregation.secagg.identity import Roster, load_signing_key, sign
+from quorumfl.aggregation.secagg.identity import Roster, department_message, load_signing_key, sign
 
 from .secure_wire import (
     MASKED,
@@ -43,7 +43,7 @@ from .wire import METRICS, NODE, ROSTER_KEY
 if TYPE_CHECKING:
     from .steps import LocalTraining
 
-__all__ = ["Identity", "advertise", "confirm", "identity", "masked_train_reply", "share", "unmask"]
+__all__ = ["Identity", "advertise", "confirm", "identity", "masked_train_reply", "node_record", "share", "unmask"]
 
 _STATE = "secagg-epoch"
 
@@ -112,6 +112,17 @@ def identity(context: Context) -> Identity:
     return Identity(key, roster, department)
 
 
+def node_record(context: Context, department: str) -> ConfigRecord:
+    """The ``node`` record of every reply: the department, and in a signed federation its roster name
+    signed with the node key (the server takes the name only if the signature verifies)."""
+    me = identity(context)
+    signer = me.signer()
+    if signer is None:
+        return ConfigRecord({"department": department})
+    signature = signer(department_message(binding=_binding(context), node=int(context.node_id), department=me.department))
+    return ConfigRecord({"department": me.department, "department-signature": signature})
+
+
 def advertise(msg: Message, context: Context) -> RecordDict:
     """Stage 1: fresh keys for a new epoch (any older epoch's keys are dropped), signed as the
     node's roster department."""
@@ -155,7 +166,8 @@ def masked_train_reply(msg: Message, context: Context, local: LocalTraining) -> 
         update = noisy_share(update, clip=local.config.dp_clip, noise_multiplier=local.config.dp_noise_multiplier,
                              share=local.config.dp_noise_share, rng=np.random.default_rng(secrets.randbits(128)))
         examples = max_weight
-    payload = weighted_payload(update, examples=examples, loss=local.train_loss, max_weight=max_weight)
+    payload = weighted_payload(update, examples=examples, loss=local.train_loss, max_weight=max_weight,
+                               clip=state.params.clip)
     masked = state.mask(request, payload, np.random.default_rng(secrets.randbits(128)))
     _store(context, state)
     arrays, config = encode_masked(masked, epoch=request.epoch, slot=request.slot)
@@ -164,7 +176,7 @@ def masked_train_reply(msg: Message, context: Context, local: LocalTraining) -> 
             MASKED: arrays,
             SECAGG: config,
             METRICS: MetricRecord({"train-seconds": local.metrics["train-seconds"]}),
-            NODE: ConfigRecord({"department": local.department}),
+            NODE: node_record(context, local.department),
         }
     )
 

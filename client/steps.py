@@ -8,6 +8,7 @@ second instead of paying torch's import.
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,9 @@ from quorumfl.aggregation.errors import ConfigError, DataError, PrivacyBudgetErr
 from .data.store import Partition, read_partition
 from .engine import EngineSettings
 from .node_round import Personalisation, PrivacyGate, evaluate_round, pick_round, train_round
+from .ckks_wire import CKKS, decode_train_request
 from .personal_store import PersonalStore, node_state_dir
+from .secure_wire import SECAGG, decode_mask_request
 from .wire import CONFIG, TrainConfig, candidate_models
 
 __all__ = ["LocalTraining", "evaluate_received", "pick_received", "train_received"]
@@ -107,6 +110,28 @@ def _privacy_gate(context: Context, config: TrainConfig) -> PrivacyGate | None:
                        noise_for=ledger.noise_for_target)
 
 
+def _admit_secure_round(msg: Message, context: Context, models: list[Arrays], config: TrainConfig) -> int | None:
+    """In a secure round: the contribution ledger's verdict (raises on a second participant set for
+    the same model), then this round's training seed from the node's own entropy — unless the
+    department set ``reproducible-training`` (its choice: repeats then train identically).
+    Plaintext rounds keep the run's seed (None)."""
+    records = msg.content.config_records
+    if SECAGG in records:
+        participants = decode_mask_request(records[SECAGG], node=int(context.node_id))[0].group
+    elif CKKS in records:
+        participants = decode_train_request(records[CKKS]).participants
+    else:
+        return None
+    from quorumfl.privacy.contributions import ContributionLedger, model_digest
+
+    ledger = ContributionLedger(node_state_dir(context.node_config, int(context.node_id)))
+    ledger.admit(model_digest(models), participants, run=run_state_key(context), round_number=config.server_round)
+    reproducible = context.node_config.get("reproducible-training", False)
+    if not isinstance(reproducible, bool):
+        raise ConfigError(f"node config 'reproducible-training' must be true or false, got {reproducible!r}")
+    return None if reproducible else secrets.randbits(62)
+
+
 def train_received(msg: Message, context: Context) -> LocalTraining:
     part, department = _partition(context)
     config = TrainConfig.from_record(msg.content.config_records[CONFIG])
@@ -116,9 +141,11 @@ def train_received(msg: Message, context: Context) -> LocalTraining:
     # One checkpoint file per run: its fingerprint ties it to the round's job, so a crash mid-training
     # resumes when the same job is asked again, and any other job starts afresh.
     checkpoint = node_state_dir(node_config, int(context.node_id)) / "checkpoints" / f"train-{run_state_key(context)}.pt"
-    work = train_round(config, candidate_models(msg.content), personal, part.train, part.test,
+    models = candidate_models(msg.content)
+    fresh_seed = _admit_secure_round(msg, context, models, config)
+    work = train_round(config, models, personal, part.train, part.test,
                        engine=engine, checkpoint=checkpoint if engine.checkpoint_every else None,
-                       privacy=_privacy_gate(context, config))
+                       privacy=_privacy_gate(context, config), fresh_seed=fresh_seed)
     if store is not None and work.personal is not None:
         store.save(run_state_key(context), work.personal)
     log.info("round %s: %s trained on %s examples", config.server_round, department, work.num_examples)

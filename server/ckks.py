@@ -254,7 +254,7 @@ class CkksSession:
         primes = self.params.send_primes(key.threshold, max(len(key.members), len(participants)), config.secagg_clip)
         request = encode_train_request(TrainRequest(
             key_id=key.key_id, public_key=key.public_key, params=self.params, primes=primes, clip=config.secagg_clip,
-            max_weight=config.secagg_max_weight, round_number=number,
+            max_weight=config.secagg_max_weight, round_number=number, participants=tuple(participants),
         ))
         model_record = to_array_record(arrays)
         messages = [
@@ -320,10 +320,11 @@ class CkksSession:
                       config.secagg_stage_timeout, add_partial)
         try:
             vector = decrypted.result()
-            mean = read_payload(vector, min_weight=1e3 * self.params.precision)
+            mean = read_payload(vector, min_weight=1e3 * self.params.precision, contributors=len(contributors),
+                                clip=config.secagg_clip, tolerance=1e3 * self.params.precision)
         except (QuorumError, EmptyAggregationError) as exc:
             self.audit.decryption_finished(audit_id, error=str(exc))
-            raise SecureAggregationError(str(exc)) from exc
+            raise SecureAggregationError(f"round {number}: {exc}") from exc
         self.audit.decryption_finished(audit_id, error=None)
         timings["ckks-decrypt"] = self.clock() - start
         result.arrays = unflatten(base + mean.update, arrays)

@@ -17,13 +17,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
-from flwr.app import Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from numpy.typing import NDArray
 
 from quorumfl.aggregation.compression import warmup_fraction
-from quorumfl.aggregation.errors import ConfigError, FederationError
+from quorumfl.aggregation.errors import ConfigError, FederationError, SecureAggregationError
+from quorumfl.aggregation.secagg.identity import Roster, department_message
 from quorumfl.client.data.datasets import Dataset, holdout_split
 from quorumfl.client.models import architecture_key, arrays_to_model, build_model, model_to_arrays
 from quorumfl.client.training import evaluate
@@ -31,6 +32,7 @@ from quorumfl.client.wire import (
     ARRAYS,
     CONFIG,
     METRICS,
+    NODE,
     TrainConfig,
     cluster_key,
     department_of,
@@ -109,6 +111,7 @@ class Federation:
         self.store = store
         self.flower_run_id = flower_run_id
         self.clock = clock
+        self.roster = Roster.from_json(config.roster) if config.roster else None
         self.strategy: FedAvg = build_strategy(config)
         self.secure: MaskingSession | None = (
             MaskingSession(config, self._exchange, clock=clock) if config.secure_aggregation is SecureMode.MASKING else None
@@ -224,6 +227,24 @@ class Federation:
             for node, cfg in configs.items()
         ]
 
+    def _name_from_roster(self, node: int, reply: Message) -> None:
+        """In a signed federation a reply's department is the roster name its node key signed for this
+        run and node; an unsigned or mis-signed claim is dropped (the node then has no name), so a node
+        cannot pass itself off as another department."""
+        roster = self.roster
+        if roster is None or NODE not in reply.content.config_records:
+            return
+        record = reply.content.config_records[NODE]
+        claimed, signature = record.get("department"), record.get("department-signature")
+        try:
+            if not isinstance(claimed, str) or not isinstance(signature, bytes):
+                raise SecureAggregationError("the reply's department is not signed")
+            binding = b"run:" + str(self.flower_run_id or 0).encode()
+            roster.check(claimed, department_message(binding=binding, node=node, department=claimed), signature, node=node)
+        except SecureAggregationError as exc:
+            log.warning("node %s: department %r not taken (%s)", node, claimed, exc)
+            reply.content.config_records[NODE] = ConfigRecord({"department": ""})
+
     def _exchange(
         self,
         messages: list[Message],
@@ -279,6 +300,7 @@ class Federation:
             elif reply.metadata.src_node_id != node:
                 failures[node] = (stage, f"reply came from node {reply.metadata.src_node_id}, not {node}")
             else:
+                self._name_from_roster(node, reply)
                 nonlocal received
                 received += 1
                 if train:

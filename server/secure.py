@@ -301,9 +301,14 @@ class MaskingSession:
                 errors.append(f"cluster {k}: {group.error}")
                 continue
             try:
-                mean = read_payload(group.total, min_weight=100 * fp.error_bound)
+                mean = read_payload(group.total, min_weight=100 * fp.error_bound, contributors=len(group.survivors),
+                                    clip=epoch.params.clip, tolerance=100 * fp.error_bound)
             except EmptyAggregationError as exc:
                 errors.append(f"cluster {k}: {exc}")
+                continue
+            except SecureAggregationError as exc:
+                number = next(iter(configs.values())).server_round
+                errors.append(f"round {number} cluster {k}: {exc}")
                 continue
             delta = mean.update
             if positions is not None:

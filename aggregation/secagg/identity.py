@@ -29,10 +29,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from ..errors import SecureAggregationError
 
-__all__ = ["Roster", "advertisement_message", "field_bytes", "load_signing_key", "parse_ec_private_key", "sign", "view_message"]
+__all__ = ["Roster", "advertisement_message", "department_message", "field_bytes", "load_signing_key", "parse_ec_private_key", "sign", "view_message"]
 
 _AD_CONTEXT = b"quorumfl-secagg-advertisement-v1"
 _VIEW_CONTEXT = b"quorumfl-secagg-survivors-v1"
+_DEPARTMENT_CONTEXT = b"quorumfl-department-v1"
 _HASH = hashes.SHA384()
 
 
@@ -46,6 +47,11 @@ def advertisement_message(*, binding: bytes, epoch: bytes, node: int, department
     """The bytes a node signs for its key advertisement (length-prefixed fields: unambiguous)."""
     parts = [_AD_CONTEXT, binding, epoch, node.to_bytes(8, "big"), department.encode(), share_key, *mask_keys]
     return b"".join(field_bytes(p) for p in parts)
+
+
+def department_message(*, binding: bytes, node: int, department: str) -> bytes:
+    """The bytes a node signs to say which roster department it is, in every reply of a run."""
+    return b"".join(field_bytes(p) for p in (_DEPARTMENT_CONTEXT, binding, node.to_bytes(8, "big"), department.encode()))
 
 
 def view_message(*, binding: bytes, epoch: bytes, slot: int,

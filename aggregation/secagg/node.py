@@ -4,7 +4,12 @@ Stages: ``NodeEpoch.advertise`` (fresh keys) → ``share`` (Shamir shares, encry
 → per round ``mask`` (with the train reply) → ``unmask`` (shares for the server). Every stage checks
 what it receives and raises ``SecureAggregationError`` instead of doing anything unsafe: a slot is
 masked at most once, a dropped node's key share and a survivor's seed share are never both
-revealed for the same slot, and nothing is revealed for a group below its quorum. The whole state
+revealed for the same slot, and nothing is revealed for a group below its quorum. A slot's secrets
+are erased as soon as they have done their job: the node's own slot key and self-mask seed once its
+masked input is made; the shares it holds for a slot once it unmasked that slot (all but the part
+it revealed, which the server already has, so a retried request still gets the same answer), and
+everything of older slots once a newer slot is masked (they were skipped or their round was
+abandoned). A stolen node state then holds no key to the masks of past rounds. The whole state
 round-trips through ``to_bytes``/``from_bytes`` because the node keeps it between messages.
 """
 
@@ -261,7 +266,28 @@ class NodeEpoch:
                 np.add(masked, stream, out=masked)
             else:
                 np.subtract(masked, stream, out=masked)
+        self.mask_private[slot], self.seeds[slot] = b"", b""  # done: only the holders' shares can rebuild them
+        for older in range(slot):  # skipped, or their round was abandoned: nothing of them is needed again
+            self.mask_private[older], self.seeds[older] = b"", b""
+            for owner in self.held:
+                self._wipe(owner, older, key=True, seed=True)
         return masked
+
+    def _wipe(self, owner: int, slot: int, *, key: bool, seed: bool) -> None:
+        """Overwrite the key share and/or seed share this node holds of ``owner`` for ``slot``."""
+        held = bytearray(self.held[owner])
+        offset = slot * _SLOT_BYTES
+        if key:
+            held[offset: offset + SHARE_BYTES] = bytes(SHARE_BYTES)
+        if seed:
+            held[offset + SHARE_BYTES: offset + _SLOT_BYTES] = bytes(SHARE_BYTES)
+        self.held[owner] = bytes(held)
+
+    def _share(self, owner: int, start: int) -> int:
+        raw = self.held[owner][start: start + SHARE_BYTES]
+        if raw == bytes(SHARE_BYTES):
+            raise self._fail(f"the share of node {owner} for this slot was erased; it cannot be revealed")
+        return share_from_bytes(raw)
 
     # ---- per round: unmask ----------------------------------------------------------------------
     def _check_view(self, request: UnmaskRequest, stage: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -342,10 +368,10 @@ class NodeEpoch:
             raise self._fail(f"slot {slot} was already unmasked with other survivors; refusing")
         self.revealed[slot] = answer
         offset = slot * _SLOT_BYTES
-        seed_shares = {
-            u: share_from_bytes(self.held[u][offset + SHARE_BYTES: offset + _SLOT_BYTES]) for u in survivors if u in self.held
-        }
-        key_shares = {u: share_from_bytes(self.held[u][offset: offset + SHARE_BYTES]) for u in dropped if u in self.held}
+        seed_shares = {u: self._share(u, offset + SHARE_BYTES) for u in survivors if u in self.held}
+        key_shares = {u: self._share(u, offset) for u in dropped if u in self.held}
+        for owner in self.held:  # keep only what was just revealed (a retry gets the same answer)
+            self._wipe(owner, slot, key=owner not in dropped, seed=owner not in survivors)
         return UnmaskReply(node=self.node, seed_shares=seed_shares, key_shares=key_shares)
 
     # ---- persistence ----------------------------------------------------------------------------

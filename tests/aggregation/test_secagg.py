@@ -219,10 +219,30 @@ def test_a_rebuilt_key_is_never_used_again() -> None:
             assert (node, slot) not in fed.masked_log
     assert fed.coordinator.reconstructed == {(nodes[0], 0), (nodes[1], 1), (nodes[0], 3)}
     assert len(set(fed.masked_log)) == len(fed.masked_log)  # every (node, slot) masked once
-    state = NodeEpoch.from_bytes(fed.states[nodes[0]])
-    assert len(set(state.mask_private)) == 4  # one key per slot
+    state = NodeEpoch.from_bytes(fed.states[nodes[2]])
+    assert sorted(state.used) == [0, 1, 2, 3] and state.mask_private == [b""] * 4 and state.seeds == [b""] * 4
     with pytest.raises(SecureAggregationError, match="no unused slot"):
         fed.coordinator.start_round([nodes], 6)
+
+
+def test_a_slots_secrets_are_erased_once_used_leaving_only_what_was_revealed() -> None:
+    nodes = _ids(6)
+    fed = Federation.setup(nodes, MaskingParams(threshold=4, slots=3))
+    fresh = NodeEpoch.from_bytes(fed.states[nodes[1]])
+    assert len({k for k in fresh.mask_private}) == 3 and b"" not in fresh.seeds  # one key and seed per slot
+    rng = np.random.default_rng(1)
+    fed.round([nodes], {u: rng.normal(size=5) for u in nodes}, Dropouts(mask={nodes[0]}))  # slot 0; nodes[0] dropped
+    state = NodeEpoch.from_bytes(fed.states[nodes[1]])
+    assert state.mask_private[0] == b"" and state.seeds[0] == b"" and state.mask_private[1] != b""
+    width = 66  # a share's bytes
+    for owner, held in state.held.items():
+        key_part, seed_part = held[:width], held[width: 2 * width]
+        # what was revealed (a survivor's seed share, the dropped node's key share) stays; the rest is gone
+        assert (key_part != bytes(width)) == (owner == nodes[0]), owner
+        assert (seed_part != bytes(width)) == (owner != nodes[0]), owner
+    fed.round([nodes], {u: rng.normal(size=5) for u in nodes})  # slot 1 (masking it erases all of slot 0)
+    state = NodeEpoch.from_bytes(fed.states[nodes[1]])
+    assert all(h[: 2 * width] == bytes(2 * width) for h in state.held.values())
 
 
 def test_node_refuses_a_reused_or_older_slot() -> None:

@@ -54,7 +54,8 @@ def test_ten_nodes_threshold_ckks_with_killed_nodes(tmp_path: Path) -> None:
     parts = prepare_partitions(tmp_path / "data", DEPARTMENTS, seed=0, method="iid")
     # Up to 10 SuperNodes (and their SuperExecs) start at once on a 2-core CI machine: one was not yet
     # online after the default 120 s in one CI run, so these tests wait longer.
-    with local_federation(home, parts, db_url=db_url, connect_timeout=300) as federation:
+    with local_federation(home, parts, db_url=db_url, connect_timeout=300,
+                          node_config={"reproducible-training": True}) as federation:  # retrained below
         flower_run_id = federation.control.start_run(
             {"model": "mlp-wide", "num-rounds": 3, "local-epochs": EPOCHS, "strategy": "fedavg", "min-nodes": 2,
              "start-from": "fresh", "state-url": db_url, "model-dir": str(home / "models"), "round-timeout": 150.0,

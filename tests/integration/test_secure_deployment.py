@@ -49,7 +49,8 @@ def _kill(federation: LocalFederation, names: list[str]) -> None:
 
 def _expected_fedavg(global_arrays: dict[str, np.ndarray], parts: dict[str, Path], departments: list[str],
                      server_round: int) -> dict[str, np.ndarray]:
-    """What the survivors trained (same model, data, seed, one thread), averaged by example count."""
+    """What the survivors trained (same model, data, seed — the nodes run with reproducible-training —
+    one thread), averaged by example count."""
     torch.set_num_threads(1)
     total: dict[str, np.ndarray] = {k: np.zeros_like(v, dtype=np.float64) for k, v in global_arrays.items()}
     weight = 0.0
@@ -73,7 +74,10 @@ def test_ten_nodes_masked_rounds_with_killed_nodes(tmp_path: Path) -> None:
     parts = prepare_partitions(tmp_path / "data", DEPARTMENTS, seed=0, method="iid")
     # Up to 10 SuperNodes (and their SuperExecs) start at once on a 2-core CI machine: one was not yet
     # online after the default 120 s in one CI run, so these tests wait longer.
-    with local_federation(home, parts, db_url=db_url, connect_timeout=300) as federation:
+    # The departments opt into repeatable training (secure rounds otherwise draw the node's own entropy),
+    # so the test can retrain the survivors' updates and compare.
+    with local_federation(home, parts, db_url=db_url, connect_timeout=300,
+                          node_config={"reproducible-training": True}) as federation:
         flower_run_id = federation.control.start_run(
             {"model": "mlp-wide", "num-rounds": 4, "local-epochs": EPOCHS, "strategy": "fedavg", "min-nodes": 2,
              "start-from": "fresh", "state-url": db_url, "model-dir": str(home / "models"), "round-timeout": 240.0,

@@ -23,6 +23,7 @@ from quorumfl.privacy.keystore import KeyStore
 from quorumfl.server.state.repository import RoundStatus, RunStatus
 
 from .test_rounds import (
+    REPRODUCIBLE,
     LoopbackGrid,
     _contexts,
     _federation,
@@ -54,10 +55,10 @@ def _drop_replies(grid: LoopbackGrid, stage: str, nodes: set[int], *, pushes: se
 def test_ckks_rounds_equal_plaintext_fedavg_and_cost_two_round_trips(
     tmp_path: Path, six_parts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    plain_fed, repo = _federation(tmp_path, LoopbackGrid(_contexts(six_parts)))
+    plain_fed, repo = _federation(tmp_path, LoopbackGrid(_contexts(six_parts, REPRODUCIBLE)))
     plain_models = _models(repo, plain_fed.run())
 
-    grid = LoopbackGrid(_contexts(six_parts))
+    grid = LoopbackGrid(_contexts(six_parts, REPRODUCIBLE))
     fed, repo = _federation(tmp_path, grid, **CKKS)
     run_id = fed.run()
 

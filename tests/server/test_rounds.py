@@ -132,9 +132,15 @@ def task_identity(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(TaskIdentity, "_task_id", 1)
 
 
-def _contexts(parts: dict[str, Path]) -> dict[int, Context]:
+# Secure rounds train from the node's own entropy; a comparison with plaintext needs the departments
+# to opt into repeatable training (node config), as a department reproducing a result would.
+REPRODUCIBLE: dict[str, bool | int | float | str] = {"reproducible-training": True}
+
+
+def _contexts(parts: dict[str, Path], extra: dict[str, bool | int | float | str] | None = None) -> dict[int, Context]:
+    """In-process nodes; ``extra``: node config every node adds (e.g. reproducible-training)."""
     return {
-        1000 + i: Context(run_id=99, node_id=1000 + i, node_config={"data-path": str(p), "department": name},
+        1000 + i: Context(run_id=99, node_id=1000 + i, node_config={"data-path": str(p), "department": name, **(extra or {})},
                           state=RecordDict(), run_config={})
         for i, (name, p) in enumerate(parts.items())
     }

@@ -10,14 +10,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Message, RecordDict
+from flwr.app import Array, ArrayRecord, Message, RecordDict
 
-from quorumfl.client.secure_wire import ADVERTISE, SHARE, UNMASK
+from quorumfl.aggregation.errors import FederationError
+from quorumfl.client.secure_wire import ADVERTISE, MASKED, SHARE, UNMASK
 from quorumfl.client.wire import ARRAYS
 from quorumfl.server.model_store import ModelStore
 from quorumfl.server.state.repository import RoundStatus, RunStatus
 
 from .test_rounds import (
+    REPRODUCIBLE,
     LoopbackGrid,
     _contexts,
     _federation,
@@ -33,10 +35,10 @@ def _models(repo: object, run_id: int) -> list[dict[str, np.ndarray]]:
 
 
 def test_masked_rounds_equal_plaintext_fedavg(tmp_path: Path, six_parts: dict[str, Path]) -> None:
-    plain_fed, repo = _federation(tmp_path, LoopbackGrid(_contexts(six_parts)))
+    plain_fed, repo = _federation(tmp_path, LoopbackGrid(_contexts(six_parts, REPRODUCIBLE)))
     plain_models = _models(repo, plain_fed.run())
 
-    grid = LoopbackGrid(_contexts(six_parts))
+    grid = LoopbackGrid(_contexts(six_parts, REPRODUCIBLE))
     secure_fed, repo = _federation(tmp_path, grid, **SECURE)
     run_id = secure_fed.run()
 
@@ -157,3 +159,44 @@ def test_a_node_lost_during_key_set_up_is_left_out_and_joins_after_re_keying(
     assert {(f.node_id, f.stage) for f in r1.failures} == {(ids[0], stage.replace("query.", "").replace("_", "-"))}
     # Round 2 selects node 0 again, which is outside the epoch: a new key set-up takes it in.
     assert r2.status == RoundStatus.COMPLETED and len(r2.participants) == 6
+
+
+def test_one_nodes_garbage_masked_input_is_refused_by_range_and_the_model_stays(
+    tmp_path: Path, six_parts: dict[str, Path]
+) -> None:
+    contexts = _contexts(six_parts)
+    ids = list(contexts)
+    rng = np.random.default_rng(0)
+
+    def garbage(request: Message, reply: Message) -> Message:  # a node (or a bug) sends noise instead of its input
+        record = reply.content.array_records[MASKED]
+        vector = record["masked"].numpy()
+        noise = rng.integers(0, np.iinfo(vector.dtype).max, size=vector.shape, dtype=vector.dtype)
+        content = RecordDict({**reply.content, MASKED: ArrayRecord({"masked": Array(noise)})})
+        return Message(content=content, reply_to=request)
+
+    grid = LoopbackGrid(contexts, {ids[2]: garbage})
+    federation, repo = _federation(tmp_path, grid, **{**SECURE, "num-rounds": 1})
+    with pytest.raises(FederationError, match="none of the 1 round"):
+        federation.run()
+    [run] = repo.list_runs()
+    [first] = repo.get_run(run.id).rounds
+    assert first.status == RoundStatus.FAILED
+    assert "round 1 cluster 0: the revealed sum is out of range" in (first.error or "")
+    assert repo.list_model_versions(run_id=run.id) == []  # nothing was applied
+
+
+def test_the_range_check_passes_every_honest_sum_and_names_each_broken_bound() -> None:
+    from quorumfl.aggregation.errors import SecureAggregationError
+    from quorumfl.aggregation.secagg import read_payload, weighted_payload
+
+    rng = np.random.default_rng(3)
+    honest = sum(weighted_payload(rng.normal(0, 3, 50), examples=float(rng.integers(1, 500)), loss=float(rng.uniform()),
+                                  max_weight=100.0, clip=2.0) for _ in range(5))
+    read_payload(honest, min_weight=1e-6, contributors=5, clip=2.0, tolerance=1e-9)
+    for bad, reason in ((np.concatenate([[6.0], honest[1:]]), "total weight"),
+                        (np.concatenate([[-9.0], honest[1:]]), "total weight"),
+                        (np.concatenate([honest[:1], [-1.0], honest[2:]]), "weighted loss"),
+                        (np.concatenate([honest[:2], [2.0 * honest[0] + 1], honest[3:]]), "above clip")):
+        with pytest.raises(SecureAggregationError, match=reason):
+            read_payload(bad, min_weight=1e-6, contributors=5, clip=2.0, tolerance=1e-9)
