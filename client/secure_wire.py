@@ -149,15 +149,16 @@ def decode_directory(record: ConfigRecord, *, slots: int) -> KeyDirectory:
 
 
 def encode_bundles(bundles: Sequence[ShareBundle]) -> ConfigRecord:
-    return ConfigRecord({"recipients": _ids([b.recipient for b in bundles]), "ciphertexts": [b.ciphertext for b in bundles]})
+    return ConfigRecord({"recipients": _ids([b.recipient for b in bundles]), "ciphertexts": [b.ciphertext for b in bundles],
+                         "commitments": [b.commitment for b in bundles]})
 
 
 def decode_bundles(record: ConfigRecord, *, node: int) -> list[ShareBundle]:
     recipients = _read_ids(record, "recipients")
-    ciphertexts = _get(record, "ciphertexts", list)
-    if len(recipients) != len(ciphertexts):
+    ciphertexts, commitments = _get(record, "ciphertexts", list), _get(record, "commitments", list)
+    if not len(recipients) == len(ciphertexts) == len(commitments):
         raise SecureAggregationError("share bundle lists differ in length")
-    return [ShareBundle(node, r, c) for r, c in zip(recipients, ciphertexts, strict=True)]
+    return [ShareBundle(node, r, c, m) for r, c, m in zip(recipients, ciphertexts, commitments, strict=True)]
 
 
 # ---- rounds -----------------------------------------------------------------------------------
@@ -169,6 +170,7 @@ def encode_mask_request(r: MaskRequest, *, max_weight: float) -> ConfigRecord:
             "group": _ids(r.group),
             "senders": _ids([b.sender for b in r.incoming]),
             "ciphertexts": [b.ciphertext for b in r.incoming],
+            "commitments": [b.commitment for b in r.incoming],
             "max-weight": max_weight,
         }
     )
@@ -176,10 +178,10 @@ def encode_mask_request(r: MaskRequest, *, max_weight: float) -> ConfigRecord:
 
 def decode_mask_request(record: ConfigRecord, *, node: int) -> tuple[MaskRequest, float]:
     senders = _read_ids(record, "senders")
-    ciphertexts = _get(record, "ciphertexts", list)
-    if len(senders) != len(ciphertexts):
+    ciphertexts, commitments = _get(record, "ciphertexts", list), _get(record, "commitments", list)
+    if not len(senders) == len(ciphertexts) == len(commitments):
         raise SecureAggregationError("mask request bundle lists differ in length")
-    incoming = tuple(ShareBundle(s, node, c) for s, c in zip(senders, ciphertexts, strict=True))
+    incoming = tuple(ShareBundle(s, node, c, m) for s, c, m in zip(senders, ciphertexts, commitments, strict=True))
     request = MaskRequest(_get(record, "epoch", bytes), _get(record, "slot", int), _read_ids(record, "group"), incoming)
     return request, float(_get(record, "max-weight", float))
 

@@ -19,6 +19,7 @@ from numpy.typing import NDArray
 
 from ..errors import QuorumNotMetError, SecureAggregationError
 from .messages import (
+    COMMITMENT_BYTES,
     EPOCH_BYTES,
     EpochAnnouncement,
     KeyAdvertisement,
@@ -28,8 +29,9 @@ from .messages import (
     ShareBundle,
     UnmaskReply,
     UnmaskRequest,
+    share_commitment,
 )
-from .shamir import PRIME, reconstruct_secret
+from .shamir import PRIME, reconstruct_secret, share_to_bytes
 from .streams import KEY_BYTES, keystream, pairwise_mask_key, public_key, self_mask_key
 
 __all__ = ["CoordinatorEpoch", "GroupOutcome", "MaskedRound"]
@@ -49,6 +51,7 @@ class CoordinatorEpoch:
         self.members: tuple[int, ...] = ()
         self.graph: list[frozenset[int]] = []
         self.pending: dict[int, dict[int, bytes]] = {}  # recipient -> sender -> ciphertext
+        self.commitments: dict[tuple[int, int], bytes] = {}  # (owner, holder) -> commitments to its shares
         self.ready: tuple[int, ...] = ()
         self.next_slot = 0
         self.reconstructed: set[tuple[int, int]] = set()  # (node, slot) whose slot key was rebuilt
@@ -96,8 +99,11 @@ class CoordinatorEpoch:
         recipients = [b.recipient for b in bundles]
         if any(b.sender != node for b in bundles) or sorted(recipients) != sorted(expected):
             raise SecureAggregationError("share bundles must go to each neighbour exactly once", node=str(node))
+        if any(len(b.commitment) != 2 * self.params.slots * COMMITMENT_BYTES for b in bundles):
+            raise SecureAggregationError("share bundles must carry a commitment to every share", node=str(node))
         for b in bundles:
             self.pending.setdefault(b.recipient, {})[node] = b.ciphertext
+            self.commitments[(node, b.recipient)] = b.commitment
 
     def close_setup(self, sharers: Sequence[int]) -> tuple[int, ...]:
         """Close stage 2: the nodes whose bundles arrived can take part in this epoch's rounds."""
@@ -136,7 +142,8 @@ class CoordinatorEpoch:
     def mask_request(self, node: int, rnd: MaskedRound) -> MaskRequest:
         """The node's request; it carries every share bundle for it that it has not confirmed yet."""
         incoming = tuple(
-            ShareBundle(sender, node, ciphertext) for sender, ciphertext in sorted(self.pending.get(node, {}).items())
+            ShareBundle(sender, node, ciphertext, self.commitments[(sender, node)])
+            for sender, ciphertext in sorted(self.pending.get(node, {}).items())
         )
         return MaskRequest(epoch=self.epoch, slot=rnd.slot, group=rnd.groups[rnd.group_of[node]], incoming=incoming)
 
@@ -229,6 +236,18 @@ class MaskedRound:
             raise SecureAggregationError("unmask reply holds shares nobody asked for", node=str(reply.node))
         if any(not 0 <= v < PRIME for v in (*reply.seed_shares.values(), *reply.key_shares.values())):
             raise SecureAggregationError("a share is not a field element", node=str(reply.node))
+        for seed, held in ((True, reply.seed_shares), (False, reply.key_shares)):
+            for owner, value in held.items():
+                committed = self.epoch.commitments.get((owner, reply.node))
+                if committed is None:  # its own share: nobody else holds a commitment to it
+                    continue
+                start = (2 * self.slot + int(seed)) * COMMITMENT_BYTES
+                expected = share_commitment(epoch=self.epoch.epoch, owner=owner, holder=reply.node, slot=self.slot,
+                                            seed=seed, share=share_to_bytes(value))
+                if committed[start: start + COMMITMENT_BYTES] != expected:
+                    raise SecureAggregationError(
+                        f"node {reply.node} revealed a {'seed' if seed else 'key'} share of node {owner} that does not "
+                        "match the commitment made with it; its reply is refused", node=str(reply.node))
         self.shares[reply.node] = reply
 
     def _points(self, owner: int, *, key: bool) -> tuple[dict[int, int], int]:

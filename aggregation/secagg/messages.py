@@ -159,11 +159,26 @@ class KeyDirectory:
 
 @dataclass(frozen=True)
 class ShareBundle:
-    """Stage 2, node → server → recipient: the sender's shares for the recipient, AEAD-encrypted."""
+    """Stage 2, node → server → recipient: the sender's shares for the recipient, AEAD-encrypted,
+    and in the clear the sender's commitments to them (``share_commitment`` of the key share and of
+    the seed share, per slot), so the server can check each share revealed at unmasking."""
 
     sender: int
     recipient: int
     ciphertext: bytes
+    commitment: bytes = b""
+
+
+COMMITMENT_BYTES = 32
+
+
+def share_commitment(*, epoch: bytes, owner: int, holder: int, slot: int, seed: bool, share: bytes) -> bytes:
+    """SHA-256 commitment to one Shamir share (a uniform 66-byte field element, so it hides it)."""
+    import hashlib
+
+    label = b"quorumfl-secagg-share-commitment-v1" + (b"seed" if seed else b"key")
+    return hashlib.sha256(label + epoch + owner.to_bytes(8, "big") + holder.to_bytes(8, "big")
+                          + slot.to_bytes(4, "big") + share).digest()
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from .messages import (
     MaskingParams,
     MaskRequest,
     ShareBundle,
+    share_commitment,
     UnmaskReply,
     UnmaskRequest,
 )
@@ -199,9 +200,20 @@ class NodeEpoch:
                     sender=self.node,
                     recipient=peer,
                 ),
+                commitment=self._commitments(self.node, peer, b"".join(parts[members.index(peer) + 1])),
             )
             for peer in neighbours
         ]
+
+    def _commitments(self, owner: int, holder: int, plain: bytes) -> bytes:
+        """The commitments to every slot's key and seed share in one bundle's plaintext."""
+        out = []
+        for slot in range(self.params.slots):
+            offset = slot * _SLOT_BYTES
+            for seed, start in ((False, offset), (True, offset + SHARE_BYTES)):
+                out.append(share_commitment(epoch=self.epoch, owner=owner, holder=holder, slot=slot, seed=seed,
+                                            share=plain[start: start + SHARE_BYTES]))
+        return b"".join(out)
 
     # ---- per round: mask ----------------------------------------------------------------------
     def _receive(self, bundle: ShareBundle) -> None:
@@ -217,6 +229,9 @@ class NodeEpoch:
         )
         if len(plain) != self.params.slots * _SLOT_BYTES:
             raise self._fail(f"share bundle from {bundle.sender} has the wrong length")
+        if bundle.commitment != self._commitments(bundle.sender, self.node, plain):
+            raise self._fail(f"the commitments relayed with node {bundle.sender}'s shares do not match them; refusing "
+                             "(the server could not check what this node reveals)")
         known = self.held.get(bundle.sender)
         if known is not None and known != plain:
             raise self._fail(f"node {bundle.sender} sent two different share bundles")

@@ -18,8 +18,10 @@ from quorumfl.aggregation.secagg import (
     KeyDirectory,
     MaskingParams,
     NodeEpoch,
+    UnmaskReply,
     UnmaskRequest,
 )
+from quorumfl.aggregation.errors import SecureAggregationError
 from quorumfl.aggregation.secagg.identity import Roster
 
 
@@ -41,6 +43,7 @@ class Federation:
     masked_log: list[tuple[int, int]] = field(default_factory=list)  # (node, slot) each masked input
     signers: Mapping[int, tuple[str, Callable[[bytes], bytes]]] | None = None
     roster: Roster | None = None
+    refused: list[tuple[int, str]] = field(default_factory=list)
 
     @classmethod
     def setup(
@@ -81,9 +84,11 @@ class Federation:
         *,
         seed: int = 0,
         view_of: Callable[[int, UnmaskRequest], UnmaskRequest] | None = None,
+        tamper_unmask: Callable[[UnmaskReply], UnmaskReply] | None = None,
     ) -> list[GroupOutcome]:
         """``view_of``: what the server shows each node in the consistency and unmask stages (an
-        honest server shows everyone the same request)."""
+        honest server shows everyone the same request); ``tamper_unmask``: a node rewriting its
+        unmask reply (the coordinator's refusals are then kept in ``refused``)."""
         drop = drop or Dropouts()
         length = next(iter(values.values())).shape[0]
         rnd = self.coordinator.start_round(groups, length)
@@ -117,5 +122,11 @@ class Federation:
                 state = NodeEpoch.from_bytes(self.states[node])
                 reply = state.unmask(view_of(node, request) if view_of else request, roster=self.roster)
                 self.states[node] = state.to_bytes()
-                rnd.add_unmask(reply)
+                if tamper_unmask is None:
+                    rnd.add_unmask(reply)
+                    continue
+                try:
+                    rnd.add_unmask(tamper_unmask(reply))
+                except SecureAggregationError as exc:
+                    self.refused.append((node, str(exc)))
         return rnd.result()

@@ -17,6 +17,7 @@ from quorumfl.aggregation.secagg import (
     FixedPoint,
     MaskingParams,
     NodeEpoch,
+    UnmaskReply,
     neighbour_graph,
     resolve_threshold,
 )
@@ -349,3 +350,33 @@ def test_only_the_complete_graph_protects_a_small_cohort_against_many_colluders(
     assert sparse_parameters(120, 0.45, 0.1) is None  # no k < n − 2 meets both bounds
     graph = neighbour_graph(120, seed=b"s" * 16, complete_up_to=100, colluding_fraction=0.45)
     assert all(len(g) == 119 for g in graph)
+
+
+def test_a_wrong_seed_share_is_caught_by_its_commitment_and_the_rest_still_sum_to_numpy() -> None:
+    nodes = _ids(6)
+    fed = Federation.setup(nodes, MaskingParams(threshold=4, slots=2))
+    rng = np.random.default_rng(5)
+    values = {u: rng.normal(size=7) for u in nodes}
+    liar = nodes[3]
+
+    def lie(reply: UnmaskReply) -> UnmaskReply:  # one holder reveals a wrong seed share of another node
+        if reply.node != liar:
+            return reply
+        owner = next(u for u in reply.seed_shares if u != liar)
+        return dataclasses.replace(reply, seed_shares={**reply.seed_shares, owner: (reply.seed_shares[owner] + 1)})
+
+    [outcome] = fed.round([nodes], values, tamper_unmask=lie)
+    assert [(n, "does not match the commitment" in r) for n, r in fed.refused] == [(liar, True)]
+    assert outcome.total is not None
+    np.testing.assert_allclose(outcome.total, np.sum(np.stack(list(values.values())), axis=0), atol=1e-6)
+
+
+def test_a_node_refuses_shares_whose_relayed_commitments_were_changed() -> None:
+    nodes = _ids(4)
+    fed = Federation.setup(nodes, MaskingParams(threshold=3, slots=2))
+    rnd = fed.coordinator.start_round([nodes], 3)
+    request = fed.coordinator.mask_request(nodes[0], rnd)
+    forged = tuple(dataclasses.replace(b, commitment=bytes(len(b.commitment))) for b in request.incoming)
+    state = NodeEpoch.from_bytes(fed.states[nodes[0]])
+    with pytest.raises(SecureAggregationError, match="commitments relayed with node .* do not match"):
+        state.mask(dataclasses.replace(request, incoming=forged), np.ones(3), np.random.default_rng(0))
