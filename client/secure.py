@@ -113,8 +113,11 @@ def identity(context: Context) -> Identity:
 
 
 def node_record(context: Context, department: str) -> ConfigRecord:
-    """The ``node`` record of every reply: the department, and in a signed federation its roster name
-    signed with the node key (the server takes the name only if the signature verifies)."""
+    """The ``node`` record of every reply: the department, and when the node has a key and the run a
+    roster, its roster name signed with the node key (the server takes the name only if the
+    signature verifies; a run without a roster, e.g. a hand-made ``flwr run`` app, gets the plain name)."""
+    if not context.node_config.get("node-key") or not context.run_config.get(ROSTER_KEY):
+        return ConfigRecord({"department": department})  # nothing to sign with, or no roster to be named by
     me = identity(context)
     signer = me.signer()
     if signer is None:
