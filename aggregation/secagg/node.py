@@ -233,8 +233,12 @@ class NodeEpoch:
             raise self._fail(f"the commitments relayed with node {bundle.sender}'s shares do not match them; refusing "
                              "(the server could not check what this node reveals)")
         known = self.held.get(bundle.sender)
-        if known is not None and known != plain:
-            raise self._fail(f"node {bundle.sender} sent two different share bundles")
+        if known is not None:  # a bundle sent again (its first delivery was not confirmed): parts erased stay erased
+            erased = bytes(SHARE_BYTES)
+            for i in range(0, len(plain), SHARE_BYTES):
+                if known[i: i + SHARE_BYTES] not in (erased, plain[i: i + SHARE_BYTES]):
+                    raise self._fail(f"node {bundle.sender} sent two different share bundles")
+            return
         self.held[bundle.sender] = plain
 
     def _check_group(self, group: tuple[int, ...]) -> None:

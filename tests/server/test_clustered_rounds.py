@@ -25,6 +25,7 @@ from quorumfl.server.rounds import IFCA_PICK
 from quorumfl.server.state.repository import RoundStatus, RunStatus
 
 from .test_rounds import (
+    REPRODUCIBLE,
     LoopbackGrid,
     _federation,
     task_identity,  # noqa: F401  (an autouse fixture)
@@ -34,9 +35,11 @@ IFCA = {"strategy": "ifca", "clusters": 2, "proximal-mu": 0.0, "local-epochs": 5
 
 
 def _contexts(parts: dict[str, Path], state: Path) -> dict[int, Context]:
+    """Nodes that train repeatably (``REPRODUCIBLE``): the tests compare masked with plaintext runs."""
     return {
         1000 + i: Context(run_id=99, node_id=1000 + i,
-                          node_config={"data-path": str(p), "department": name, "state-dir": str(state / name)},
+                          node_config={"data-path": str(p), "department": name, "state-dir": str(state / name),
+                                       **REPRODUCIBLE},
                           state=RecordDict(), run_config={})
         for i, (name, p) in enumerate(parts.items())
     }

@@ -21,14 +21,15 @@ from quorumfl.server.config import RunConfig
 from quorumfl.server.model_store import ModelStore
 from quorumfl.server.state.repository import RunStatus
 
-from .test_rounds import LoopbackGrid, _federation, task_identity  # noqa: F401  (an autouse fixture)
+from .test_rounds import REPRODUCIBLE, LoopbackGrid, _federation, task_identity  # noqa: F401  (an autouse fixture)
 
 
 def _contexts(tmp_path: Path) -> dict[int, Context]:
     parts = prepare_partitions(tmp_path / "data", ["tax-office", "urban-planning", "housing"], seed=0, method="iid")
-    return {
+    return {  # repeatable training (REPRODUCIBLE): masked runs are compared with plaintext ones
         1000 + i: Context(run_id=99, node_id=1000 + i,
-                          node_config={"data-path": str(p), "department": name, "state-dir": str(tmp_path / name)},
+                          node_config={"data-path": str(p), "department": name, "state-dir": str(tmp_path / name),
+                                       **REPRODUCIBLE},
                           state=RecordDict(), run_config={})
         for i, (name, p) in enumerate(parts.items())
     }

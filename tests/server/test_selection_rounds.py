@@ -15,7 +15,14 @@ from quorumfl.server.model_store import ModelStore
 from quorumfl.server.state.repository import RoundStatus, RunStatus
 
 from .test_cli import quorumfl
-from .test_rounds import LoopbackGrid, _contexts, _federation, silent, task_identity  # noqa: F401 (autouse)
+from .test_rounds import (  # noqa: F401 (task_identity: autouse)
+    REPRODUCIBLE,
+    LoopbackGrid,
+    _contexts,
+    _federation,
+    silent,
+    task_identity,
+)
 
 
 @pytest.fixture
@@ -96,7 +103,7 @@ def test_a_key_holding_another_selectors_state_is_refused(tmp_path: Path, parts:
 
 def test_over_selection_under_masking_counts_the_cut_nodes_as_dropouts(tmp_path: Path,
                                                                         six_parts: dict[str, Path]) -> None:
-    contexts = _contexts(six_parts)
+    contexts = _contexts(six_parts, REPRODUCIBLE)  # compared below with a plaintext run of the same four
     # K = ceil(0.6 · 6) = 4 aggregated of 4 + ceil(0.5 · 4) = 6 asked; t = ceil(0.6 · 6) = 4.
     secure = {"secure-aggregation": "masking", "secagg-threshold": 0.6, "fraction-train": 0.6,
               "over-selection": 0.5, "num-rounds": 1}
