@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from quorumfl.aggregation.ckks import MAX_DECRYPTIONS, KeyParty, check_request, contribute, encrypt_vector, partial_decrypt
+from quorumfl.aggregation.ckks import MAX_DECRYPTIONS, KeyParty, check_request, contribute, encrypt_vector
+from quorumfl.aggregation.ckks.threshold import answer_checked
 from quorumfl.aggregation.ckks.seal import Seal
 from quorumfl.aggregation.errors import NotFoundError, SecureAggregationError
 from quorumfl.aggregation.secagg import flatten, weighted_payload
@@ -151,8 +152,7 @@ def decrypt(msg: Message, context: Context) -> RecordDict:
     roster, binding, cap = identity(context).roster, _binding(context), _max_decryptions(context)
     check_request(stored.share, manifest, c1, asked, contributions, roster=roster, binding=binding, max_decryptions=cap)
     store.record_asked(manifest.key_id, manifest.round, manifest.group)
-    partial = partial_decrypt(stored.share, manifest, c1, asked, contributions, roster=roster, binding=binding,
-                              max_decryptions=cap)
+    partial = answer_checked(stored.share, manifest, c1)  # checked above, before the ledger entry
     config, arrays = encode_partial(partial, manifest)
     return RecordDict({CKKS: config, ARRAYS: arrays})
 

@@ -317,6 +317,12 @@ def partial_decrypt(share: KeyShare, manifest: Manifest, c1: U64, asked: set[tup
     """
     check_request(share, manifest, c1, asked, contributions, roster=roster, binding=binding,
                   max_decryptions=max_decryptions)
+    return answer_checked(share, manifest, c1)
+
+
+def answer_checked(share: KeyShare, manifest: Manifest, c1: U64) -> U64:
+    """The partial decryption of a request that ``check_request`` already passed (a node checks,
+    writes its ledger entry, then answers: the checks run once)."""
     seal = Seal.of(share.params)
     primes = seal.primes_at(c1.shape[1])
     product = _unflooded(share, manifest, c1)
