@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import tenseal as ts
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from _common import (
     baseline_fab,
@@ -49,8 +50,6 @@ from _common import (
     sizes,
 )
 from _common import parser as make_parser
-from cryptography.hazmat.primitives.asymmetric import ec
-
 from quorumfl.aggregation.ckks import (
     CiphertextSum,
     CkksParams,
@@ -61,8 +60,8 @@ from quorumfl.aggregation.ckks import (
     encrypt_vector,
     partial_decrypt,
 )
-from quorumfl.aggregation.secagg.identity import sign
 from quorumfl.aggregation.secagg import resolve_threshold
+from quorumfl.aggregation.secagg.identity import sign
 from quorumfl.server.state.repository import Repository
 
 

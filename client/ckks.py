@@ -23,9 +23,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from quorumfl.aggregation.ckks import MAX_DECRYPTIONS, KeyParty, check_request, contribute, encrypt_vector
-from quorumfl.aggregation.ckks.threshold import answer_checked
+from quorumfl.aggregation.ckks import (
+    MAX_DECRYPTIONS,
+    KeyParty,
+    check_request,
+    contribute,
+    encrypt_vector,
+)
 from quorumfl.aggregation.ckks.seal import Seal
+from quorumfl.aggregation.ckks.threshold import answer_checked
 from quorumfl.aggregation.errors import NotFoundError, SecureAggregationError
 from quorumfl.aggregation.secagg import flatten, weighted_payload
 from quorumfl.privacy.keystore import KeyStore, StoredKey

@@ -17,7 +17,14 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord
 from numpy.typing import NDArray
 
-from quorumfl.aggregation.ckks import Announcement, CkksParams, Commitment, Contribution, Manifest, Reveal
+from quorumfl.aggregation.ckks import (
+    Announcement,
+    CkksParams,
+    Commitment,
+    Contribution,
+    Manifest,
+    Reveal,
+)
 from quorumfl.aggregation.errors import ConfigError, SecureAggregationError
 
 from .secure_wire import _get, _ids, _read_ids

@@ -43,7 +43,8 @@ from .wire import METRICS, NODE, ROSTER_KEY
 if TYPE_CHECKING:
     from .steps import LocalTraining
 
-__all__ = ["Identity", "advertise", "confirm", "identity", "masked_train_reply", "node_record", "share", "unmask"]
+__all__ = ["Identity", "advertise", "confirm", "identity", "masked_train_reply", "node_record", "share", "signed_slot",
+           "unmask"]
 
 _STATE = "secagg-epoch"
 
@@ -149,6 +150,23 @@ def share(msg: Message, context: Context) -> RecordDict:
     return RecordDict({SECAGG: encode_bundles(bundles)})
 
 
+def signed_slot(context: Context, epoch: bytes, slot: int) -> str:
+    """The contribution ledger's name for ``slot`` of ``epoch`` when the epoch is signed (it has a
+    consistency stage, so an input this node never confirmed can be released), "" when it is not.
+    Raises before anything is trained or recorded when this node does not hold that epoch's keys:
+    it could not mask the update (the server re-keys on this reason)."""
+    state = _load(context)
+    if state.epoch != epoch:
+        raise SecureAggregationError(f"this node {MISSING_KEYS} for the epoch of this request (it re-keyed or "
+                                     "missed the key set-up); the server re-keys in the next round",
+                                     node=str(context.node_id))
+    if not state.signature:
+        return ""
+    from quorumfl.privacy.contributions import slot_key
+
+    return slot_key(epoch, slot)
+
+
 def masked_train_reply(msg: Message, context: Context, local: LocalTraining) -> RecordDict:
     """The train reply in masked mode: only the masked weighted update and the training time."""
     state = _load(context)
@@ -191,8 +209,18 @@ def confirm(msg: Message, context: Context) -> RecordDict:
     if signer is None:
         raise SecureAggregationError("this node has no key to confirm the survivors with", node=str(context.node_id))
     state = _load(context)
-    signature = state.confirm(decode_unmask_request(_record(msg)), signer)
-    _store(context, state)  # the confirmed view is recorded before the signature leaves
+    request = decode_unmask_request(_record(msg))
+    signature = state.confirm(request, signer)
+    from quorumfl.privacy.contributions import ContributionLedger, slot_key
+
+    from .personal_store import node_state_dir
+
+    # The contribution ledger learns that this slot's input may now be unmasked (and refuses a slot
+    # released by a later contribution from the same model), and the node its confirmed view, both
+    # before the signature leaves.
+    ContributionLedger(node_state_dir(context.node_config, int(context.node_id))).confirm(
+        slot_key(request.epoch, request.slot))
+    _store(context, state)
     return RecordDict({SECAGG: encode_confirmation(signature)})
 
 

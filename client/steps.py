@@ -19,11 +19,12 @@ from numpy.typing import NDArray
 
 from quorumfl.aggregation.errors import ConfigError, DataError, PrivacyBudgetError
 
+from .ckks_wire import CKKS, decode_train_request
 from .data.store import Partition, read_partition
 from .engine import EngineSettings
 from .node_round import Personalisation, PrivacyGate, evaluate_round, pick_round, train_round
-from .ckks_wire import CKKS, decode_train_request
 from .personal_store import PersonalStore, node_state_dir
+from .secure import signed_slot
 from .secure_wire import SECAGG, decode_mask_request
 from .wire import CONFIG, TrainConfig, candidate_models
 
@@ -112,12 +113,14 @@ def _privacy_gate(context: Context, config: TrainConfig) -> PrivacyGate | None:
 
 def _admit_secure_round(msg: Message, context: Context, models: list[Arrays], config: TrainConfig) -> int | None:
     """In a secure round: the contribution ledger's verdict (raises on a second participant set for
-    the same model), then this round's training seed from the node's own entropy — unless the
+    the same model unless the earlier input can be released), then this round's training seed from the node's own entropy — unless the
     department set ``reproducible-training`` (its choice: repeats then train identically).
     Plaintext rounds keep the run's seed (None)."""
     records = msg.content.config_records
+    slot = ""
     if SECAGG in records:
-        participants = decode_mask_request(records[SECAGG], node=int(context.node_id))[0].group
+        request = decode_mask_request(records[SECAGG], node=int(context.node_id))[0]
+        participants, slot = request.group, signed_slot(context, request.epoch, request.slot)
     elif CKKS in records:
         participants = decode_train_request(records[CKKS]).participants
     else:
@@ -125,7 +128,8 @@ def _admit_secure_round(msg: Message, context: Context, models: list[Arrays], co
     from quorumfl.privacy.contributions import ContributionLedger, model_digest
 
     ledger = ContributionLedger(node_state_dir(context.node_config, int(context.node_id)))
-    ledger.admit(model_digest(models), participants, run=run_state_key(context), round_number=config.server_round)
+    ledger.admit(model_digest(models), participants, run=run_state_key(context), round_number=config.server_round,
+                 slot=slot)
     reproducible = context.node_config.get("reproducible-training", False)
     if not isinstance(reproducible, bool):
         raise ConfigError(f"node config 'reproducible-training' must be true or false, got {reproducible!r}")

@@ -10,11 +10,22 @@ the CKKS round's participants) is recorded; later requests from the same model a
 with the same set, anything else is refused with the reason. The entry is on disk before training
 starts, so a crash can only make the node refuse more.
 
+One exception keeps a federation live after a round that failed before anything was revealed (too
+few masked inputs, say): in a signed masking epoch nothing is unmasked before the survivors confirm
+the round's view, and a node records here (``confirm``) that it confirms a slot before its signature
+leaves. A contribution whose slot this node never confirmed is *released* when the node is asked to
+train from the same model with another set: the old slot goes on the entry's ``released`` list and
+``confirm`` refuses it from then on, so this node never consents to that input being unmasked.
+CKKS contributions and unsigned masking epochs (no consistency stage) keep the strict rule.
+
 Fresh local entropy (``client.steps``) makes two contributions from the same model and set differ
 too, so a repeat with the same set reveals no difference of one update either. What remains
-(README "Security"): a set the server names but does not complete (a department "dropping out" of
+(README "Security"): the ledger keys on the exact model, so an active server can evade it by
+changing the model slightly, and it can run the consistency stage without this node (the others'
+signatures suffice); a set the server names but does not complete (a department "dropping out" of
 the repeat) still changes the sum by that department's update plus the others' training noise;
-and sums over different models (successive rounds) leak what FedAvg's trajectory leaks.
+and sums over different models (successive rounds) leak what FedAvg's trajectory leaks. Against
+those, the fresh entropy and differential privacy are what protect a department.
 
 A JSON file written atomically; a node keeps the last ``KEEP`` models.
 """
@@ -34,7 +45,7 @@ from numpy.typing import NDArray
 from quorumfl.aggregation.errors import SecureAggregationError
 from quorumfl.client.files import atomic_write
 
-__all__ = ["CONTRIBUTIONS_FILE", "ContributionLedger", "model_digest"]
+__all__ = ["CONTRIBUTIONS_FILE", "ContributionLedger", "model_digest", "slot_key"]
 
 CONTRIBUTIONS_FILE = "secure-contributions.json"
 KEEP = 10_000
@@ -70,23 +81,64 @@ class ContributionLedger:
                                          "it from a backup before this node takes part in secure rounds again") from exc
         return data
 
-    def admit(self, digest: str, participants: Sequence[int], *, run: str, round_number: int) -> None:
-        """Record the first participant set for ``digest``; refuse a different one later."""
-        members = sorted({int(p) for p in participants})
-        entries = self._load()
-        previous = entries.get(digest)
-        if previous is not None:
-            if previous.get("participants") != [str(m) for m in members]:
-                raise SecureAggregationError(
-                    f"this node already trained from model {digest[:12]} under secure aggregation with "
-                    f"{len(previous.get('participants', []))} other participant(s) (run {previous.get('run')} round "
-                    f"{previous.get('round')}); a contribution with another set ({len(members)}) would let the server "
-                    "subtract the two sums, so it is refused")
-            return
-        entries[digest] = {"participants": [str(m) for m in members], "run": run, "round": round_number,
-                           "at": datetime.now(UTC).isoformat(timespec="seconds")}
+    def _save(self, entries: dict[str, Any]) -> None:
         if len(entries) > KEEP:
             for old in sorted(entries, key=lambda k: str(entries[k].get("at", "")))[: len(entries) - KEEP]:
                 del entries[old]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(self.path, json.dumps(entries, sort_keys=True).encode(), mode=0o600)
+
+    def admit(self, digest: str, participants: Sequence[int], *, run: str, round_number: int, slot: str = "") -> None:
+        """Record the first participant set for ``digest``; refuse a different one later, unless every
+        earlier contribution from it went into a signed masking slot this node never confirmed (those
+        slots are then released for good).
+
+        ``slot`` names the signed masking slot this contribution goes into (``slot_key``), or is empty
+        (CKKS, an unsigned epoch: no consistency stage, so nothing can be released).
+        """
+        members = [str(m) for m in sorted({int(p) for p in participants})]
+        entries = self._load()
+        previous = entries.get(digest)
+        released: list[str] = []
+        if previous is not None:
+            slots = [str(s) for s in previous.get("slots", [])]
+            if previous.get("participants") == members:  # a repeat with the same set: admitted, slot added
+                if slot and slot not in slots:
+                    previous["slots"] = [*slots, slot]
+                    self._save(entries)
+                return
+            if previous.get("confirmed") or not slots:
+                why = ("this node confirmed that round's survivors, so its sum may have been revealed"
+                       if previous.get("confirmed") else "that contribution cannot be withdrawn")
+                raise SecureAggregationError(
+                    f"this node already trained from model {digest[:12]} under secure aggregation with "
+                    f"{len(previous.get('participants', []))} other participant(s) (run {previous.get('run')} round "
+                    f"{previous.get('round')}; {why}); a contribution with another set ({len(members)}) would let the "
+                    "server subtract the two sums, so it is refused")
+            released = [*previous.get("released", []), *slots]  # never confirmed: never to be unmasked
+        entries[digest] = {"participants": members, "run": run, "round": round_number,
+                           "at": datetime.now(UTC).isoformat(timespec="seconds"), "slots": [slot] if slot else [],
+                           "released": released, "confirmed": False}
+        self._save(entries)
+
+    def confirm(self, slot: str) -> None:
+        """Before this node signs the view of ``slot``: record that the contribution in it may now be
+        unmasked; refuse a slot that was released (or that holds no contribution of this node)."""
+        entries = self._load()
+        if any(slot in entry.get("released", []) for entry in entries.values()):
+            raise SecureAggregationError(
+                "this node trained again from the same model with another participant set after that round, "
+                "releasing its input of the round; it will never confirm it (nothing revealed)")
+        for entry in entries.values():
+            if slot in entry.get("slots", []):
+                if not entry.get("confirmed"):
+                    entry["confirmed"] = True
+                    self._save(entries)
+                return
+        raise SecureAggregationError("this node's contribution ledger has no input of it for that round; "
+                                     "refusing to confirm (nothing revealed)")
+
+
+def slot_key(epoch: bytes, slot: int) -> str:
+    """How the ledger names a signed masking slot."""
+    return f"{epoch.hex()}:{int(slot)}"

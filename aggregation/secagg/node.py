@@ -33,9 +33,9 @@ from .messages import (
     MaskingParams,
     MaskRequest,
     ShareBundle,
-    share_commitment,
     UnmaskReply,
     UnmaskRequest,
+    share_commitment,
 )
 from .shamir import SHARE_BYTES, share_from_bytes, share_to_bytes, split_secret
 from .streams import (
@@ -317,6 +317,9 @@ class NodeEpoch:
         slot = request.slot
         if slot not in self.used:
             raise self._fail(f"this node sent no masked input in slot {slot}")
+        if slot < max(self.used):  # that round was abandoned: its inputs are never unmasked
+            raise self._fail(f"slot {slot} is older than slot {max(self.used)}, which this node masked since; "
+                             "nothing of it is confirmed or revealed")
         survivors: set[int] = set()
         dropped: set[int] = set()
         mine: tuple[tuple[int, ...], tuple[int, ...]] | None = None

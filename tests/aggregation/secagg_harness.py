@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
+from quorumfl.aggregation.errors import SecureAggregationError
 from quorumfl.aggregation.secagg import (
     CoordinatorEpoch,
     GroupOutcome,
@@ -21,7 +22,6 @@ from quorumfl.aggregation.secagg import (
     UnmaskReply,
     UnmaskRequest,
 )
-from quorumfl.aggregation.errors import SecureAggregationError
 from quorumfl.aggregation.secagg.identity import Roster
 
 

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Context, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from quorumfl.aggregation.ckks import CkksParams
 from quorumfl.aggregation.errors import SecureAggregationError
-from quorumfl.aggregation.secagg.messages import MaskRequest
+from quorumfl.aggregation.secagg import NodeEpoch
+from quorumfl.aggregation.secagg.messages import EpochAnnouncement, MaskingParams, MaskRequest
 from quorumfl.client.ckks_wire import CKKS, TrainRequest, encode_train_request
 from quorumfl.client.data import prepare_partitions
 from quorumfl.client.models import build_model, model_to_arrays
@@ -35,11 +36,22 @@ CONFIG_1 = TrainConfig(server_round=3, model="mlp", local_epochs=1, batch_size=3
                        proximal_mu=0.0, seed=0)
 
 
+EPOCH = b"e" * 16
+
+
+def _with_epoch(context: Context) -> Context:
+    """The node holds the keys of the key epoch the masked requests name (an unsigned one)."""
+    state, _ = NodeEpoch.advertise(EpochAnnouncement(EPOCH, A, MaskingParams(threshold=3, slots=4)), 11)
+    context.state.config_records["secagg-epoch"] = ConfigRecord({"state": state.to_bytes()})
+    return context
+
+
 @pytest.fixture
 def node(tmp_path: Path) -> Context:
     [part] = prepare_partitions(tmp_path / "data", ["tax-office"], seed=0, method="iid").values()
-    return Context(run_id=5, node_id=11, node_config={"data-path": str(part), "state-dir": str(tmp_path / "state")},
-                   state=RecordDict(), run_config={})
+    return _with_epoch(Context(run_id=5, node_id=11, node_config={"data-path": str(part),
+                                                                  "state-dir": str(tmp_path / "state")},
+                               state=RecordDict(), run_config={}))
 
 
 def _global() -> dict[str, np.ndarray]:
@@ -49,7 +61,7 @@ def _global() -> dict[str, np.ndarray]:
 def _request(group: tuple[int, ...] | None, *, ckks: bool = False) -> Message:
     content = RecordDict({ARRAYS: to_array_record(_global()), CONFIG: CONFIG_1.to_record()})
     if group is not None and not ckks:
-        content[SECAGG] = encode_mask_request(MaskRequest(b"e" * 16, 0, group), max_weight=1e4)
+        content[SECAGG] = encode_mask_request(MaskRequest(EPOCH, 0, group), max_weight=1e4)
     if group is not None and ckks:
         content[CKKS] = encode_train_request(TrainRequest(
             key_id="0" * 32, public_key=b"", params=CkksParams(), primes=2, clip=8.0, max_weight=1e4, round_number=3,
@@ -65,8 +77,8 @@ def _update(node: Context, request: Message) -> dict[str, np.ndarray]:
 def test_deterministic_training_would_hand_the_server_the_update_and_the_node_now_refuses(node: Context) -> None:
     # What the attack relied on: with the run's seed, the same request trains the same update bit for bit,
     # so sum(A) − sum(B) is this department's update exactly.
-    repeat = Context(run_id=5, node_id=11, node_config={**node.node_config, "reproducible-training": True},
-                     state=RecordDict(), run_config={})
+    repeat = _with_epoch(Context(run_id=5, node_id=11, node_config={**node.node_config, "reproducible-training": True},
+                                 state=RecordDict(), run_config={}))
     first, again = _update(repeat, _request(A)), _update(repeat, _request(A))
     assert all(np.array_equal(first[k], again[k]) for k in first)
     # The attack: the same model, a participant set without one department.
@@ -92,3 +104,12 @@ def test_an_unreadable_ledger_fails_closed(node: Context) -> None:
     with pytest.raises(SecureAggregationError, match="contribution ledger .* is unreadable"):
         train_received(_request(A), node)
     assert path.read_text() == "{not json"  # left as it was for the department to restore
+
+
+def test_a_node_without_the_epochs_keys_refuses_before_training_or_recording(tmp_path: Path) -> None:
+    [part] = prepare_partitions(tmp_path / "data", ["tax-office"], seed=0, method="iid").values()
+    restarted = Context(run_id=5, node_id=11, node_config={"data-path": str(part), "state-dir": str(tmp_path / "state")},
+                        state=RecordDict(), run_config={})  # a SuperNode restarted: its keys are gone
+    with pytest.raises(SecureAggregationError, match="holds no secure-aggregation keys"):
+        train_received(_request(A), restarted)
+    assert not (tmp_path / "state" / CONTRIBUTIONS_FILE).exists()  # nothing recorded: it could not have masked

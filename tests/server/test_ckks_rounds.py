@@ -17,7 +17,14 @@ from quorumfl.aggregation.ckks import CkksParams, ceremony_in_one_process
 from quorumfl.aggregation.errors import SecureAggregationError
 from quorumfl.client.app import app
 from quorumfl.client.ckks_wire import CKKS as CKKS_RECORD
-from quorumfl.client.ckks_wire import COMMIT, DECRYPT, FINISH, REVEAL, decode_train_request, encode_train_request
+from quorumfl.client.ckks_wire import (
+    COMMIT,
+    DECRYPT,
+    FINISH,
+    REVEAL,
+    decode_train_request,
+    encode_train_request,
+)
 from quorumfl.client.wire import ARRAYS
 from quorumfl.privacy.keystore import KeyStore
 from quorumfl.server.state.repository import RoundStatus, RunStatus

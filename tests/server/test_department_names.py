@@ -18,16 +18,22 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from quorumfl.client.data import prepare_partitions
 from quorumfl.client.wire import NODE
 
-from .test_rounds import LoopbackGrid, _federation
-from .test_rounds import task_identity  # noqa: F401  (an autouse fixture)
+from .test_rounds import (
+    LoopbackGrid,
+    _federation,
+    task_identity,  # noqa: F401  (an autouse fixture)
+)
 
 NAMES = ["tax-office", "urban-planning", "public-works"]
 
 
-def _signed_nodes(tmp_path: Path, started_as: dict[str, str] | None = None) -> tuple[dict[int, Context], str]:
-    parts = prepare_partitions(tmp_path / "data", NAMES, seed=0, method="iid")
+def signed_nodes(tmp_path: Path, started_as: dict[str, str] | None = None, *, names: list[str] = NAMES,
+                 extra: dict[str, bool | int | float | str] | None = None) -> tuple[dict[int, Context], str]:
+    """In-process nodes of a signed federation: each with its department's registered key, the run with
+    the roster of those keys (returned too); ``extra``: node config every node adds."""
+    parts = prepare_partitions(tmp_path / "data", names, seed=0, method="iid")
     lines, contexts = {}, {}
-    for i, name in enumerate(NAMES):
+    for i, name in enumerate(names):
         key = ec.generate_private_key(ec.SECP384R1())
         path = tmp_path / f"{name}.key"
         path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
@@ -38,7 +44,8 @@ def _signed_nodes(tmp_path: Path, started_as: dict[str, str] | None = None) -> t
     roster = json.dumps(lines)
     out = {
         node: Context(run_id=99, node_id=node, node_config={"data-path": str(parts[name]), "node-key": str(path),
-                                                           "department": (started_as or {}).get(name, name)},
+                                                           "department": (started_as or {}).get(name, name),
+                                                           **(extra or {})},
                       state=RecordDict(), run_config={"roster": roster})
         for node, (name, path) in contexts.items()
     }
@@ -48,7 +55,7 @@ def _signed_nodes(tmp_path: Path, started_as: dict[str, str] | None = None) -> t
 def test_a_reply_claiming_another_department_is_not_taken_and_honest_nodes_get_their_roster_names(
     tmp_path: Path,
 ) -> None:
-    contexts, roster = _signed_nodes(tmp_path)
+    contexts, roster = signed_nodes(tmp_path)
     ids = list(contexts)
 
     def claim_tax_office(request: Message, reply: Message) -> Message:  # urban-planning's node says it is tax-office
@@ -66,7 +73,7 @@ def test_a_reply_claiming_another_department_is_not_taken_and_honest_nodes_get_t
 
 
 def test_a_node_started_under_another_departments_name_refuses(tmp_path: Path) -> None:
-    contexts, roster = _signed_nodes(tmp_path, started_as={"public-works": "tax-office"})
+    contexts, roster = signed_nodes(tmp_path, started_as={"public-works": "tax-office"})
     grid = LoopbackGrid(contexts)
     federation, repo = _federation(tmp_path, grid, **{"num-rounds": 1, "roster": roster})
     federation.run()

@@ -1,0 +1,120 @@
+"""A masked round that fails is retried from the same model: what the contribution ledger lets through.
+
+Signed federation of six in-process nodes (registered keys, the run's roster), t = 4. A node admits
+a second contribution from the same global model with another participant set only when it never
+confirmed the view of the slot its first input went into: nothing of that input can have been
+unmasked, and the node releases the slot for good. Once it has confirmed, the retry is refused
+(the server could hold the first sum and subtract the second).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from flwr.app import Message, RecordDict
+
+from quorumfl.aggregation.errors import FederationError, SecureAggregationError
+from quorumfl.aggregation.secagg.messages import UnmaskRequest
+from quorumfl.client.app import app
+from quorumfl.client.secure_wire import (
+    CONFIRM,
+    SECAGG,
+    UNMASK,
+    decode_mask_request,
+    encode_unmask_request,
+)
+from quorumfl.privacy.contributions import ContributionLedger, slot_key
+from quorumfl.server.state.repository import RoundStatus
+
+from .test_department_names import signed_nodes
+from .test_rounds import (
+    LoopbackGrid,
+    _federation,
+    task_identity,  # noqa: F401  (an autouse fixture)
+)
+
+NAMES = ["tax-office", "urban-planning", "public-works", "housing", "transport", "libraries"]
+MASKING = {"secure-aggregation": "masking", "secagg-threshold": 0.6, "round-timeout": 1.0, "secagg-stage-timeout": 1.0,
+           "num-rounds": 2}
+
+
+def _first_round_then_one_node_leaves(grid: LoopbackGrid, stage: str, lost: set[int], leaver: int) -> None:
+    """Lose the replies of ``lost`` to round 1's ``stage`` messages; ``leaver`` leaves the federation
+    then, so round 2 names another participant set, from the same model."""
+    trains = {"n": 0}
+
+    def drop(sent: list[Message], replies: list[Message]) -> list[Message]:
+        kind = sent[0].metadata.message_type if sent else ""
+        trains["n"] += kind == "train"
+        if trains["n"] == 1 and kind == stage:
+            grid.nodes.pop(leaver, None)
+            return [r for r in replies if r.metadata.src_node_id not in lost]
+        return replies
+
+    grid.drop = drop
+
+
+def test_a_round_that_failed_before_confirmation_is_retried_with_another_set(tmp_path: Path) -> None:
+    contexts, roster = signed_nodes(tmp_path, names=NAMES)
+    ids = list(contexts)
+    grid = LoopbackGrid(dict(contexts))
+    # Round 1: three masked inputs are lost (3 < t = 4): no view is confirmed, nothing is unmasked.
+    _first_round_then_one_node_leaves(grid, "train", set(ids[:3]), ids[5])
+    federation, repo = _federation(tmp_path, grid, **{**MASKING, "roster": roster})
+    run = repo.get_run(federation.run())
+
+    first, second = run.rounds
+    assert first.status == RoundStatus.FAILED and "quorum" in (first.error or "")
+    # Round 2 trains from the same model with five of the six: every node admits it.
+    assert second.status == RoundStatus.COMPLETED and sorted(second.participants) == ids[:5]
+    assert [m.metadata.message_type for m in grid.sent].count(CONFIRM) == 5  # round 2 only
+
+    # The slot of round 1 is released on the nodes whose input went into it: never confirmed from now
+    # on, by the ledger and by the node's protocol state alike.
+    round_1 = next(m for m in grid.sent if m.metadata.message_type == "train")
+    request = decode_mask_request(round_1.content.config_records[SECAGG], node=round_1.metadata.dst_node_id)[0]
+    node = ids[3]  # its round-1 input arrived
+    view = UnmaskRequest(epoch=request.epoch, slot=request.slot, groups=((tuple(ids[3:]), tuple(ids[:3])),))
+    late = Message(content=RecordDict({SECAGG: encode_unmask_request(view)}), dst_node_id=node, message_type=CONFIRM)
+    with pytest.raises(SecureAggregationError, match="older than slot"):
+        app(late, contexts[node])
+
+
+def test_a_retry_after_the_node_confirmed_is_refused(tmp_path: Path) -> None:
+    contexts, roster = signed_nodes(tmp_path, names=NAMES)
+    ids = list(contexts)
+    grid = LoopbackGrid(dict(contexts))
+    # Round 1: every node confirms the view, then every unmask reply is lost: the round fails after the
+    # point where the server could have had the sum.
+    _first_round_then_one_node_leaves(grid, UNMASK, set(ids), ids[5])
+    federation, repo = _federation(tmp_path, grid, **{**MASKING, "roster": roster})
+    with pytest.raises(FederationError, match="none of the 2 round"):
+        federation.run()
+    [summary] = repo.list_runs()
+
+    first, second = repo.get_run(summary.id).rounds
+    assert first.status == RoundStatus.FAILED and "shares needed" in (first.error or "")
+    assert second.status == RoundStatus.FAILED
+    reasons = {f.node_id: f.reason for f in second.failures}
+    assert sorted(reasons) == ids[:5]
+    assert all("confirmed that round's survivors" in r and "subtract the two sums" in r for r in reasons.values())
+
+
+def test_the_ledger_releases_only_unconfirmed_slots_and_never_confirms_a_released_one(tmp_path: Path) -> None:
+    ledger = ContributionLedger(tmp_path)
+    first, second, third = slot_key(b"e" * 16, 0), slot_key(b"e" * 16, 1), slot_key(b"f" * 16, 0)
+    ledger.admit("d" * 64, [1, 2, 3, 4], run="7", round_number=1, slot=first)
+    ledger.admit("d" * 64, [1, 2, 3], run="7", round_number=2, slot=second)  # first never confirmed: released
+    with pytest.raises(SecureAggregationError, match="never confirm"):
+        ledger.confirm(first)
+    ledger.confirm(second)
+    with pytest.raises(SecureAggregationError, match="confirmed that round's survivors"):
+        ledger.admit("d" * 64, [1, 2], run="7", round_number=3, slot=third)
+    ledger.admit("d" * 64, [1, 2, 3], run="7", round_number=3, slot=third)  # the same set again: admitted
+    with pytest.raises(SecureAggregationError, match="no input of it"):
+        ledger.confirm(slot_key(b"g" * 16, 0))
+    # Without a signed slot (CKKS, an unsigned epoch) nothing can be released: the strict rule.
+    ledger.admit("c" * 64, [1, 2, 3], run="7", round_number=1)
+    with pytest.raises(SecureAggregationError, match="cannot be withdrawn"):
+        ledger.admit("c" * 64, [1, 2], run="7", round_number=2, slot=first)
