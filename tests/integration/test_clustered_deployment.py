@@ -27,6 +27,7 @@ DEPARTMENTS = ["tax-office", "urban-planning", "public-works", "housing", "trans
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("heavy-federations")  # one at a time (README: Tests)
 @pytest.mark.timeout(900)
 def test_six_nodes_ifca_with_masking(tmp_path: Path) -> None:
     home = tmp_path / "home"
