@@ -7,6 +7,7 @@ Keys are Flower's kebab-case run-config keys; defaults live in ``DEFAULTS`` (mir
 
 from __future__ import annotations
 
+import difflib
 import os
 import tomllib
 from collections.abc import Mapping
@@ -193,9 +194,10 @@ class RunConfig:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
         problems: list[str] = []
-        unknown = sorted(set(values) - set(DEFAULTS))
-        if unknown:
-            problems.append(f"unknown key(s) {unknown}; known keys: {sorted(DEFAULTS)}")
+        for key in sorted(set(values) - set(DEFAULTS)):
+            close = difflib.get_close_matches(key, list(DEFAULTS), n=1, cutoff=0.6)
+            hint = f"did you mean '{close[0]}'?" if close else "the README's run-config table lists every key"
+            problems.append(f"unknown key '{key}': {hint}")
         merged = {**DEFAULTS, **{k: v for k, v in values.items() if k in DEFAULTS}}
 
         def number(key: str, kind: type, *, low: float, high: float | None = None, open_low: bool = False) -> Any:

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quorumfl.aggregation.errors import FederationError
+from quorumfl.aggregation.errors import FederationError, NotFoundError
 from quorumfl.client.data import prepare_partitions
 
 from .local import local_federation
 from .services import follow_run
 from .state.orm import Round, Run
-from .state.repository import Repository
+from .state.repository import Repository, RunStatus
 
 __all__ = ["DEPARTMENTS", "DemoSettings", "run_demo"]
 
@@ -82,8 +82,22 @@ def run_demo(
             "ckks": "threshold CKKS: the server adds ciphertexts; a quorum of departments decrypts the sum",
         }.get(settings.secure_aggregation, "plaintext aggregation")
         on_status(f"run submitted (Flower run {flower_run_id}); {how}")
-        run = follow_run(
-            repo, flower_run_id, timeout=settings.timeout, on_round=on_round,
-            alive=lambda: federation.alive(flower_run_id),
-        )
+        try:
+            run = follow_run(
+                repo, flower_run_id, timeout=settings.timeout, on_round=on_round,
+                alive=lambda: federation.alive(flower_run_id),
+            )
+        except KeyboardInterrupt:  # the demo's federation goes with it: nothing can resume this run
+            _record_stopped(repo, flower_run_id)
+            raise
     return run
+
+
+def _record_stopped(repo: Repository, flower_run_id: int) -> None:
+    try:
+        run = repo.get_run(flower_run_id)
+    except NotFoundError:
+        return  # the ServerApp had not recorded the run yet
+    if run.status == RunStatus.RUNNING:
+        repo.abort_running_rounds(run.id, "the demo was interrupted")
+        repo.finish_run(run.id, RunStatus.STOPPED, error="the demo was interrupted")

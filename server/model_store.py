@@ -49,9 +49,13 @@ class ModelStore:
             raise ModelStoreError(f"invalid model file name '{name}'")
         payload = _serialize(arrays)
         digest = hashlib.sha256(payload).hexdigest()
-        self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"{name}.npz"
-        atomic_write(final, payload)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            atomic_write(final, payload)
+        except OSError as exc:
+            raise ModelStoreError(f"cannot write model file {final}: {exc.strerror or exc}; check the run's "
+                                  "model-dir (or the server's --home) and that it is a writable folder") from exc
         return StoredModel(final, digest, len(payload))
 
     @staticmethod

@@ -21,7 +21,7 @@ from types import TracebackType
 
 from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
 
-from quorumfl.aggregation.errors import FederationError
+from quorumfl.aggregation.errors import ConfigError, FederationError
 
 from .admin_access import ADMIN_KEYS_FLAG
 from .certs import Credentials
@@ -36,6 +36,7 @@ __all__ = [
     "activation_refused",
     "flower_env",
     "flower_executable",
+    "check_port_free",
     "free_port",
     "superlink_command",
     "supernode_command",
@@ -131,6 +132,19 @@ def supernode_command(
     else:
         cmd += ["--root-certificates", str(tls.ca_cert), "--auth-supernode-private-key", str(tls.key)]
     return cmd
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse, naming the port, when something already listens on ``host:port`` (so a server does
+    not announce a port that another program answers on)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server would: TIME_WAIT does not count
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ConfigError(f"port {port} on {host or '0.0.0.0'} is not free ({exc.strerror}): another SuperLink or "
+                              "program uses it; stop it or pass another --port") from exc
 
 
 def free_port(host: str = "127.0.0.1") -> int:

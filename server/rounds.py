@@ -68,6 +68,7 @@ from .strategies import ClusteredFedAvg, ClusteredResult, FedAvg, FedPer, build_
 __all__ = ["IFCA_PICK", "Federation", "ReplyError", "parse_train_reply"]
 
 log = logging.getLogger(__name__)
+INTERRUPTED = "interrupted: the server stopped during this round; redone after resume"
 REPLY_POLL_SECONDS = 0.25  # how often the ServerApp asks the SuperLink for replies
 IFCA_PICK = "query.ifca_pick"
 Arrays = dict[str, NDArray[np.generic]]
@@ -388,6 +389,14 @@ class Federation:
                     f"none of the {config.num_rounds} round(s) completed; 'quorumfl rounds list' shows why"
                 )
             self._final_evaluation(run.id, models, sorted(seen))
+        except (SystemExit, KeyboardInterrupt):
+            # Flower ends a ServerApp this way when its server stops (Ctrl-C of 'quorumfl server start':
+            # the parent process is gone) or its run is stopped at the SuperLink. Not a failure of the
+            # run: it stays running (an admin's 'runs stop' has recorded it as stopped already) and the
+            # next 'server start' resumes it, as after a crash.
+            self.repo.abort_running_rounds(run.id, INTERRUPTED)
+            log.warning("run %s interrupted: the ServerApp was stopped; 'quorumfl server start' resumes it", run.id)
+            raise
         except BaseException as exc:
             reason = f"{exc.__class__.__name__}: {exc}"
             self.repo.abort_running_rounds(run.id, reason)
@@ -409,7 +418,7 @@ class Federation:
             raise ConfigError(f"resume-run {run_id}: this config differs from the run's stored config in {differ}; "
                               f"resume it with 'quorumfl runs resume {run_id}', which sends the stored config")
         run = self.repo.resume_run(run_id, flower_run_id=self.flower_run_id,
-                                   reason="interrupted: the server stopped during this round; redone after resume")
+                                   reason=INTERRUPTED)
         log.info("resuming run %s as Flower run %s", run_id, self.flower_run_id)
         return run
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from quorumfl.aggregation.errors import FederationError, NotFoundError
+from quorumfl.aggregation.errors import FederationError, NotFoundError, QuorumError
 
 from .model_store import ModelStore
 from .state.orm import Metric, ModelVersion, Round, Run
@@ -23,6 +23,7 @@ __all__ = [
     "models_view",
     "nodes_view",
     "round_view",
+    "run_outcome_error",
     "run_summary",
     "run_view",
 ]
@@ -92,7 +93,8 @@ def run_view(repo: Repository, ref: int) -> dict[str, Any]:
     rounds = []
     for rnd in run.rounds:
         view = round_view(rnd, departments)
-        view["metrics"] = global_metrics.get(rnd.number, {})
+        # An aborted attempt has no metrics of its own: those of its number belong to the redo.
+        view["metrics"] = global_metrics.get(rnd.number, {}) if rnd.status != RoundStatus.ABORTED else {}
         rounds.append(view)
     return {
         **run_summary(repo, run),
@@ -244,6 +246,24 @@ def export_model(repo: Repository, version_id: int, destination: Path) -> Path:
     shutil.copyfile(version.path, tmp)
     tmp.replace(target)
     return target
+
+
+def _error_classes(base: type[QuorumError] = QuorumError) -> dict[str, type[QuorumError]]:
+    found = {base.__name__: base}
+    for sub in base.__subclasses__():
+        found.update(_error_classes(sub))
+    return found
+
+
+def run_outcome_error(run: Run) -> QuorumError | None:
+    """None for a completed run; otherwise the error to exit with: of the class the run failed with
+    when that is a QuorumFL error (its exit code then says why), else ``FederationError``."""
+    if run.status == RunStatus.COMPLETED:
+        return None
+    reason = run.error or "no reason was recorded"
+    name, _, _ = reason.partition(": ")
+    kind = _error_classes().get(name, FederationError) if run.status == RunStatus.FAILED else FederationError
+    return kind(f"run {run.id} {run.status}: {reason}")
 
 
 def follow_run(

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from quorumfl.aggregation.errors import CredentialError, FederationError
+from quorumfl.aggregation.errors import CredentialError, DataError, FederationError
 from quorumfl.client.app_guard import app_guard_env
 from quorumfl.client.data import prepare_partitions, read_partition
 from quorumfl.client.data.datasets import FASHION_MNIST_DIR
@@ -26,7 +26,9 @@ from ..processes import (
     Child,
     NodeCredentials,
     ProcessGroup,
+    activated,
     activation_refused,
+    check_port_free,
     flower_env,
     free_port,
     superlink_command,
@@ -118,6 +120,7 @@ def server_start(
             raise CredentialError(f"no admin public key at {creds.admin_pub}: the Control API would obey anyone who "
                                   "reaches the port; make it with 'quorumfl certs admin-key' on the admin's machine "
                                   "and copy admin.pub there")
+    check_port_free(host, port)  # before "listening on" could describe another program's port
     connect(state.db_url, migrate=True)
     cmd = superlink_command(port=port, host=host, database=state.home / "superlink.db", tls=creds)
     local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
@@ -144,6 +147,9 @@ def server_start(
     _run_in_foreground(flower_env(state.home, db_url=state.db_url), state.home / "logs", "superlink", cmd, ready)
 
 
+CONNECT_WARNING_S = 30.0
+
+
 @node_app.command("start")
 def node_start(
     ctx: typer.Context,
@@ -168,6 +174,9 @@ def node_start(
     rejoin_wait: Annotated[float, typer.Option(
         help="Seconds to keep trying while the SuperLink refuses this node's key: after a crash it still counts "
              "the node's previous SuperNode as online for up to a minute.")] = REJOIN_GRACE_S,
+    warn_after: Annotated[float, typer.Option(
+        help="Say so when the SuperLink has not answered after this many seconds (the node keeps trying).")
+    ] = CONNECT_WARNING_S,
 ) -> None:
     """Run a Flower SuperNode that serves the QuorumFL ClientApp on DATA, until Ctrl-C."""
     state = settings(ctx)
@@ -185,6 +194,9 @@ def node_start(
                               (key or state.credentials.node_key(department)).expanduser().resolve())
         check_node_key(tls.key, tls.ca_cert)  # fail closed, before connecting
     part = read_partition(data)  # fail here, clearly, rather than in every round
+    if part.department and part.department != department:
+        raise DataError(f"--data {data} holds the partition of department {part.department!r} (its partition.json "
+                        f"says so), not {department!r}'s; give this node its own department's partition")
     console.print(f"{department}: {len(part.train)} training and {len(part.test)} test examples of {part.dataset}")
     cmd = supernode_command(superlink=superlink, port=port or free_port(), data_path=data.resolve(), department=department,
                             node_config=extra, tls=tls)
@@ -198,11 +210,16 @@ def node_start(
     if tls is not None:  # only runs the admin signed (fails closed without the admin's public key)
         env.update(app_guard_env((admin_key or state.credentials.admin_pub).expanduser(),
                                  state.home / "clientapp-guard", path=env["PATH"]))
+    mode = "TLS, authenticated" if tls else "INSECURE"
     _run_in_foreground(
         env, state.home / "logs", f"node-{department}", cmd,
-        lambda child: console.print(f"[green]node {department} started[/green] "
-                                    f"({'TLS, authenticated' if tls else 'INSECURE'}); log {child.log}"),
+        lambda child: console.print(f"node {department}: connecting to the SuperLink at {superlink} ({mode}); "
+                                    f"log {child.log}", soft_wrap=True),
         rejoin_wait=rejoin_wait,
+        connected=lambda child: console.print(f"[green]node {department} connected[/green] to {superlink} ({mode})"),
+        silent_after=warn_after,
+        silence=f"no answer from the SuperLink at {superlink} yet: check --superlink (host and port) and that "
+                "'quorumfl server start' runs there; still trying (Ctrl-C stops)",
     )
 
 
@@ -229,20 +246,40 @@ def node_budget(
         console.print(table("refused rounds", view["refusals"], ["run", "round", "epsilon_would_be", "budget"]))
 
 
+def _wait_reporting(child: Child, connected: Callable[[Child], None] | None, silent_after: float, silence: str) -> int:
+    """Wait for ``child`` to exit; meanwhile say once when it connected (``connected``), or that it has
+    not after ``silent_after`` seconds (``silence``)."""
+    if connected is None:
+        return child.process.wait()
+    started, said, warned = time.monotonic(), False, False
+    while (code := child.process.poll()) is None:
+        if not said and activated(child):
+            connected(child)
+            said = True
+        elif not said and not warned and time.monotonic() - started > silent_after:
+            err_console.print(f"[yellow]{silence}[/yellow]")
+            warned = True
+        time.sleep(0.25)
+    return code
+
+
 def _run_in_foreground(
     env: dict[str, str], log_dir: Path, name: str, cmd: list[str], on_started: Callable[[Child], None],
-    *, rejoin_wait: float = 0.0,
+    *, rejoin_wait: float = 0.0, connected: Callable[[Child], None] | None = None, silent_after: float = 0.0,
+    silence: str = "",
 ) -> None:
     """Run one Flower process until it exits or we are interrupted; it (and its children) always stop.
 
     A SuperNode that the SuperLink refuses is started again for up to ``rejoin_wait`` seconds: after
     a crash, the SuperLink counts the node's previous SuperNode as online until its heartbeats lapse,
-    and refuses the same key until then."""
+    and refuses the same key until then. ``connected`` is called once the SuperNode got its node id
+    (``silence`` is said if it has not after ``silent_after`` seconds)."""
     deadline = time.monotonic() + rejoin_wait
     with ProcessGroup(log_dir, env) as group:
         child = group.start(name, cmd)
         on_started(child)
-        while (code := child.process.wait()) != 0 and activation_refused(child) and time.monotonic() < deadline:
+        while ((code := _wait_reporting(child, connected, silent_after, silence)) != 0 and activation_refused(child)
+               and time.monotonic() < deadline):
             console.print(f"[yellow]the SuperLink refused {name} for now[/yellow]: a SuperNode with this key may "
                           f"still count as online there (one that crashed less than "
                           f"{REJOIN_GRACE_S - 30:.0f} s ago); trying again in {REJOIN_RETRY_S:.0f} s")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -10,15 +11,15 @@ from typing import Annotated, Any
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from quorumfl.aggregation.errors import ConfigError
+from quorumfl.aggregation.errors import ConfigError, NotFoundError, StateError
 
 from ..config import RunConfig, load_run_config_file
 from ..resume import resume_run
-from ..services import follow_run, round_view, run_summary, run_view
+from ..services import follow_run, round_view, run_outcome_error, run_summary, run_view
 from ..state.orm import Round, Run
 from ..state.repository import Repository, RunStatus
 from .context import DEFAULT_SUPERLINK, settings
-from .output import Format, console, print_json, table
+from .output import Format, console, err_console, print_json, short_time, table
 
 runs_app = typer.Typer(help="Start, follow, inspect and stop federated training runs.", no_args_is_help=True)
 rounds_app = typer.Typer(help="Inspect the rounds of a run.", no_args_is_help=True)
@@ -81,16 +82,45 @@ def start(
     resolved = RunConfig.from_mapping(values)
     control = settings(ctx).control(superlink, insecure=insecure, ca_cert=ca_cert)
     flower_run_id = control.start_run(values)
-    console.print(f"[green]started run {flower_run_id}[/green] ({resolved.strategy}, {resolved.num_rounds} rounds)")
+    recorded = _recorded_run(ctx, flower_run_id)
+    shown = f"run {recorded} (Flower run {flower_run_id})" if recorded else f"Flower run {flower_run_id}"
+    console.print(f"[green]started {shown}[/green] ({resolved.strategy}, {resolved.num_rounds} rounds); "
+                  "'runs show' and 'runs stop' take either id", highlight=False)
     if follow:
         repo = settings(ctx).repository()
         progress, task = round_progress(resolved.num_rounds)
-        with progress:
-            run = follow_run(
-                repo, flower_run_id, timeout=timeout, on_round=round_reporter(repo, progress, task),
-                alive=lambda: not control.run_finished(flower_run_id),
-            )
-        console.print(f"run {run.id}: {run.status}" + (f" ({run.error})" if run.error else ""))
+        try:
+            with progress:
+                run = follow_run(
+                    repo, flower_run_id, timeout=timeout, on_round=round_reporter(repo, progress, task),
+                    alive=lambda: not control.run_finished(flower_run_id),
+                )
+        except KeyboardInterrupt:  # only the following stops: say so, and how to stop the run itself
+            err_console.print(f"stopped following; run {flower_run_id} goes on at the SuperLink: "
+                              f"'quorumfl runs show {flower_run_id}' shows it, "
+                              f"'quorumfl runs stop {flower_run_id}' stops it")
+            raise
+        failure = run_outcome_error(run)
+        if failure is not None:  # a script must tell a failed run from a completed one
+            raise failure
+        console.print(f"run {run.id}: {run.status}")
+
+
+def _recorded_run(ctx: typer.Context, flower_run_id: int, wait: float = 20.0) -> int | None:
+    """QuorumFL's id of a just-started run, once its ServerApp has recorded it in the state DB (None
+    when this machine has no state DB, or the run is not recorded within ``wait`` seconds)."""
+    try:
+        repo = settings(ctx).repository()
+    except StateError:
+        return None  # the admin's machine need not hold the server's state DB
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return repo.get_run(flower_run_id).id
+        except NotFoundError:
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.25)
 
 
 @runs_app.command("resume")
@@ -111,7 +141,12 @@ def list_runs(ctx: typer.Context, fmt: FormatOpt = Format.TABLE) -> None:
     if fmt is Format.JSON:
         print_json(rows)
         return
-    console.print(table("Runs", rows, ["id", "flower_run_id", "status", "strategy", "dataset", "rounds_completed", "rounds_planned", "final_accuracy", "started_at"]))
+    for row in rows:
+        row["rounds"] = f"{row['rounds_completed']}/{row['rounds_planned']}"
+        row["accuracy"] = row["final_accuracy"]
+        row["started"] = short_time(row["started_at"])
+    console.print(table("Runs", rows, ["id", "status", "strategy", "dataset", "rounds", "accuracy", "started",
+                                       "flower_run_id"], optional=["dataset", "flower_run_id"]))
 
 
 @runs_app.command("show")
@@ -145,8 +180,9 @@ def stop(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (Qu
     """Stop a running run at the SuperLink and record it as stopped."""
     repo = settings(ctx).repository()
     record = repo.get_run(run)
-    if record.status != RunStatus.RUNNING:
-        raise ConfigError(f"run {record.id} is already {record.status}; only running runs can be stopped")
+    if record.status != RunStatus.RUNNING:  # nothing to stop: what the admin wanted already holds
+        console.print(f"run {record.id} is not running (it is {record.status}); nothing to stop")
+        return
     if record.flower_run_id is None:
         raise ConfigError(f"run {record.id} has no Flower run id to stop")
     settings(ctx).control(superlink, insecure=insecure, ca_cert=ca_cert).stop_run(record.flower_run_id)
@@ -164,9 +200,18 @@ def list_rounds(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run
     if fmt is Format.JSON:
         print_json(rows)
         return
-    flat = [
-        {**r, "timings": ", ".join(f"{k} {v:.2f}s" for k, v in r["timings_s"].items()),
-         "failures": "; ".join(f"{f['node']} ({f['stage']}): {f['reason']}" for f in r["failures"])}
-        for r in rows
-    ]
-    console.print(table(f"Rounds of run {run}", flat, ["round", "status", "selected", "participants", "timings", "failures"]))
+    flat = []
+    for r in rows:
+        stages = {k: v for k, v in r["timings_s"].items() if k != "local_train_max"}
+        slowest = max(stages, key=stages.__getitem__, default=None)
+        flat.append({**r, "nodes": f"{len(r['participants'])}/{r['selected']}", "seconds": f"{sum(stages.values()):.1f}",
+                     "slowest_stage": f"{slowest} {stages[slowest]:.1f}s" if slowest else None,
+                     "failures": len(r["failures"]), "participants": ", ".join(r["participants"])})
+    console.print(table(f"Rounds of run {run}", flat, ["round", "attempt", "status", "nodes", "seconds", "slowest_stage",
+                                                       "failures", "participants"],
+                        optional=["attempt", "slowest_stage", "participants"]))
+    for r in rows:  # the reasons, one line each, after the table (every stage's time: --format json)
+        for f in r["failures"]:
+            console.print(f"round {r['round']}: {f['node']} ({f['stage']}): {f['reason']}", highlight=False)
+        if r["error"]:
+            console.print(f"round {r['round']}: {r['error']}", highlight=False)

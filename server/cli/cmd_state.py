@@ -7,9 +7,11 @@ from typing import Annotated
 
 import typer
 
+from quorumfl.aggregation.errors import ModelStoreError
+
 from ..services import export_model, model_view, models_view, nodes_view
 from .context import settings
-from .output import Format, console, print_json, table
+from .output import Format, console, print_json, short_time, table
 
 nodes_app = typer.Typer(help="Department nodes known to the server.", no_args_is_help=True)
 models_app = typer.Typer(help="Model versions produced by rounds.", no_args_is_help=True)
@@ -31,7 +33,10 @@ def list_nodes(
         print_json(rows)
         return
     if run is None:
-        console.print(table("Nodes", rows, ["node_id", "department", "enabled", "first_seen", "last_seen"]))
+        for row in rows:
+            row["first_seen"], row["last_seen"] = short_time(row["first_seen"]), short_time(row["last_seen"])
+        console.print(table("Nodes", rows, ["node_id", "department", "enabled", "last_seen", "first_seen"],
+                            optional=["first_seen", "last_seen"]))
         return
     columns = ["node_id", "department", "enabled"] + [
         c for c in ("cluster", "accuracy", "personal-accuracy") if any(c in r for r in rows)
@@ -74,19 +79,34 @@ def list_models(
     for row in rows:
         row["accuracy"] = row["metrics"].get("accuracy")
         row["sha"] = row["sha256"][:12]
-    console.print(table("Model versions", rows, ["version", "run", "round", "parent", "architecture", "accuracy", "head", "sha"]))
+    console.print(table("Model versions", rows, ["version", "run", "round", "head", "accuracy", "parent", "architecture",
+                                                 "sha"], optional=["parent", "architecture", "sha"]))
 
 
 @models_app.command("show")
 def show_model(ctx: typer.Context, version: Annotated[int, typer.Argument(help="Model version id.")], fmt: FormatOpt = Format.TABLE) -> None:
-    """One model version with its hash, file and metrics."""
+    """One model version with its hash, file and metrics; its file is checked against the hash (exit
+    7 when it is missing or was modified)."""
     repo = settings(ctx).repository()
-    view = model_view(repo.get_model_version(version), repo.heads())
+    record = repo.get_model_version(version)
+    view = model_view(record, repo.heads())
+    from ..model_store import ModelStore
+
+    problem: ModelStoreError | None = None
+    try:
+        ModelStore.load(record.path, record.sha256)
+    except ModelStoreError as exc:
+        problem = exc
+    view["file_ok"] = problem is None
     if fmt is Format.JSON:
         print_json(view)
-        return
-    for key, value in view.items():
-        console.print(f"[bold]{key}[/bold]: {value}")
+    else:
+        for key, value in view.items():
+            shown = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in value.items()) \
+                if isinstance(value, dict) else value
+            console.print(f"[bold]{key}[/bold]: {shown}", highlight=False)
+    if problem is not None:
+        raise problem
 
 
 @models_app.command("export")

@@ -54,12 +54,22 @@ app.add_typer(certs_app, name="certs")
 models_app.command("promote")(promote)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"quorumfl {version('quorumfl')} (flwr {version('flwr')})")
+        raise typer.Exit()
+
+
 @app.callback()
 def root(
     ctx: typer.Context,
     home: Annotated[Path | None, typer.Option(help="QuorumFL home (state DB, models, logs). Default $QUORUMFL_HOME or ~/.quorumfl.")] = None,
     db: Annotated[str | None, typer.Option(help="State DB SQLAlchemy URL. Default $QUORUMFL_DB_URL or HOME/quorumfl.db.")] = None,
     debug: Annotated[bool, typer.Option(help="Show tracebacks and debug logs.")] = False,
+    _version: Annotated[bool, typer.Option("--version", help="Print the version and exit.", is_eager=True,
+                                           callback=_print_version)] = False,
 ) -> None:
     resolved_home = (home or default_home()).expanduser().resolve()
     ctx.obj = Settings(home=resolved_home, db_url=db or default_url(resolved_home), debug=debug)

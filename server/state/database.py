@@ -44,8 +44,9 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cursor.close()
 
 
-def create(url: str) -> Engine:
-    """An engine for ``url``; SQLite parent folders are created, pragmas set."""
+def create(url: str, *, create_missing: bool = True) -> Engine:
+    """An engine for ``url``; pragmas set. A SQLite file's parent folders are created, unless
+    ``create_missing`` is false: then a missing SQLite file is refused (nothing is created)."""
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
@@ -53,7 +54,12 @@ def create(url: str) -> Engine:
     kwargs: dict[str, Any] = {"pool_pre_ping": True}
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            path = Path(parsed.database).expanduser()
+            if create_missing:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            elif not path.is_file():
+                raise StateError(f"no state database at {path}; check --home / --db / QUORUMFL_DB_URL, or create it "
+                                 "by starting the server ('quorumfl server start') or 'quorumfl db upgrade'")
         kwargs["connect_args"] = {"timeout": 30}
     try:
         engine = create_engine(parsed, **kwargs)
@@ -76,7 +82,15 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
     try:
         command.upgrade(migration_config(engine), revision)
     except SQLAlchemyError as exc:
-        raise StateError(f"cannot migrate the database at {engine.url!r}: {exc.__class__.__name__}: {exc}") from exc
+        raise StateError(f"cannot migrate the state database at {engine.url!r} ({_first_line(exc)}); check --db / "
+                         "QUORUMFL_DB_URL and that the database server is running") from exc
+
+
+def _first_line(exc: SQLAlchemyError) -> str:
+    """The driver's own message, first line only (SQLAlchemy appends the SQL and a link)."""
+    cause = getattr(exc, "orig", None) or exc
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    return f"{type(cause).__name__}: {lines[0]}" if lines else type(cause).__name__
 
 
 def require_current(engine: Engine) -> None:
@@ -87,8 +101,8 @@ def require_current(engine: Engine) -> None:
             current = MigrationContext.configure(conn).get_current_revision()
     except SQLAlchemyError as exc:
         raise StateError(
-            f"cannot reach the state database at {engine.url!r} ({exc.__class__.__name__}); "
-            "check --db / QUORUMFL_DB_URL and that the server is running"
+            f"cannot reach the state database at {engine.url!r} ({_first_line(exc)}); "
+            "check --db / QUORUMFL_DB_URL and that the database server is running"
         ) from exc
     head = script.get_current_head()
     if current != head:
@@ -99,8 +113,9 @@ def require_current(engine: Engine) -> None:
 
 
 def connect(url: str | None = None, *, migrate: bool = False) -> sessionmaker[Session]:
-    """A session factory for ``url`` (default: ``default_url()``), migrated or checked."""
-    engine = create(url or default_url())
+    """A session factory for ``url`` (default: ``default_url()``), migrated (created if missing) or
+    checked (a missing SQLite file is refused: reading never creates a database)."""
+    engine = create(url or default_url(), create_missing=migrate)
     if migrate:
         upgrade(engine)
     else:

@@ -63,6 +63,16 @@ def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
         nodes = json.loads(subprocess.run(_cli(home, "nodes", "list", "--format", "json"), capture_output=True, text=True,
                                           timeout=120, check=False).stdout)
         assert sorted(n["department"] for n in nodes) == ["parks", "tax-office"]
+        # A run that fails is an error for scripts: --follow exits with the code of the cause (7: the
+        # model store), not 0.
+        (tmp_path / "not-a-folder").write_text("")
+        failing = subprocess.run(
+            _cli(home, "runs", "start", str(config), "--superlink", f"127.0.0.1:{port}", "--follow", "--timeout", "300",
+                 "-c", "min-nodes=2", "-c", "num-rounds=1", "-c", f"model-dir='{tmp_path / 'not-a-folder'}'"),
+            capture_output=True, text=True, timeout=400, check=False,
+        )
+        assert failing.returncode == 7, failing.stdout + failing.stderr
+        assert "failed: ModelStoreError: cannot write model file" in failing.stderr, failing.stderr
 
         # A key the federation did not issue (same name, another CA's folder) is refused at the SuperLink,
         # also after trying again for --rejoin-wait seconds (a crashed node's key is let in once it lapses).

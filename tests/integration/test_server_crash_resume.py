@@ -1,6 +1,7 @@
 """``kill -9`` of the whole server side (the ``quorumfl server start`` process, its SuperLink and the
-ServerApp) in the middle of a round; ``server start`` again resumes the run from the last completed
-round: nothing that was completed is lost, the interrupted round is recorded as aborted and redone.
+ServerApp), or Ctrl-C of ``server start``, in the middle of a round; ``server start`` again resumes the
+run from the last completed round: nothing that was completed is lost, the interrupted round is
+recorded as aborted and redone.
 
 Real processes on 127.0.0.1, with TLS and node authentication (the defaults).
 """
@@ -27,6 +28,13 @@ def _cli(home: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "quorumfl.server.cli", "--home", str(home), *args]
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone
+        return b""
+
+
 def _snapshot(repo: Repository, run_id: int) -> dict[str, object]:
     """Everything a completed round left in the DB: round rows, model versions, metrics."""
     rounds = [(r.id, r.number, r.attempt, r.status, tuple(sorted(r.participants))) for r in repo.list_rounds(run_id)
@@ -37,7 +45,8 @@ def _snapshot(repo: Repository, run_id: int) -> dict[str, object]:
 
 
 @pytest.mark.slow
-def test_kill_9_of_the_server_mid_round_loses_no_completed_round(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", ["kill-9", "ctrl-c"])
+def test_a_server_stopped_mid_round_resumes_the_run_and_loses_no_completed_round(tmp_path: Path, stop: str) -> None:
     home = tmp_path / "home"
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -77,14 +86,22 @@ def test_kill_9_of_the_server_mid_round_loses_no_completed_round(tmp_path: Path)
         victims = {server.process.pid} | _descendants({server.process.pid})
         assert any(b"flwr-serverapp" in Path(f"/proc/{p}/cmdline").read_bytes() for p in victims
                    if Path(f"/proc/{p}").exists()), "no ServerApp process to kill"
-        for pid in victims:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        server.process.wait(timeout=30)
+        if stop == "kill-9":  # the whole server side at once: nobody is left to record anything
+            for pid in victims:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            server.process.wait(timeout=30)
+        else:  # Ctrl-C of 'server start': it stops its SuperLink, whose ServerApp ends its run as interrupted
+            server.process.send_signal(signal.SIGINT)
+            assert server.process.wait(timeout=90) == 130, logs()
+            deadline = time.monotonic() + 60
+            while any(b"flwr-serverapp" in _cmdline(p) for p in victims):
+                assert time.monotonic() < deadline, f"the ServerApp outlived its server\n{logs()}"
+                time.sleep(0.2)
         assert [r.number for r in repo.list_rounds(run_id) if r.status == RoundStatus.COMPLETED] == [1, 2]
-        assert repo.get_run(run_id).status == RunStatus.RUNNING  # nobody was left to record anything
+        assert repo.get_run(run_id).status == RunStatus.RUNNING, repo.get_run(run_id).error  # resumable, not failed
 
         # Restart: the same home, port and SuperLink database.
         restarted = group.start("server-2", _cli(home, "server", "start", "--port", str(port)))

@@ -27,9 +27,17 @@ def test_all_problems_reported_together() -> None:
         )
     text = str(info.value)
     for needle in ("strategy must be one of", "num-rounds must be >= 1", "model must be one of",
-                   "learning-rate must be > 0.0", "unknown key(s) ['colour']", "batch-size must be a whole number"):
+                   "learning-rate must be > 0.0", "unknown key 'colour'", "batch-size must be a whole number"):
         assert needle in text
     assert len(info.value.problems) == 6
+
+
+def test_an_unknown_key_names_the_closest_known_one_not_all_of_them() -> None:
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_mapping({"local-epoch": 3, "colour": "red"})
+    assert "unknown key 'local-epoch': did you mean 'local-epochs'?" in str(info.value)
+    assert "unknown key 'colour': the README's run-config table lists every key" in str(info.value)
+    assert "proximal-mu" not in str(info.value)  # not a list of all the keys
 
 
 def test_ints_accepted_for_floats() -> None:
