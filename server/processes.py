@@ -1,13 +1,18 @@
 """Starting and stopping Flower's SuperLink and SuperNodes as child processes on this machine.
 
 Every child runs in its own process group, so stopping it also ends the ClientApp/ServerApp
-processes it spawned. ``ProcessGroup`` stops all of them on exit, on error and on Ctrl-C.
+processes it spawned. ``ProcessGroup`` stops all of them on exit, on error and on Ctrl-C. Flower
+starts its ServerApp and ClientApp processes in sessions of their own, and one can be spawned while
+its parent is shutting down (then reparented to init), so the group also marks its children's
+environment with a token of its own and stops every process that carries it: the process tree alone
+would miss those.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -39,10 +44,14 @@ __all__ = [
     "check_port_free",
     "free_port",
     "superlink_command",
+    "tls_failed",
     "supernode_command",
     "terminate_on_signals",
     "wait_for_port",
 ]
+
+
+GROUP_TOKEN = "QUORUMFL_PROCESS_GROUP"
 
 
 def flower_executable(name: str) -> str:
@@ -197,6 +206,14 @@ def activation_refused(child: Child) -> bool:
     return child.process.poll() is not None and ACTIVATION_REFUSED in child.output()
 
 
+TLS_FAILED = "SSL/TLS handshake error detected"
+
+
+def tls_failed(child: Child) -> bool:
+    """The SuperNode gave up because the SuperLink's certificate did not verify (Flower logs this)."""
+    return child.process.poll() is not None and TLS_FAILED in child.output()
+
+
 def activated(child: Child) -> bool:
     """The SuperLink has activated this SuperNode (it logged the node id it was given)."""
     return ACTIVATED in child.output()
@@ -207,7 +224,9 @@ class ProcessGroup:
 
     def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
         self.log_dir = log_dir
-        self.env = env
+        # Inherited by every process the children start (Flower passes its environment on).
+        self.token = f"{GROUP_TOKEN}={secrets.token_hex(8)}"
+        self.env = {**env, GROUP_TOKEN: self.token.split("=", 1)[1]}
         self.children: list[Child] = []
         log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -238,24 +257,36 @@ class ProcessGroup:
                 child.process.send_signal(sig)
 
     def stop_all(self, *, grace: float = 10.0) -> None:
-        """SIGTERM every child's process group and every descendant (Flower starts its ServerApp
-        in a session of its own, outside the group), then SIGKILL whatever is left after ``grace``."""
-        descendants = _descendants({c.process.pid for c in self.children})
+        """SIGTERM every child's process group and every process carrying this group's token (its
+        descendants, wherever they were reparented), again for any that appear meanwhile; then
+        SIGKILL whatever is left after ``grace``."""
         for child in reversed(self.children):
             self.kill(child, signal.SIGTERM, group=True)
-        _signal_pids(descendants, signal.SIGTERM)
+        signalled: set[int] = set()
         deadline = time.monotonic() + grace
-        for child in self.children:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        while _alive(descendants) and time.monotonic() < deadline:
+        while True:
+            members = self.members()
+            _signal_pids(members - signalled, signal.SIGTERM)
+            signalled |= members
+            children_done = all(c.process.poll() is not None for c in self.children)
+            if (children_done and not members) or time.monotonic() >= deadline:
+                break
             time.sleep(0.1)
-        for child in self.children:
-            self.kill(child, signal.SIGKILL, group=True)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.process.wait(timeout=5)
-        _signal_pids(_alive(descendants), signal.SIGKILL)
+        for _ in range(3):  # a process may still fork while being killed: repeat until none is left
+            for child in self.children:
+                self.kill(child, signal.SIGKILL, group=True)
+            _signal_pids(self.members(), signal.SIGKILL)
+            for child in self.children:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.process.wait(timeout=5)
+            if not self.members():
+                break
+            time.sleep(0.1)
         self.children.clear()
+
+    def members(self) -> set[int]:
+        """Live processes (zombies excluded) whose environment carries this group's token."""
+        return _with_environ(self.token.encode())
 
     def __enter__(self) -> ProcessGroup:
         return self
@@ -280,6 +311,24 @@ class ProcessGroup:
             return ""
 
 
+def _with_environ(entry: bytes) -> set[int]:
+    """Live processes of this user whose environment holds ``entry`` ("NAME=value"), found through
+    /proc (Linux); empty where /proc is absent. Zombies are left out: they hold no resources and
+    their parent reaps them."""
+    found: set[int] = set()
+    me = os.getpid()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if int(proc.name) == me or entry not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, ValueError, IndexError):
+            continue
+        if state not in ("Z", "X"):
+            found.add(int(proc.name))
+    return found
+
+
 def _descendants(roots: set[int]) -> set[int]:
     """All processes below ``roots``, found through /proc (Linux); empty where /proc is absent."""
     parents: dict[int, int] = {}
@@ -295,10 +344,6 @@ def _descendants(roots: set[int]) -> set[int]:
         frontier = {pid for pid, ppid in parents.items() if ppid in frontier and pid not in found}
         found |= frontier
     return found
-
-
-def _alive(pids: set[int]) -> set[int]:
-    return {pid for pid in pids if Path(f"/proc/{pid}").exists()}
 
 
 def _signal_pids(pids: set[int], sig: signal.Signals) -> None:

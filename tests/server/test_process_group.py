@@ -1,0 +1,55 @@
+"""``ProcessGroup`` stops every process its children started, including one spawned in a session of
+its own while its parent was shutting down (as Flower's SuperNode can do with a ClientApp): such a
+process is reparented to init, so the process tree alone no longer leads to it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from quorumfl.server.processes import ProcessGroup
+
+# On SIGTERM: start a detached process (new session, survives its parent) that writes its pid, wait
+# until it did, and exit.
+SPAWN_ON_TERM = """
+import pathlib, signal, subprocess, sys, time
+pid_file = pathlib.Path(sys.argv[1])
+def on_term(*_):
+    subprocess.Popen([sys.executable, "-c",
+                      "import os, pathlib, sys, time; pathlib.Path(sys.argv[1]).write_text(str(os.getpid())); time.sleep(300)",
+                      str(pid_file)], start_new_session=True)
+    while not pid_file.exists() or not pid_file.read_text():
+        time.sleep(0.01)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+time.sleep(300)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_stop_all_ends_a_process_spawned_during_shutdown(tmp_path: Path) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    with ProcessGroup(tmp_path / "logs", dict(os.environ)) as group:
+        child = group.start("spawner", [sys.executable, "-c", SPAWN_ON_TERM, str(pid_file)])
+        deadline = time.monotonic() + 30
+        while "ready" not in child.output():
+            assert time.monotonic() < deadline, "the child never started"
+            time.sleep(0.05)
+    # Leaving the group stopped the child, which started the grandchild on its way out.
+    grandchild = int(pid_file.read_text())
+    try:
+        assert not _alive(grandchild), "the process spawned during shutdown was left running"
+    finally:
+        if _alive(grandchild):
+            os.kill(grandchild, signal.SIGKILL)
