@@ -307,12 +307,13 @@ def _check_private_mode(path: Path) -> None:
                               f"run 'chmod 600 {path}'")
 
 
-def _load_private(path: Path, what: str) -> ec.EllipticCurvePrivateKey:
+def _load_private(path: Path, what: str, *, missing: str = "create credentials with 'quorumfl certs init'"
+                  ) -> ec.EllipticCurvePrivateKey:
     try:
         _check_private_mode(path)
         data = path.read_bytes()
     except FileNotFoundError:
-        raise CredentialError(f"{what} {path} does not exist; create credentials with 'quorumfl certs init'") from None
+        raise CredentialError(f"{what} {path} does not exist; {missing}") from None
     except OSError as exc:
         raise CredentialError(f"cannot read {what} {path}: {exc.strerror}") from exc
     try:
@@ -361,7 +362,9 @@ def check_server(creds: Credentials) -> x509.Certificate:
 
 def check_node_key(key_path: Path, ca_cert: Path) -> None:
     """A node's side: its private key is readable only by its owner, and the CA certificate is valid."""
-    _load_private(key_path, "the node key")
+    _load_private(key_path, "the node key", missing=(
+        f"the admin makes a department's key with 'quorumfl certs add-node {key_path.stem}' (an existing federation) "
+        f"and copies nodes/{key_path.name} here, or pass --key"))
     _check_valid(_load_cert(ca_cert), ca_cert, "ask the admin for the federation's current ca.crt")
 
 

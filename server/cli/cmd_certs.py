@@ -9,6 +9,8 @@ import typer
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 
+from quorumfl.aggregation.errors import StateError
+
 from ..certs import (
     Credentials,
     add_admin_key,
@@ -114,7 +116,19 @@ def revoke(
     creds = _creds(ctx, directory)
     retired = retire_node_key(creds, name)
     console.print(f"node {name}: key retired to {retired}", soft_wrap=True)
+    _disable_in_state(ctx, name)
     _apply(ctx, creds, superlink)
+
+
+def _disable_in_state(ctx: typer.Context, department: str) -> None:
+    """Where this machine holds the state DB (the server's): the department's nodes are disabled, so
+    'nodes list' does not show a revoked node as selectable."""
+    try:
+        nodes = settings(ctx).repository().set_enabled(department, False)
+    except StateError:  # no state DB here (the admin's own machine), or no node of it recorded yet
+        return
+    for node in nodes:
+        console.print(f"node {node.node_id} ({department}) disabled in the state DB")
 
 
 @certs_app.command("rotate-server")

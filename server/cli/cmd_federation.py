@@ -33,6 +33,7 @@ from ..processes import (
     free_port,
     superlink_command,
     supernode_command,
+    tls_failed,
     wait_for_port,
 )
 from ..registration import sync_registrations
@@ -220,6 +221,10 @@ def node_start(
         silent_after=warn_after,
         silence=f"no answer from the SuperLink at {superlink} yet: check --superlink (host and port) and that "
                 "'quorumfl server start' runs there; still trying (Ctrl-C stops)",
+        tls_failure="" if tls is None else (
+            f"the SuperLink at {superlink} did not verify against {tls.ca_cert}: that certificate is another "
+            "federation's CA, or the server's certificate does not name this host; get the federation's ca.crt "
+            "from the admin (or pass --ca-cert)"),
     )
 
 
@@ -266,7 +271,7 @@ def _wait_reporting(child: Child, connected: Callable[[Child], None] | None, sil
 def _run_in_foreground(
     env: dict[str, str], log_dir: Path, name: str, cmd: list[str], on_started: Callable[[Child], None],
     *, rejoin_wait: float = 0.0, connected: Callable[[Child], None] | None = None, silent_after: float = 0.0,
-    silence: str = "",
+    silence: str = "", tls_failure: str = "",
 ) -> None:
     """Run one Flower process until it exits or we are interrupted; it (and its children) always stop.
 
@@ -291,6 +296,8 @@ def _run_in_foreground(
                 f"the SuperLink refused {name} (kept trying for {rejoin_wait:.0f} s): its key is not registered there, was "
                 f"revoked, or another SuperNode with the same key is running; the admin registers a key with "
                 f"'quorumfl certs register'. See {child.log}")
+        if tls_failed(child) and tls_failure:
+            raise CredentialError(f"{tls_failure}; see {child.log}")
         raise FederationError(f"{name} exited with code {code}; see {child.log}")
 
 

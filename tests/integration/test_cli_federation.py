@@ -84,6 +84,13 @@ def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
         assert refused.returncode == 11, refused.stdout + refused.stderr
         assert "trying again" in refused.stdout, refused.stdout
         assert "kept trying for 5 s" in refused.stderr and "not registered" in refused.stderr, refused.stderr
+        # A CA from another federation: the node says so (exit 11, naming the file), not "exited with code 1".
+        foreign_ca = subprocess.run(
+            _cli(home, "node", "start", "--department", "parks", "--data", str(tmp_path / "parts" / "parks"),
+                 "--superlink", f"127.0.0.1:{port}", "--ca-cert", str(tmp_path / "rogue" / "certs" / "ca.crt")),
+            capture_output=True, text=True, timeout=120, check=False)
+        assert foreign_ca.returncode == 11, foreign_ca.stdout + foreign_ca.stderr
+        assert f"did not verify against {tmp_path / 'rogue' / 'certs' / 'ca.crt'}" in foreign_ca.stderr, foreign_ca.stderr
         # Without TLS the SuperLink does not answer the Control API either.
         plain = subprocess.run(
             _cli(home, "runs", "start", str(config), "--superlink", f"127.0.0.1:{port}", "--insecure"),
@@ -94,6 +101,10 @@ def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
                                  capture_output=True, text=True, timeout=120, check=False)
         assert revoked.returncode == 0, revoked.stdout + revoked.stderr
         assert "unregistered retired key parks" in revoked.stdout
+        assert "(parks) disabled in the state DB" in revoked.stdout, revoked.stdout
+        nodes = json.loads(subprocess.run(_cli(home, "nodes", "list", "--format", "json"), capture_output=True, text=True,
+                                          timeout=120, check=False).stdout)
+        assert {n["department"]: n["enabled"] for n in nodes} == {"parks": False, "tax-office": True}
         parks = started[2]
         parks.wait(timeout=60)
     finally:

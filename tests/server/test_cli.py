@@ -130,6 +130,7 @@ def test_server_and_node_refuse_to_start_without_credentials(tmp_path: Path) -> 
     assert server.returncode == 11 and "certs init" in server.stderr, server.stderr
     node = quorumfl("--home", home, "node", "start", "--department", "parks", "--data", str(tmp_path))
     assert node.returncode == 11 and "parks.key does not exist" in node.stderr, node.stderr
+    assert "'quorumfl certs add-node parks'" in node.stderr and "certs init" not in node.stderr, node.stderr
 
 
 def test_data_split_and_node_start_errors(tmp_path: Path) -> None:
