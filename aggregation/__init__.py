@@ -1,8 +1,24 @@
-"""Pure combination math for QuorumFL: no I/O, no logging, no Flower imports."""
+"""Pure combination math for QuorumFL: no I/O, no logging, no Flower imports.
 
-from .clustering import ClusteredMean, choose_cluster, cluster_purity, repair_clusters
+The names below are loaded on first use (PEP 562), so importing ``quorumfl.aggregation.errors`` —
+which every command of the CLI does — does not import numpy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import AggregationError, EmptyAggregationError, QuorumError
-from .weighted import NodeUpdate, WeightedMean, aggregate_weighted_mean, aggregate_weighted_metrics
+
+if TYPE_CHECKING:
+    from .clustering import ClusteredMean, choose_cluster, cluster_purity, repair_clusters
+    from .weighted import (
+        NodeUpdate,
+        WeightedMean,
+        aggregate_weighted_mean,
+        aggregate_weighted_metrics,
+    )
 
 __all__ = [
     "AggregationError",
@@ -17,3 +33,15 @@ __all__ = [
     "cluster_purity",
     "repair_clusters",
 ]
+
+_LAZY = {
+    "ClusteredMean": "clustering", "choose_cluster": "clustering", "cluster_purity": "clustering",
+    "repair_clusters": "clustering", "NodeUpdate": "weighted", "WeightedMean": "weighted",
+    "aggregate_weighted_mean": "weighted", "aggregate_weighted_metrics": "weighted",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

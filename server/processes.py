@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -30,6 +30,7 @@ from quorumfl.aggregation.errors import ConfigError, FederationError
 
 from .admin_access import ADMIN_KEYS_FLAG
 from .certs import Credentials
+from .signals import terminate_on_signals
 
 __all__ = [
     "REJOIN_GRACE_S",
@@ -350,17 +351,3 @@ def _signal_pids(pids: set[int], sig: signal.Signals) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
-
-
-@contextlib.contextmanager
-def terminate_on_signals() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt so ``with ProcessGroup`` cleanup runs for it too."""
-
-    def handler(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)

@@ -13,8 +13,6 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from quorumfl.aggregation.errors import ConfigError, NotFoundError, StateError
 
-from ..config import RunConfig, load_run_config_file
-from ..resume import resume_run
 from ..services import follow_run, round_view, run_outcome_error, run_summary, run_view
 from ..state.orm import Round, Run
 from ..state.repository import Repository, RunStatus
@@ -77,6 +75,8 @@ def start(
     ca_cert: CaCertOpt = None,
 ) -> None:
     """Submit a run of the QuorumFL app to the SuperLink (as `flwr run` does)."""
+    from ..config import RunConfig, load_run_config_file
+
     values = load_run_config_file(config)
     values.update(dict(_parse_override(o) for o in override or []))
     resolved = RunConfig.from_mapping(values)
@@ -128,6 +128,8 @@ def resume(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (
            superlink: SuperlinkOpt = DEFAULT_SUPERLINK, insecure: InsecureOpt = False, ca_cert: CaCertOpt = None) -> None:
     """Continue an interrupted run from its last completed round (its unfinished round is redone)."""
     state = settings(ctx)
+    from ..resume import resume_run
+
     flower_run_id = resume_run(state.repository(), state.control(superlink, insecure=insecure, ca_cert=ca_cert), run)
     console.print(f"[green]run {run} resumed as Flower run {flower_run_id}[/green]; follow it with "
                   f"'quorumfl runs show {run}'")

@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
-from ..certs import Credentials, roster_json
-from ..control import Control
-from ..state.database import connect, default_home, default_url
-from ..state.repository import Repository
+if TYPE_CHECKING:  # imported where used: a command loads only what it needs (startup time)
+    from ..certs import Credentials
+    from ..control import Control
+    from ..state.repository import Repository
 
 __all__ = ["DEFAULT_SUPERLINK", "INSECURE_WARNING", "Settings", "settings"]
 
@@ -31,17 +32,25 @@ class Settings:
     debug: bool = False
 
     def repository(self, *, migrate: bool = False) -> Repository:
+        from ..state.database import connect
+        from ..state.repository import Repository
+
         return Repository(connect(self.db_url, migrate=migrate))
 
     @property
     def credentials(self) -> Credentials:
         """The federation's credentials folder (``quorumfl certs init`` makes it)."""
+        from ..certs import Credentials
+
         return Credentials(self.home / "certs")
 
     def control(self, superlink: str, *, insecure: bool = False, ca_cert: Path | None = None,
                 admin_key: Path | None = None) -> Control:
         """A Control API client: TLS verified against the federation CA and every call signed with the
         admin key (default HOME/certs/admin.key), unless ``insecure``."""
+        from ..certs import Credentials, roster_json
+        from ..control import Control
+
         if insecure:
             from .output import err_console
 
@@ -70,5 +79,7 @@ def settings(ctx: typer.Context) -> Settings:
     obj = ctx.find_root().obj
     if isinstance(obj, Settings):
         return obj
+    from ..state.database import default_home, default_url
+
     home = default_home()
     return Settings(home=home, db_url=default_url(home))

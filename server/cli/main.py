@@ -6,52 +6,121 @@ Errors of the QuorumFL tree print as one red line and exit with the code documen
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
+import click
 import typer
+from typer.core import TyperGroup
 
 from quorumfl.aggregation.errors import QuorumError
 
-from ..processes import terminate_on_signals
-from ..state.database import default_home, default_url
-from .cmd_certs import certs_app
-from .cmd_edge import edge_app, promote
-from .cmd_federation import data_app, db_app, demo, node_app, server_app
-from .cmd_keys import keys_app
-from .cmd_runs import rounds_app, runs_app
-from .cmd_selection import selection_app
-from .cmd_state import models_app, nodes_app
+from ..signals import terminate_on_signals
 from .context import Settings
 from .errors import exit_code
 from .output import err_console
 
-__all__ = ["app", "main"]
+__all__ = ["COMMANDS", "app", "load_command", "main"]
+
+
+def _models_app() -> typer.Typer:
+    from .cmd_edge import promote
+    from .cmd_state import models_app
+
+    if "promote" not in {c.name for c in models_app.registered_commands}:
+        models_app.command("promote")(promote)
+    return models_app
+
+
+def _demo_app() -> typer.Typer:
+    from .cmd_federation import demo
+
+    single = typer.Typer()
+    single.command("demo")(demo)
+    return single
+
+
+# Every top-level command: where it lives and the help line the root's --help shows. A command's
+# module (and Flower, torch, cryptography... that it needs) is imported only when that command runs,
+# so `quorumfl --help` and the read-only commands start in well under a second.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("", "Run a real local federation: SuperLink + one SuperNode per department on 127.0.0.1."),
+    "server": ("cmd_federation:server_app", "The coordinating server (Flower SuperLink + QuorumFL state)."),
+    "node": ("cmd_federation:node_app", "A department node (Flower SuperNode running the QuorumFL ClientApp)."),
+    "runs": ("cmd_runs:runs_app", "Start, follow, inspect and stop federated training runs."),
+    "rounds": ("cmd_runs:rounds_app", "Inspect the rounds of a run."),
+    "nodes": ("cmd_state:nodes_app", "Department nodes known to the server."),
+    "models": ("", "Model versions produced by rounds."),
+    "data": ("cmd_federation:data_app", "Prepare department partition directories."),
+    "db": ("cmd_federation:db_app", "The state database."),
+    "keys": ("cmd_keys:keys_app", "Threshold-CKKS keys: ceremonies and who decrypted what."),
+    "selection": ("cmd_selection:selection_app", "Client selection: choices, rewards and the selector's learned state."),
+    "edge": ("cmd_edge:edge_app", "Edge devices: signed INT8 artifacts and model sync."),
+    "certs": ("cmd_certs:certs_app", "TLS certificates and SuperNode keys of the federation."),
+}
+_BUILDERS: dict[str, Callable[[], typer.Typer]] = {"demo": _demo_app, "models": _models_app}
+
+
+def load_command(name: str) -> click.Command:
+    """The real click command of top-level command ``name`` (imports its module)."""
+    where, help_line = COMMANDS[name]
+    if name in _BUILDERS:
+        sub = _BUILDERS[name]()
+    else:
+        module, attr = where.split(":")
+        sub = getattr(importlib.import_module(f"{__package__}.{module}"), attr)
+    if name == "demo":  # a single command, not a group
+        command = typer.main.get_command(sub)
+    else:  # a group even when it has one sub-command (db upgrade)
+        command = typer.main.get_group(sub)
+        command.help = help_line
+        _click_suggests(command)
+    command.name = name
+    return command
+
+
+def _click_suggests(group: click.Group) -> None:
+    """Click already says "Did you mean …" for an unknown command; Typer's own would say it twice."""
+    if isinstance(group, TyperGroup):
+        group.suggest_commands = False
+        for command in group.commands.values():
+            if isinstance(command, click.Group):
+                _click_suggests(command)
+
+
+class LazyGroup(TyperGroup):
+    """The root group: placeholders (name and help line) for listing; the real command is loaded
+    when it is invoked (``resolve_command``), so nothing a command does not need is imported."""
+
+    def __init__(self, **attrs: Any) -> None:
+        super().__init__(**attrs)
+        self.suggest_commands = False  # click's own "Did you mean" is enough
+        for name, (_where, help_line) in COMMANDS.items():
+            self.commands[name] = click.Command(name, help=help_line)
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        name, command, rest = super().resolve_command(ctx, args)
+        if name in COMMANDS:
+            command = load_command(name)
+            self.commands[name] = command  # later lookups (help of a sub-command) see the real one
+        return name, command, rest
+
 
 app = typer.Typer(
+    cls=LazyGroup,
     help="QuorumFL: federated learning for municipal departments.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-app.command("demo")(demo)
-app.add_typer(server_app, name="server")
-app.add_typer(node_app, name="node")
-app.add_typer(runs_app, name="runs")
-app.add_typer(rounds_app, name="rounds")
-app.add_typer(nodes_app, name="nodes")
-app.add_typer(models_app, name="models")
-app.add_typer(data_app, name="data")
-app.add_typer(db_app, name="db")
-app.add_typer(keys_app, name="keys")
-app.add_typer(selection_app, name="selection")
-app.add_typer(edge_app, name="edge")
-app.add_typer(certs_app, name="certs")
-models_app.command("promote")(promote)
 
 
 def _print_version(value: bool) -> None:
@@ -71,6 +140,8 @@ def root(
     _version: Annotated[bool, typer.Option("--version", help="Print the version and exit.", is_eager=True,
                                            callback=_print_version)] = False,
 ) -> None:
+    from ..state.database import default_home, default_url
+
     resolved_home = (home or default_home()).expanduser().resolve()
     ctx.obj = Settings(home=resolved_home, db_url=db or default_url(resolved_home), debug=debug)
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -116,8 +187,6 @@ def main() -> None:
         err_console.print("[red]aborted[/red]")
         sys.exit(130)
     except Exception as exc:  # click usage errors and anything unexpected
-        import click
-
         if isinstance(exc, click.ClickException):
             exc.show()
             sys.exit(exc.exit_code)

@@ -9,21 +9,24 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event, make_url
+from sqlalchemy import Engine, create_engine, event, inspect, make_url, text
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from quorumfl.aggregation.errors import ConfigError, StateError
 
-__all__ = ["connect", "default_home", "default_url", "migration_config", "upgrade", "require_current"]
+if TYPE_CHECKING:  # Alembic is imported only to migrate: reading commands start faster without it
+    from alembic.config import Config
+
+__all__ = ["HEAD", "connect", "default_home", "default_url", "migration_config", "upgrade", "require_current"]
 
 MIGRATIONS = Path(__file__).parent / "migrations"
+# The newest migration's revision: what a current database's alembic_version holds. Kept here so that
+# checking a database needs no Alembic import; tests/server/test_migrations.py checks it is the head
+# of the migrations folder.
+HEAD = "0004"
 
 
 def default_home() -> Path:
@@ -71,6 +74,8 @@ def create(url: str, *, create_missing: bool = True) -> Engine:
 
 
 def migration_config(engine: Engine) -> Config:
+    from alembic.config import Config
+
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
     config.attributes["engine"] = engine
@@ -79,6 +84,8 @@ def migration_config(engine: Engine) -> Config:
 
 def upgrade(engine: Engine, revision: str = "head") -> None:
     """Apply Alembic migrations up to ``revision``."""
+    from alembic import command
+
     try:
         command.upgrade(migration_config(engine), revision)
     except SQLAlchemyError as exc:
@@ -95,16 +102,16 @@ def _first_line(exc: SQLAlchemyError) -> str:
 
 def require_current(engine: Engine) -> None:
     """Fail with a clear error when the database is unreachable or not at the newest migration."""
-    script = ScriptDirectory.from_config(migration_config(engine))
     try:
         with engine.connect() as conn:
-            current = MigrationContext.configure(conn).get_current_revision()
+            current = (conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+                       if inspect(conn).has_table("alembic_version") else None)
     except SQLAlchemyError as exc:
         raise StateError(
             f"cannot reach the state database at {engine.url!r} ({_first_line(exc)}); "
             "check --db / QUORUMFL_DB_URL and that the database server is running"
         ) from exc
-    head = script.get_current_head()
+    head = HEAD
     if current != head:
         raise StateError(
             f"the state database at {engine.url!r} is at migration {current}, expected {head}; "

@@ -240,3 +240,55 @@ def test_list_tables_fit_80_columns_one_line_per_row(
     monkeypatch.setattr(output.console, "_width", 200)  # a wide terminal shows more
     _, out, _ = cli(monkeypatch, capsys, "--db", url, "runs", "list")
     assert str(2**63 + 11) in out
+
+
+# What a read-only command must not import: each costs a noticeable part of a second at start-up.
+HEAVY = ("flwr", "torch", "alembic", "cryptography", "tenseal", "opacus", "fastapi")
+
+
+def _modules_after(args: list[str], env: dict[str, str]) -> set[str]:
+    """Top-level packages imported by one fresh `quorumfl ARGS` run."""
+    import subprocess
+
+    probe = (
+        "import sys\n"
+        "from quorumfl.server.cli.main import main\n"
+        f"sys.argv = ['quorumfl', *{args!r}]\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print('MODULES', ' '.join(sorted({m.split('.')[0] for m in sys.modules})))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120).stdout
+    line = next(line for line in out.splitlines() if line.startswith("MODULES "))
+    return set(line.split()[1:])
+
+
+def test_help_and_read_only_commands_import_no_heavy_package(
+    seeded: tuple[str, Repository, Path], tmp_path: Path,  # noqa: F811
+) -> None:
+    """`quorumfl --help` and `runs list` start fast (issue 20: ≤ 0.5 s) because each command imports
+    only what it needs; checked by what is imported, not by timing (this machine is noisy)."""
+    env = {**os.environ, "QUORUMFL_HOME": str(tmp_path / "home"), "QUORUMFL_DB_URL": seeded[0]}
+    help_modules = _modules_after(["--help"], env)
+    assert not help_modules & {*HEAVY, "sqlalchemy", "numpy"}, help_modules & {*HEAVY, "sqlalchemy", "numpy"}
+    for args in (["runs", "list"], ["rounds", "list", "1"], ["nodes", "list"], ["models", "list"]):
+        modules = _modules_after(args, env)
+        assert "sqlalchemy" in modules, args  # it did read the database
+        assert not modules & set(HEAVY), (args, modules & set(HEAVY))
+
+
+def test_every_command_loads_with_the_help_line_the_root_lists() -> None:
+    """The root lists placeholders from COMMANDS; each loads to a real command with that help."""
+    import click
+
+    from quorumfl.server.cli.cmd_federation import demo
+    from quorumfl.server.cli.main import COMMANDS, app, load_command
+
+    for name, (_where, help_line) in COMMANDS.items():
+        command = load_command(name)
+        assert command.name == name
+        if isinstance(command, click.Group):
+            assert command.help == help_line and command.commands, name
+    assert (demo.__doc__ or "").split("\n\n")[0].replace("\n", " ").strip() == COMMANDS["demo"][1]
+    import typer
+
+    assert set(typer.main.get_command(app).commands) == set(COMMANDS)  # type: ignore[attr-defined]

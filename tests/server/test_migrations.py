@@ -28,3 +28,19 @@ def test_downgrade_to_base_and_up_again(db_url: str) -> None:
     upgrade(engine)
     assert "runs" in inspect(engine).get_table_names()
     engine.dispose()
+
+
+def test_head_constant_is_the_newest_migration(db_url: str) -> None:
+    """``require_current`` compares with ``HEAD`` (no Alembic import when reading): it must be the head
+    of the migrations folder, and a migrated database must hold it."""
+    from alembic.script import ScriptDirectory
+
+    from quorumfl.server.state.database import HEAD, require_current
+
+    engine = create(db_url)
+    assert ScriptDirectory.from_config(migration_config(engine)).get_current_head() == HEAD
+    upgrade(engine)
+    require_current(engine)
+    with engine.connect() as conn:
+        assert MigrationContext.configure(conn).get_current_revision() == HEAD
+    engine.dispose()
