@@ -53,6 +53,7 @@ def run_demo(
     *,
     on_status: Callable[[str], None] = lambda _msg: None,
     on_round: Callable[[Run, Round], None] | None = None,
+    on_progress: Callable[[Run, Round], None] | None = None,
 ) -> Run:
     """Run the whole demo, recording into ``repo`` (the state DB at ``settings.db_url``, migrated);
     every child process is stopped before this returns or raises."""
@@ -85,7 +86,7 @@ def run_demo(
         try:
             run = follow_run(
                 repo, flower_run_id, timeout=settings.timeout, on_round=on_round,
-                alive=lambda: federation.alive(flower_run_id),
+                alive=lambda: federation.alive(flower_run_id), on_progress=on_progress,
             )
         except KeyboardInterrupt:  # the demo's federation goes with it: nothing can resume this run
             _record_stopped(repo, flower_run_id)

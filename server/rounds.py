@@ -23,7 +23,12 @@ from flwr.serverapp import Grid
 from numpy.typing import NDArray
 
 from quorumfl.aggregation.compression import warmup_fraction
-from quorumfl.aggregation.errors import ConfigError, FederationError, SecureAggregationError
+from quorumfl.aggregation.errors import (
+    ConfigError,
+    FederationError,
+    SecureAggregationError,
+    StateError,
+)
 from quorumfl.aggregation.secagg.identity import Roster, department_message
 from quorumfl.client.data.datasets import Dataset, holdout_split
 from quorumfl.client.models import architecture_key, arrays_to_model, build_model, model_to_arrays
@@ -139,6 +144,8 @@ class Federation:
             num_rounds=config.num_rounds,
         )
         self._last_round_id: int | None = None
+        self._progress_written = -math.inf  # clock of the last progress write
+        self.progress_interval = 1.0  # seconds between progress writes within a stage
         self.ckks: CkksSession | None = None
         self.selector: Selector = build_selector(config.selector, seed=config.seed, epochs=config.local_epochs,
                                                  epoch_choices=config.epoch_choices(), clusters=config.clusters)
@@ -279,6 +286,18 @@ class Federation:
         quota = self._quota if train else None
         received = 0
         started = self.clock()
+        asked = len(expected)
+        since = time.time()
+
+        def report(*, force: bool = False) -> None:
+            waiting_nodes = len(expected)
+            self._report_progress({
+                "stage": stage, "asked": asked, "replied": received,
+                "failed": asked - waiting_nodes - received, "waiting": waiting_nodes,
+                "started": round(since, 3), "deadline": round(since + timeout, 3),
+            }, force=force)
+
+        report(force=True)
 
         def take(reply: Message) -> None:
             node = destination.get(reply.metadata.reply_to_message_id)
@@ -318,10 +337,13 @@ class Federation:
         deadline = self.clock() + timeout
         with ReplyPuller(self.grid) as puller:
             while waiting:
-                for reply in puller.poll(sorted(waiting)):
+                pulled = puller.poll(sorted(waiting))
+                for reply in pulled:
                     waiting.discard(reply.metadata.reply_to_message_id)
                     if quota is None or received < quota:  # a reply after the cut leaves its node late
                         take(reply)
+                if pulled:
+                    report()
                 if again:
                     copies = [Message(content=request[n].content, dst_node_id=n,
                                       message_type=request[n].metadata.message_type) for n in again]
@@ -344,6 +366,19 @@ class Federation:
             else:
                 failures[node] = (stage, f"no reply within the {stage} deadline ({timeout:.0f}s)")
         return good
+
+    def _report_progress(self, progress: dict[str, Any], *, force: bool) -> None:
+        """Record the running round's stage for `runs start --follow` and the demo (at most once per
+        ``progress_interval``, except at a stage's start). Only a display: a failed write is logged,
+        not raised."""
+        now = self.clock()
+        if self._last_round_id is None or (not force and now - self._progress_written < self.progress_interval):
+            return
+        self._progress_written = now
+        try:
+            self.repo.set_round_progress(self._last_round_id, progress)
+        except StateError as exc:
+            log.warning("could not record the round's progress: %s", exc)
 
     # ---- the loop ---------------------------------------------------------------------------
     def run(self, *, on_round: Callable[[int, dict[str, float]], None] | None = None) -> int:

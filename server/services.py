@@ -22,7 +22,9 @@ __all__ = [
     "model_view",
     "models_view",
     "nodes_view",
+    "progress_line",
     "round_view",
+    "run_closing",
     "run_outcome_error",
     "run_summary",
     "run_view",
@@ -274,8 +276,10 @@ def follow_run(
     on_round: Callable[[Run, Round], None] | None = None,
     poll: float = 1.0,
     alive: Callable[[], bool] | None = None,
+    on_progress: Callable[[Run, Round], None] | None = None,
 ) -> Run:
-    """Wait for the run's record to reach a final status, reporting each finished round once."""
+    """Wait for the run's record to reach a final status, reporting each finished round once and,
+    with ``on_progress``, the running round at every poll (its ``progress``: stage and nodes)."""
     deadline = time.monotonic() + timeout
     reported: set[int] = set()
 
@@ -289,6 +293,9 @@ def follow_run(
                 reported.add(rnd.number)
                 if on_round is not None:
                     on_round(run, rnd)
+        running = [r for r in run.rounds if r.status == RoundStatus.RUNNING]
+        if on_progress is not None and running and run.status == RunStatus.RUNNING:
+            on_progress(run, max(running, key=lambda r: r.id))
         return run if run.status != RunStatus.RUNNING else None
 
     while True:
@@ -305,6 +312,41 @@ def follow_run(
         if time.monotonic() > deadline:
             raise FederationError(f"run {flower_run_id} did not finish within {timeout:.0f}s")
         time.sleep(poll)
+
+
+def progress_line(rnd: Round, *, now: float | None = None) -> str:
+    """One line for a running round: "round 3 · train: 7/10 replied, 1 failed, 2 awaited (34 s left)"."""
+    head = f"round {rnd.number}" + (f" (attempt {rnd.attempt})" if rnd.attempt > 1 else "")
+    p = rnd.progress
+    if not p:
+        return f"{head}: starting"
+    now = time.time() if now is None else now
+    parts = [f"{p['replied']}/{p['asked']} replied"]
+    if p.get("failed"):
+        parts.append(f"{p['failed']} failed")
+    if p.get("waiting"):
+        left = float(p.get("deadline", now)) - now
+        parts.append(f"{p['waiting']} awaited" + (f" ({left:.0f} s left)" if left >= 0 else f" (late by {-left:.0f} s)"))
+    return f"{head} · {p['stage']}: " + ", ".join(parts)
+
+
+def run_closing(repo: Repository, run: Run, elapsed: float) -> str:
+    """The closing summary of a followed run: outcome, rounds, the last global metrics, node failures,
+    the model version it produced."""
+    summary = run_summary(repo, run)
+    rounds = [r for r in run.rounds if r.status != RoundStatus.ABORTED]
+    failures = sum(len(r.failures) for r in rounds)
+    took_part = {n for r in rounds for n in r.participants}
+    line = (f"run {run.id} {run.status} in {elapsed:.0f} s: {summary['rounds_completed']}/{run.num_rounds} rounds, "
+            f"{len(took_part)} node(s) took part, {failures} node failure(s)")
+    if summary["final_accuracy"] is not None:
+        line += f"; accuracy {summary['final_accuracy']:.3f}"
+    versions = repo.list_model_versions(run_id=run.id)
+    if versions:
+        line += f"; model version {versions[-1].id}"
+    if run.error:
+        line += f"; {run.error}"
+    return line
 
 
 def budget_view(ledger: Any, *, delta: float, budget: float | None) -> dict[str, Any]:

@@ -38,9 +38,9 @@ from ..processes import (
 )
 from ..registration import sync_registrations
 from ..resume import resume_interrupted
-from ..services import budget_view, run_view
+from ..services import budget_view, run_closing, run_view
 from ..state.database import connect
-from .cmd_runs import round_progress, round_reporter
+from .cmd_runs import round_progress, round_reporter, stage_reporter
 from .context import DEFAULT_SUPERLINK, INSECURE_WARNING, settings
 from .output import console, err_console, print_json, table
 
@@ -76,6 +76,7 @@ def demo(
             repo,
             on_status=lambda msg: progress.console.print(f"[dim]{msg}[/dim]"),
             on_round=round_reporter(repo, progress, task),
+            on_progress=stage_reporter(progress, task),
         )
     view = run_view(repo, run.id)
     rows = [{"round": r["round"], "status": r["status"], "accuracy": r["metrics"].get("accuracy"),
@@ -84,11 +85,10 @@ def demo(
     extra = [c for c in ("personal-accuracy", "cluster") if any(c in d for d in view["departments"])]
     console.print(table("Final model per department (own test split)", view["departments"],
                         ["department", "accuracy", *extra, "num-examples"]))
-    elapsed = time.monotonic() - started
+    closing = run_closing(repo, run, time.monotonic() - started)
     if run.status != "completed":
-        raise FederationError(f"run {run.id} ended {run.status}: {run.error}")
-    console.print(f"[green]run {run.id} completed in {elapsed:.0f}s[/green]; see it again with "
-                  f"'quorumfl runs show {run.id}'")
+        raise FederationError(closing)
+    console.print(f"[green]{closing}[/green]; see it again with 'quorumfl runs show {run.id}'", highlight=False)
 
 
 CertsOpt = Annotated[Path | None, typer.Option("--certs", help="Credentials folder (default HOME/certs; "

@@ -13,7 +13,15 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from quorumfl.aggregation.errors import ConfigError, NotFoundError, StateError
 
-from ..services import follow_run, round_view, run_outcome_error, run_summary, run_view
+from ..services import (
+    follow_run,
+    progress_line,
+    round_view,
+    run_closing,
+    run_outcome_error,
+    run_summary,
+    run_view,
+)
 from ..state.orm import Round, Run
 from ..state.repository import Repository, RunStatus
 from .context import DEFAULT_SUPERLINK, settings
@@ -41,15 +49,16 @@ def _parse_override(item: str) -> tuple[str, Any]:
 
 def round_progress(total: int) -> tuple[Progress, Any]:
     progress = Progress(
-        TextColumn("[bold]rounds"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+        # The stage line last, so that on a narrow terminal it is what gets cut, not the count or time.
+        TextColumn("[bold]rounds"), BarColumn(bar_width=12), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), TextColumn("{task.description}"), console=console,
     )
     task = progress.add_task("", total=total)
     return progress, task
 
 
 def round_reporter(repo: Repository, progress: Progress, task: Any) -> Callable[[Run, Round], None]:
-    """A ``follow_run`` callback that advances the progress bar with each finished round."""
+    """A ``follow_run`` callback that prints each finished round as a line and advances the bar."""
 
     def on_round(run: Run, rnd: Round) -> None:
         accuracy = next(
@@ -58,9 +67,20 @@ def round_reporter(repo: Repository, progress: Progress, task: Any) -> Callable[
         )
         acc = f"accuracy {accuracy:.3f}" if accuracy is not None else rnd.status
         failed = f", {len(rnd.failures)} node failure(s)" if rnd.failures else ""
-        progress.update(task, advance=1, description=f"round {rnd.number}: {acc}, {len(rnd.participants)} nodes{failed}")
+        took = f" in {(rnd.finished_at - rnd.started_at).total_seconds():.0f} s" if rnd.finished_at else ""
+        progress.console.print(f"round {rnd.number}: {acc}, {len(rnd.participants)} nodes{failed}{took}", highlight=False)
+        progress.update(task, advance=1, description="")
 
     return on_round
+
+
+def stage_reporter(progress: Progress, task: Any) -> Callable[[Run, Round], None]:
+    """A ``follow_run`` ``on_progress`` callback: the running round's stage and nodes beside the bar."""
+
+    def on_progress(_run: Run, rnd: Round) -> None:
+        progress.update(task, description=progress_line(rnd))
+
+    return on_progress
 
 
 @runs_app.command("start")
@@ -89,21 +109,23 @@ def start(
     if follow:
         repo = settings(ctx).repository()
         progress, task = round_progress(resolved.num_rounds)
+        began = time.monotonic()
         try:
             with progress:
                 run = follow_run(
                     repo, flower_run_id, timeout=timeout, on_round=round_reporter(repo, progress, task),
                     alive=lambda: not control.run_finished(flower_run_id),
+                    on_progress=stage_reporter(progress, task),
                 )
         except KeyboardInterrupt:  # only the following stops: say so, and how to stop the run itself
             err_console.print(f"stopped following; run {flower_run_id} goes on at the SuperLink: "
                               f"'quorumfl runs show {flower_run_id}' shows it, "
                               f"'quorumfl runs stop {flower_run_id}' stops it")
             raise
+        console.print(run_closing(repo, run, time.monotonic() - began), highlight=False)
         failure = run_outcome_error(run)
         if failure is not None:  # a script must tell a failed run from a completed one
             raise failure
-        console.print(f"run {run.id}: {run.status}")
 
 
 def _recorded_run(ctx: typer.Context, flower_run_id: int, wait: float = 20.0) -> int | None:

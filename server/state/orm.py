@@ -114,6 +114,8 @@ class Round(Base):
     # Seconds per phase: "train" (send → last reply), "aggregate", "evaluate", "store".
     timings: Mapped[dict[str, float]] = mapped_column(JSON)
     error: Mapped[str | None] = mapped_column(Text)
+    # While running: the stage under way and its nodes (see ``Repository.set_round_progress``).
+    progress: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
     run: Mapped[Run] = relationship(back_populates="rounds")
     failures: Mapped[list[RoundFailure]] = relationship(

@@ -231,6 +231,17 @@ class Repository:
 
         self._write(op)
 
+    def set_round_progress(self, round_id: int, progress: Mapping[str, Any]) -> None:
+        """Record the stage a running round is in (``stage``, ``asked``, ``replied``, ``failed``,
+        ``waiting``, ``started``: UNIX seconds); ignored once the round has finished."""
+
+        def op(s: Session) -> None:
+            rnd = s.get(Round, round_id)
+            if rnd is not None and rnd.status == RoundStatus.RUNNING:
+                rnd.progress = dict(progress)
+
+        self._write(op)
+
     def abort_running_rounds(self, run_id: int, reason: str) -> int:
         """Mark rounds of ``run_id`` still 'running' as aborted (server stopped or crashed)."""
 

@@ -292,3 +292,37 @@ def test_every_command_loads_with_the_help_line_the_root_lists() -> None:
     import typer
 
     assert set(typer.main.get_command(app).commands) == set(COMMANDS)  # type: ignore[attr-defined]
+
+
+def test_follow_shows_the_running_stage_and_closes_with_a_summary(tmp_path: Path) -> None:
+    """Issue 20 item 11: while a round runs, the follower sees its stage and nodes (asked, replied,
+    failed, awaited, time left); at the end one summary line (outcome, rounds, nodes, failures)."""
+    from quorumfl.server.services import follow_run, progress_line, run_closing
+    from quorumfl.server.state.repository import RoundStatus
+
+    repo = Repository(connect(f"sqlite:///{tmp_path / 'state.db'}", migrate=True))
+    run = repo.create_run(flower_run_id=77, config={}, strategy="fedavg", num_rounds=1)
+    rnd = repo.start_round(run.id, 1, [1, 2, 3, 4])
+    repo.set_round_progress(rnd.id, {"stage": "secagg-unmask", "asked": 4, "replied": 2, "failed": 1, "waiting": 1,
+                                     "started": 1000.0, "deadline": 1030.0})
+    lines: list[str] = []
+
+    def on_progress(_run: object, running: object) -> None:
+        lines.append(progress_line(running, now=1010.0))  # type: ignore[arg-type]
+        repo.add_failure(rnd.id, 4, stage="secagg-unmask", reason="no reply within the secagg-unmask deadline (30s)")
+        repo.finish_round(rnd.id, RoundStatus.COMPLETED, participants=[1, 2, 3], timings={"train": 1.0})
+        repo.add_metrics(run.id, 1, {"accuracy": 0.75})
+        repo.finish_run(run.id, RunStatus.COMPLETED)
+
+    finished = follow_run(repo, 77, timeout=30, poll=0.05, on_progress=on_progress)
+    assert lines == ["round 1 · secagg-unmask: 2/4 replied, 1 failed, 1 awaited (20 s left)"]
+    # After the deadline the awaited node is shown late; with no progress yet, "starting".
+    late = repo.get_run(77).rounds[0]
+    assert progress_line(late, now=1040.0).endswith("1 awaited (late by 10 s)")
+    late.progress = None
+    assert progress_line(late) == "round 1: starting"
+    assert run_closing(repo, finished, 12.4) == (
+        "run 1 completed in 12 s: 1/1 rounds, 3 node(s) took part, 1 node failure(s); accuracy 0.750")
+    # A set_round_progress after the round ended changes nothing.
+    repo.set_round_progress(rnd.id, {"stage": "late-write"})
+    assert repo.get_run(77).rounds[0].progress["stage"] == "secagg-unmask"  # type: ignore[index]

@@ -300,3 +300,30 @@ def test_retries_are_bounded_and_other_errors_are_final(tmp_path: Path, federati
     assert "node error 8" in reasons[ids[2]] and "after 2 retries" in reasons[ids[2]]
     assert "partition missing" in reasons[ids[3]] and "retries" not in reasons[ids[3]]
     assert _train_sent(grid, ids[2]) == 3 and _train_sent(grid, ids[3]) == 1
+
+
+def test_a_running_round_records_its_stage_and_nodes(tmp_path: Path, federation_parts: dict[str, Path]) -> None:
+    """What `runs start --follow` shows while a round runs: the stage, and how many of the asked nodes
+    replied, failed or are still awaited (an error reply fails, a silent node stays awaited)."""
+    contexts = _contexts(dict(list(federation_parts.items())[:5]))
+    ids = list(contexts)
+    grid = LoopbackGrid(contexts, {ids[3]: error_reply, ids[4]: silent})
+    federation, repo = _federation(tmp_path, grid, **{"num-rounds": 1, "round-timeout": 1.0})
+    federation.progress_interval = 0.0
+    written: list[dict[str, object]] = []
+    record = repo.set_round_progress
+
+    def spy(round_id: int, progress: dict[str, object]) -> None:
+        written.append(dict(progress))
+        record(round_id, progress)
+
+    repo.set_round_progress = spy  # type: ignore[method-assign]
+    federation.run()
+
+    train = [w for w in written if w["stage"] == "train"]
+    assert train[0] == {**train[0], "asked": 5, "replied": 0, "failed": 0, "waiting": 5}
+    assert train[-1] == {**train[-1], "asked": 5, "replied": 3, "failed": 1, "waiting": 1}
+    assert all(float(w["deadline"]) - float(w["started"]) == pytest.approx(1.0, abs=0.01) for w in train)  # type: ignore[arg-type]
+    # The round row holds the last progress written while it ran; the round then completed without the silent node.
+    first = repo.get_run(99).rounds[0]
+    assert first.status == RoundStatus.COMPLETED and first.progress is not None and first.progress["stage"] in {"train", "evaluate"}
