@@ -11,6 +11,9 @@ would miss those.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
+import math
 import os
 import secrets
 import signal
@@ -26,7 +29,7 @@ from types import TracebackType
 
 from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
 
-from quorumfl.aggregation.errors import ConfigError, FederationError
+from quorumfl.aggregation.errors import ConfigError, CredentialError, FederationError
 
 from .admin_access import ADMIN_KEYS_FLAG
 from .certs import Credentials
@@ -37,6 +40,7 @@ __all__ = [
     "REJOIN_RETRY_S",
     "Child",
     "NodeCredentials",
+    "NodePresence",
     "ProcessGroup",
     "activated",
     "activation_refused",
@@ -116,6 +120,64 @@ class NodeCredentials:
 
     ca_cert: Path
     key: Path
+
+
+class NodePresence:
+    """This host's record of one node key while its SuperNode runs: an exclusive lock (one running
+    node per key on a host; a second is refused at once) and a stamp refreshed while the node is
+    connected. After a crash the SuperLink still counts the old SuperNode online and refuses the
+    key for up to ``REJOIN_GRACE_S``; the stamp tells that case (worth waiting for) from a key the
+    SuperLink does not know, revoked or in use elsewhere (refused at once: waiting changes nothing).
+    """
+
+    STAMP_EVERY_S = 5.0
+
+    def __init__(self, folder: Path, identity: bytes) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        tag = hashlib.sha256(identity).hexdigest()[:16]
+        self.lock_path = folder / f"node-{tag}.lock"
+        self.stamp_path = folder / f"node-{tag}.connected"
+        self._fd: int | None = None
+        self._stamped = -math.inf
+
+    def acquire(self, what: str) -> None:
+        """Take the lock; a CredentialError naming the holder's pid when another node holds it."""
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise CredentialError(f"{what} already runs on this machine (pid {holder}) with this key: one key, one "
+                              "running node; stop that one first, or give this node its own department's key") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the lock
+            self._fd = None
+
+    def connected(self) -> None:
+        """The node is connected now (cheap to call often: writes every ``STAMP_EVERY_S``)."""
+        now = time.monotonic()
+        if now - self._stamped >= self.STAMP_EVERY_S:
+            self.stamp_path.touch()
+            self._stamped = now
+
+    def seconds_since_connected(self) -> float | None:
+        """How long ago this key's node was last connected from this host (None: never, or unknown)."""
+        try:
+            return max(0.0, time.time() - self.stamp_path.stat().st_mtime)
+        except OSError:
+            return None
+
+    def rejoin_wait(self) -> float:
+        """How long a refusal is worth retrying: what is left of the SuperLink's grace after the last
+        time this key was connected from here (0 when it was not connected within the grace)."""
+        ago = self.seconds_since_connected()
+        return 0.0 if ago is None or ago >= REJOIN_GRACE_S else REJOIN_GRACE_S - ago
 
 
 def supernode_command(

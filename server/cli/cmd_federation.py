@@ -25,6 +25,7 @@ from ..processes import (
     REJOIN_RETRY_S,
     Child,
     NodeCredentials,
+    NodePresence,
     ProcessGroup,
     activated,
     activation_refused,
@@ -172,9 +173,11 @@ def node_start(
     insecure: InsecureOpt = False,
     host_slots: Annotated[int, typer.Option(help="Nodes sharing this host train at most this many ClientApps at "
                                                  "once (give every such node the same value; 0 = no limit).")] = 0,
-    rejoin_wait: Annotated[float, typer.Option(
-        help="Seconds to keep trying while the SuperLink refuses this node's key: after a crash it still counts "
-             "the node's previous SuperNode as online for up to a minute.")] = REJOIN_GRACE_S,
+    rejoin_wait: Annotated[float | None, typer.Option(
+        help="Seconds to keep trying while the SuperLink refuses this node's key. Default: what is left of "
+             f"{REJOIN_GRACE_S:.0f} s after this key's node was last connected from this machine (after a crash the "
+             "SuperLink still counts it online for a while), else 0: refused at once.",
+        show_default=False)] = None,
     warn_after: Annotated[float, typer.Option(
         help="Say so when the SuperLink has not answered after this many seconds (the node keeps trying).")
     ] = CONNECT_WARNING_S,
@@ -204,7 +207,7 @@ def node_start(
     env = flower_env(state.home)
     if host_slots < 0:
         raise typer.BadParameter(f"--host-slots must be >= 0, got {host_slots}")
-    if not rejoin_wait >= 0:
+    if rejoin_wait is not None and not rejoin_wait >= 0:
         raise typer.BadParameter(f"--rejoin-wait must be >= 0 seconds, got {rejoin_wait}")
     if host_slots:
         env.update(host_slot_env(host_slots, state.home / "clientapp-slots", path=env["PATH"]))
@@ -212,12 +215,24 @@ def node_start(
         env.update(app_guard_env((admin_key or state.credentials.admin_pub).expanduser(),
                                  state.home / "clientapp-guard", path=env["PATH"]))
     mode = "TLS, authenticated" if tls else "INSECURE"
+    presence = NodePresence(state.home / "run", tls.key.read_bytes() if tls else f"insecure:{department}".encode())
+    presence.acquire(f"a node with --department {department}")
+    try:
+        _run_node(env, state.home, department, cmd, superlink, mode, tls, presence,
+                  presence.rejoin_wait() if rejoin_wait is None else rejoin_wait, warn_after)
+    finally:
+        presence.release()
+
+
+def _run_node(env: dict[str, str], home: Path, department: str, cmd: list[str], superlink: str, mode: str,
+              tls: NodeCredentials | None, presence: NodePresence, rejoin_wait: float, warn_after: float) -> None:
     _run_in_foreground(
-        env, state.home / "logs", f"node-{department}", cmd,
+        env, home / "logs", f"node-{department}", cmd,
         lambda child: console.print(f"node {department}: connecting to the SuperLink at {superlink} ({mode}); "
                                     f"log {child.log}", soft_wrap=True),
         rejoin_wait=rejoin_wait,
         connected=lambda child: console.print(f"[green]node {department} connected[/green] to {superlink} ({mode})"),
+        presence=presence,
         silent_after=warn_after,
         silence=f"no answer from the SuperLink at {superlink} yet: check --superlink (host and port) and that "
                 "'quorumfl server start' runs there; still trying (Ctrl-C stops)",
@@ -251,16 +266,21 @@ def node_budget(
         console.print(table("refused rounds", view["refusals"], ["run", "round", "epsilon_would_be", "budget"]))
 
 
-def _wait_reporting(child: Child, connected: Callable[[Child], None] | None, silent_after: float, silence: str) -> int:
+def _wait_reporting(child: Child, connected: Callable[[Child], None] | None, silent_after: float, silence: str,
+                    presence: NodePresence | None = None) -> int:
     """Wait for ``child`` to exit; meanwhile say once when it connected (``connected``), or that it has
     not after ``silent_after`` seconds (``silence``)."""
     if connected is None:
         return child.process.wait()
     started, said, warned = time.monotonic(), False, False
     while (code := child.process.poll()) is None:
+        if said and presence is not None:
+            presence.connected()
         if not said and activated(child):
             connected(child)
             said = True
+            if presence is not None:
+                presence.connected()
         elif not said and not warned and time.monotonic() - started > silent_after:
             err_console.print(f"[yellow]{silence}[/yellow]")
             warned = True
@@ -271,7 +291,7 @@ def _wait_reporting(child: Child, connected: Callable[[Child], None] | None, sil
 def _run_in_foreground(
     env: dict[str, str], log_dir: Path, name: str, cmd: list[str], on_started: Callable[[Child], None],
     *, rejoin_wait: float = 0.0, connected: Callable[[Child], None] | None = None, silent_after: float = 0.0,
-    silence: str = "", tls_failure: str = "",
+    silence: str = "", tls_failure: str = "", presence: NodePresence | None = None,
 ) -> None:
     """Run one Flower process until it exits or we are interrupted; it (and its children) always stop.
 
@@ -283,19 +303,27 @@ def _run_in_foreground(
     with ProcessGroup(log_dir, env) as group:
         child = group.start(name, cmd)
         on_started(child)
-        while ((code := _wait_reporting(child, connected, silent_after, silence)) != 0 and activation_refused(child)
+        while ((code := _wait_reporting(child, connected, silent_after, silence, presence)) != 0 and activation_refused(child)
                and time.monotonic() < deadline):
             console.print(f"[yellow]the SuperLink refused {name} for now[/yellow]: a SuperNode with this key may "
                           f"still count as online there (one that crashed less than "
                           f"{REJOIN_GRACE_S - 30:.0f} s ago); trying again in {REJOIN_RETRY_S:.0f} s")
             time.sleep(REJOIN_RETRY_S)
             child = group.start(name, cmd)
+    if code == 0 and connected is not None and activated(child):
+        # Nothing here stopped it (Ctrl-C raises instead): Flower's SuperNode ends by itself, with
+        # status 0, when the SuperLink no longer knows its node, which is what revoking its key does.
+        raise CredentialError(
+            f"{name} left the federation: the SuperLink dropped its key (the admin revoked or unregistered it with "
+            f"'quorumfl certs revoke'); ask the admin whether this department still takes part. See {child.log}")
     if code != 0:
         if activation_refused(child):  # Flower (exit 305), still refused after the grace period
+            tried = f" (kept trying for {rejoin_wait:.0f} s)" if rejoin_wait > 0 else ""
             raise CredentialError(
-                f"the SuperLink refused {name} (kept trying for {rejoin_wait:.0f} s): its key is not registered there, was "
-                f"revoked, or another SuperNode with the same key is running; the admin registers a key with "
-                f"'quorumfl certs register'. See {child.log}")
+                f"the SuperLink refused {name}'s key{tried}: the key is not registered there (another federation's, "
+                f"or never registered), it was revoked, or a SuperNode with this key runs on another machine; the "
+                f"admin checks with 'quorumfl certs list' and registers a key with 'quorumfl certs register'. "
+                f"See {child.log}")
         if tls_failed(child) and tls_failure:
             raise CredentialError(f"{tls_failure}; see {child.log}")
         raise FederationError(f"{name} exited with code {code}; see {child.log}")

@@ -74,8 +74,25 @@ def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
         assert failing.returncode == 7, failing.stdout + failing.stderr
         assert "failed: ModelStoreError: cannot write model file" in failing.stderr, failing.stderr
 
-        # A key the federation did not issue (same name, another CA's folder) is refused at the SuperLink,
-        # also after trying again for --rejoin-wait seconds (a crashed node's key is let in once it lapses).
+        # A second node with a key that already runs on this machine is refused at once.
+        twin = subprocess.run(
+            _cli(home, "node", "start", "--department", "tax-office", "--data", str(tmp_path / "parts" / "tax-office"),
+                 "--superlink", f"127.0.0.1:{port}"),
+            capture_output=True, text=True, timeout=120, check=False)
+        assert twin.returncode == 11, twin.stdout + twin.stderr
+        assert "already runs on this machine (pid" in twin.stderr and "one key, one running node" in twin.stderr
+        # A key the federation did not issue (same name, another CA's folder) is refused at the SuperLink:
+        # at once by default (this key was never connected from here, so no crashed SuperNode of it can
+        # still count as online), and after trying again for an explicit --rejoin-wait.
+        began = time.monotonic()
+        unknown = subprocess.run(
+            _cli(home, "node", "start", "--department", "parks", "--data", str(tmp_path / "parts" / "parks"),
+                 "--superlink", f"127.0.0.1:{port}", "--key", str(tmp_path / "rogue" / "certs" / "nodes" / "parks.key")),
+            capture_output=True, text=True, timeout=120, check=False)
+        assert unknown.returncode == 11, unknown.stdout + unknown.stderr
+        assert "trying again" not in unknown.stdout and "kept trying" not in unknown.stderr, unknown.stdout
+        assert "not registered there" in unknown.stderr and "revoked" in unknown.stderr, unknown.stderr
+        assert time.monotonic() - began < 45  # not the ~90 s of retries it once took
         refused = subprocess.run(
             _cli(home, "node", "start", "--department", "parks", "--data", str(tmp_path / "parts" / "parks"),
                  "--superlink", f"127.0.0.1:{port}", "--key", str(tmp_path / "rogue" / "certs" / "nodes" / "parks.key"),
@@ -87,7 +104,8 @@ def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
         # A CA from another federation: the node says so (exit 11, naming the file), not "exited with code 1".
         foreign_ca = subprocess.run(
             _cli(home, "node", "start", "--department", "parks", "--data", str(tmp_path / "parts" / "parks"),
-                 "--superlink", f"127.0.0.1:{port}", "--ca-cert", str(tmp_path / "rogue" / "certs" / "ca.crt")),
+                 "--superlink", f"127.0.0.1:{port}", "--ca-cert", str(tmp_path / "rogue" / "certs" / "ca.crt"),
+                 "--key", str(tmp_path / "rogue" / "certs" / "nodes" / "parks.key")),  # parks' own key is in use
             capture_output=True, text=True, timeout=120, check=False)
         assert foreign_ca.returncode == 11, foreign_ca.stdout + foreign_ca.stderr
         assert f"did not verify against {tmp_path / 'rogue' / 'certs' / 'ca.crt'}" in foreign_ca.stderr, foreign_ca.stderr
@@ -105,8 +123,11 @@ def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
         nodes = json.loads(subprocess.run(_cli(home, "nodes", "list", "--format", "json"), capture_output=True, text=True,
                                           timeout=120, check=False).stdout)
         assert {n["department"]: n["enabled"] for n in nodes} == {"parks": False, "tax-office": True}
+        # ...and the revoked node says so (exit 11), where it used to end with status 0 and no word.
         parks = started[2]
         parks.wait(timeout=60)
+        assert parks.returncode == 11, (logs / "parks.log").read_text()
+        assert "left the federation: the SuperLink dropped its key" in (logs / "parks.log").read_text()
     finally:
         for proc in started:
             proc.send_signal(signal.SIGTERM)
