@@ -53,3 +53,30 @@ def test_stop_all_ends_a_process_spawned_during_shutdown(tmp_path: Path) -> None
     finally:
         if _alive(grandchild):
             os.kill(grandchild, signal.SIGKILL)
+
+
+def test_node_presence_locks_one_node_per_key_and_times_the_rejoin(tmp_path: Path) -> None:
+    """`node start`'s record of its key: a second holder is refused naming the first's pid; a refusal
+    is worth retrying only within the SuperLink's grace after this key was last connected here."""
+    import pytest
+
+    from quorumfl.aggregation.errors import CredentialError
+    from quorumfl.server.processes import REJOIN_GRACE_S, NodePresence
+
+    first = NodePresence(tmp_path / "run", b"key-a")
+    first.acquire("a node with --department parks")
+    assert NodePresence(tmp_path / "run", b"key-b").rejoin_wait() == 0.0  # never connected: refuse at once
+    with pytest.raises(CredentialError, match=rf"already runs on this machine \(pid {os.getpid()}\)"):
+        NodePresence(tmp_path / "run", b"key-a").acquire("a node with --department parks")
+    other = NodePresence(tmp_path / "run", b"key-b")
+    other.acquire("another key")  # another key is free
+    other.release()
+    first.connected()
+    assert REJOIN_GRACE_S - 5 < first.rejoin_wait() <= REJOIN_GRACE_S
+    long_ago = time.time() - REJOIN_GRACE_S - 1
+    os.utime(first.stamp_path, (long_ago, long_ago))
+    assert first.rejoin_wait() == 0.0  # the SuperLink has let go of that SuperNode by now
+    first.release()
+    again = NodePresence(tmp_path / "run", b"key-a")
+    again.acquire("a node with --department parks")  # released: free again
+    again.release()
