@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 from .certs import Credentials, node_public_key
 from .control import Control
+from .state.repository import Repository
 
-__all__ = ["RegistrationReport", "sync_registrations"]
+__all__ = ["RegistrationReport", "record_registrations", "sync_registrations"]
 
 
 @dataclass
@@ -38,3 +39,9 @@ def sync_registrations(control: Control, creds: Credentials) -> RegistrationRepo
             continue
         report.registered.append((name, control.register_node(key, name)))
     return report
+
+
+def record_registrations(repo: Repository, report: RegistrationReport) -> list[str]:
+    """List every registered node key in the state DB under its department, so `nodes list` shows the
+    federation's departments before their first run; returns the names newly listed."""
+    return [name for name, node in [*report.kept, *report.registered] if repo.record_registered(node, name)]

@@ -23,7 +23,7 @@ from ..certs import (
     server_hosts,
 )
 from ..control import sign_app_dir, store_flwr_token
-from ..registration import RegistrationReport, sync_registrations
+from ..registration import RegistrationReport, record_registrations, sync_registrations
 from .context import DEFAULT_SUPERLINK, settings
 from .output import console, table
 
@@ -50,7 +50,17 @@ def _report(report: RegistrationReport) -> None:
 
 def _apply(ctx: typer.Context, creds: Credentials, superlink: str | None) -> None:
     if superlink:
-        _report(sync_registrations(settings(ctx).control(superlink, ca_cert=creds.ca_cert, admin_key=creds.admin_key), creds))
+        report = sync_registrations(settings(ctx).control(superlink, ca_cert=creds.ca_cert, admin_key=creds.admin_key), creds)
+        _report(report)
+        _record_in_state(ctx, report)
+
+
+def _record_in_state(ctx: typer.Context, report: RegistrationReport) -> None:
+    """Where this machine holds the state DB (the server's), registered keys are listed in it."""
+    try:
+        record_registrations(settings(ctx).repository(), report)
+    except StateError:  # no state DB here (the admin's own machine)
+        return
 
 
 @certs_app.command("init")
@@ -149,6 +159,7 @@ def register(ctx: typer.Context, superlink: Annotated[str, typer.Option(help="Su
     creds = _creds(ctx, directory)
     report = sync_registrations(settings(ctx).control(superlink, ca_cert=creds.ca_cert, admin_key=creds.admin_key), creds)
     _report(report)
+    _record_in_state(ctx, report)
     console.print(f"{len(report.kept)} node key(s) were already registered")
 
 

@@ -37,7 +37,7 @@ from ..processes import (
     tls_failed,
     wait_for_port,
 )
-from ..registration import sync_registrations
+from ..registration import record_registrations, sync_registrations
 from ..resume import resume_interrupted
 from ..services import budget_view, run_closing, run_view
 from ..state.database import connect
@@ -139,6 +139,7 @@ def server_start(
             return
         if creds is not None:
             report = sync_registrations(control, creds)
+            record_registrations(state.repository(), report)
             console.print(f"node keys: {len(report.kept) + len(report.registered)} registered"
                           + (f" ({', '.join(n for n, _ in report.registered)} new)" if report.registered else "")
                           + (f", {len(report.unregistered)} retired key(s) unregistered" if report.unregistered else ""))

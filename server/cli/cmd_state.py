@@ -34,7 +34,8 @@ def list_nodes(
         return
     if run is None:
         for row in rows:
-            row["first_seen"], row["last_seen"] = short_time(row["first_seen"]), short_time(row["last_seen"])
+            row["first_seen"] = short_time(row["first_seen"])
+            row["last_seen"] = short_time(row["last_seen"]) or "not yet"  # registered, never connected
         console.print(table("Nodes", rows, ["node_id", "department", "enabled", "last_seen", "first_seen"],
                             optional=["first_seen", "last_seen"]))
         return

@@ -142,8 +142,8 @@ class Node(Base):
     node_id: Mapped[int] = mapped_column(UInt64, primary_key=True, autoincrement=False)
     department: Mapped[str | None] = mapped_column(String(64), index=True)
     enabled: Mapped[bool] = mapped_column(default=True)
-    first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True))  # registered or first seen
+    last_seen: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))  # None: registered, not yet seen
 
 
 class Metric(Base):

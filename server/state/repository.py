@@ -378,6 +378,21 @@ class Repository:
 
         return self._write(op)  # type: ignore[no-any-return]
 
+    def record_registered(self, node_id: int, department: str) -> bool:
+        """A node key registered at the SuperLink under ``department``: listed from now on (not yet
+        seen) if it was not known; True when it was new."""
+
+        def op(s: Session) -> bool:
+            node = s.get(Node, node_id)
+            if node is None:
+                s.add(Node(node_id=node_id, department=department, enabled=True, first_seen=utcnow(), last_seen=None))
+                return True
+            if not node.department:
+                node.department = department
+            return False
+
+        return self._write(op)  # type: ignore[no-any-return]
+
     def list_nodes(self) -> list[Node]:
         return self._read(lambda s: list(s.scalars(select(Node).order_by(Node.department, Node.node_id))))  # type: ignore[no-any-return]
 

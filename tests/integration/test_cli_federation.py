@@ -48,6 +48,17 @@ def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
         for dept in ("tax-office", "parks"):
             start(dept, "node", "start", "--department", dept, "--data", str(tmp_path / "parts" / dept),
                   "--superlink", f"127.0.0.1:{port}")
+        # Before any run, `nodes list` already shows the departments whose keys the server registered.
+        deadline = time.monotonic() + 60
+        while True:
+            listed_nodes = subprocess.run(_cli(home, "nodes", "list", "--format", "json"), capture_output=True,
+                                          text=True, timeout=120, check=False)
+            if listed_nodes.returncode == 0 and len(json.loads(listed_nodes.stdout)) == 2:
+                break
+            assert time.monotonic() < deadline, listed_nodes.stdout + listed_nodes.stderr
+            time.sleep(1)
+        assert {(n["department"], n["last_seen"]) for n in json.loads(listed_nodes.stdout)} == {
+            ("tax-office", None), ("parks", None)}
         config = tmp_path / "run.toml"
         config.write_text('[run]\nstrategy = "fedavg"\nnum-rounds = 2\nlocal-epochs = 1\nstart-from = "fresh"\n')
         run = subprocess.run(
