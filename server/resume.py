@@ -17,7 +17,7 @@ from quorumfl.aggregation.errors import ConfigError
 from .config import DEFAULTS
 from .control import Control
 from .state.orm import Run
-from .state.repository import Repository, RunStatus
+from .state.repository import INTERRUPTED, Repository, RunStatus
 
 __all__ = ["resume_interrupted", "resume_overrides", "resume_run"]
 
@@ -42,7 +42,11 @@ def resume_run(repo: Repository, control: Control, ref: int) -> int:
         if flower and flower[0].status != "finished":
             raise ConfigError(f"run {run.id} is still {flower[0].status} at the SuperLink (Flower run "
                               f"{run.flower_run_id}); stop it with 'quorumfl runs stop {run.id}' first")
-    return control.start_run(resume_overrides(run))
+    flower_run_id = control.start_run(resume_overrides(run))
+    # Running again from now on (the ServerApp takes it up in a few seconds; until then `runs show`
+    # would still say failed): the same record the ServerApp makes, under the new Flower run.
+    repo.resume_run(run.id, flower_run_id=flower_run_id, reason=INTERRUPTED)
+    return flower_run_id
 
 
 def resume_interrupted(repo: Repository, control: Control) -> list[tuple[int, int]]:
@@ -56,5 +60,7 @@ def resume_interrupted(repo: Repository, control: Control) -> list[tuple[int, in
             continue
         if known[run.flower_run_id].status != "finished":
             control.stop_run(run.flower_run_id)
-        resumed.append((run.id, control.start_run(resume_overrides(run))))
+        flower_run_id = control.start_run(resume_overrides(run))
+        repo.resume_run(run.id, flower_run_id=flower_run_id, reason=INTERRUPTED)
+        resumed.append((run.id, flower_run_id))
     return resumed

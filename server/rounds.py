@@ -67,13 +67,12 @@ from .selection import (
     check_selection,
 )
 from .state.orm import Run
-from .state.repository import Repository, RoundStatus, RunStatus
+from .state.repository import INTERRUPTED, Repository, RoundStatus, RunStatus
 from .strategies import ClusteredFedAvg, ClusteredResult, FedAvg, FedPer, build_strategy
 
 __all__ = ["IFCA_PICK", "Federation", "ReplyError", "parse_train_reply"]
 
 log = logging.getLogger(__name__)
-INTERRUPTED = "interrupted: the server stopped during this round; redone after resume"
 REPLY_POLL_SECONDS = 0.25  # how often the ServerApp asks the SuperLink for replies
 IFCA_PICK = "query.ifca_pick"
 Arrays = dict[str, NDArray[np.generic]]

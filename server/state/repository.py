@@ -31,7 +31,10 @@ from .orm import (
     SelectorState,
 )
 
-__all__ = ["CeremonyStatus", "Repository", "RoundStatus", "RunStatus", "read", "utcnow", "write"]
+__all__ = ["INTERRUPTED", "CeremonyStatus", "Repository", "RoundStatus", "RunStatus", "read", "utcnow", "write"]
+
+# Why a round that was running when its server stopped is recorded as aborted.
+INTERRUPTED = "interrupted: the server stopped during this round; redone after resume"
 
 
 class RunStatus(StrEnum):
