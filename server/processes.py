@@ -290,6 +290,7 @@ class ProcessGroup:
         # Inherited by every process the children start (Flower passes its environment on).
         self.token = f"{GROUP_TOKEN}={secrets.token_hex(8)}"
         self.env = {**env, GROUP_TOKEN: self.token.split("=", 1)[1]}
+        self._since = _ticks_since_boot() - 1  # processes started before this group cannot be its members
         self.children: list[Child] = []
         log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -348,8 +349,15 @@ class ProcessGroup:
         self.children.clear()
 
     def members(self) -> set[int]:
-        """Live processes (zombies excluded) whose environment carries this group's token."""
-        return _with_environ(self.token.encode())
+        """Live processes (zombies excluded) below the children, and those started since this group
+        began whose environment carries its token (reparented ones). Only those candidates' environ
+        is read: reading another process's environ waits on its memory map lock, which a process
+        busy in memory (a large training run beside us) can hold for long."""
+        table = _process_table()
+        tree = _below({c.process.pid for c in self.children}, table)
+        candidates = {pid for pid, (_ppid, _state, start) in table.items() if start >= self._since and pid not in tree}
+        live = {pid for pid in tree if table[pid][1] not in ("Z", "X")}
+        return live | {pid for pid in _with_environ(self.token.encode(), candidates) if table[pid][1] not in ("Z", "X")}
 
     def __enter__(self) -> ProcessGroup:
         return self
@@ -374,39 +382,51 @@ class ProcessGroup:
             return ""
 
 
-def _with_environ(entry: bytes) -> set[int]:
-    """Live processes of this user whose environment holds ``entry`` ("NAME=value"), found through
-    /proc (Linux); empty where /proc is absent. Zombies are left out: they hold no resources and
-    their parent reaps them."""
-    found: set[int] = set()
-    me = os.getpid()
-    for proc in Path("/proc").glob("[0-9]*"):
+def _ticks_since_boot() -> int:
+    """Now, in the clock ticks of /proc/PID/stat's start time (0 where /proc is absent)."""
+    try:
+        return int(float(Path("/proc/uptime").read_text().split()[0]) * os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _process_table() -> dict[int, tuple[int, str, int]]:
+    """pid → (parent pid, state, start time in ticks since boot), from /proc (Linux; empty elsewhere)."""
+    table: dict[int, tuple[int, str, int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
         try:
-            if int(proc.name) == me or entry not in (proc / "environ").read_bytes().split(b"\0"):
-                continue
-            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            table[int(entry.name)] = (int(fields[1]), fields[0], int(fields[19]))
         except (OSError, ValueError, IndexError):
             continue
-        if state not in ("Z", "X"):
-            found.add(int(proc.name))
+    return table
+
+
+def _below(roots: set[int], table: dict[int, tuple[int, str, int]]) -> set[int]:
+    found: set[int] = set()
+    frontier = set(roots)
+    while frontier:
+        frontier = {pid for pid, (ppid, _, _) in table.items() if ppid in frontier and pid not in found}
+        found |= frontier
+    return found
+
+
+def _with_environ(entry: bytes, pids: set[int]) -> set[int]:
+    """Those of ``pids`` (this user's) whose environment holds ``entry`` ("NAME=value")."""
+    me = os.getpid()
+    found: set[int] = set()
+    for pid in pids:
+        try:
+            if pid != me and entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found.add(pid)
+        except OSError:
+            continue
     return found
 
 
 def _descendants(roots: set[int]) -> set[int]:
     """All processes below ``roots``, found through /proc (Linux); empty where /proc is absent."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (entry / "stat").read_text()
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    found: set[int] = set()
-    frontier = set(roots)
-    while frontier:
-        frontier = {pid for pid, ppid in parents.items() if ppid in frontier and pid not in found}
-        found |= frontier
-    return found
+    return _below(roots, _process_table())
 
 
 def _signal_pids(pids: set[int], sig: signal.Signals) -> None:

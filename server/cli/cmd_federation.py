@@ -272,7 +272,11 @@ def _wait_reporting(child: Child, connected: Callable[[Child], None] | None, sil
     """Wait for ``child`` to exit; meanwhile say once when it connected (``connected``), or that it has
     not after ``silent_after`` seconds (``silence``)."""
     if connected is None:
-        return child.process.wait()
+        # Not one blocking wait: a Ctrl-C that the kernel hands to another thread of this process (Flower's
+        # and gRPC's) runs Python's handler only when the main thread next runs Python code.
+        while (code := child.process.poll()) is None:
+            time.sleep(0.25)
+        return code
     started, said, warned = time.monotonic(), False, False
     while (code := child.process.poll()) is None:
         if said and presence is not None:
