@@ -61,7 +61,14 @@ def test_a_server_stopped_mid_round_resumes_the_run_and_loses_no_completed_round
         def logs() -> str:
             return "\n".join(f"--- {c.name}\n{group.tail(c, 25)}" for c in group.children)
 
-        server = group.start("server-1", _cli(home, "server", "start", "--port", str(port)))
+        # As from a terminal: Ctrl-C must reach `server start` as a KeyboardInterrupt. A test runner
+        # started in the background (`.ci/run &`) ignores SIGINT, and an ignored signal stays ignored
+        # in a child; a handled one is reset to the default at exec.
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            server = group.start("server-1", _cli(home, "server", "start", "--port", str(port)))
+        finally:
+            signal.signal(signal.SIGINT, previous)
         wait_for_port("127.0.0.1", port, timeout=90, process=server.process)
         for dept in DEPARTMENTS:
             group.start(dept, _cli(home, "node", "start", "--department", dept, "--data", str(tmp_path / "parts" / dept),
