@@ -288,8 +288,9 @@ class ProcessGroup:
     def __init__(self, log_dir: Path, env: dict[str, str]) -> None:
         self.log_dir = log_dir
         # Inherited by every process the children start (Flower passes its environment on).
-        self.token = f"{GROUP_TOKEN}={secrets.token_hex(8)}"
-        self.env = {**env, GROUP_TOKEN: self.token.split("=", 1)[1]}
+        tag = secrets.token_hex(8)
+        self.env = {**env, GROUP_TOKEN: tag}
+        self._marker = f"{GROUP_TOKEN}={tag}".encode()  # as it appears in /proc/PID/environ
         self._since = _ticks_since_boot() - 1  # processes started before this group cannot be its members
         self.children: list[Child] = []
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -356,8 +357,7 @@ class ProcessGroup:
         table = _process_table()
         tree = _below({c.process.pid for c in self.children}, table)
         candidates = {pid for pid, (_ppid, _state, start) in table.items() if start >= self._since and pid not in tree}
-        live = {pid for pid in tree if table[pid][1] not in ("Z", "X")}
-        return live | {pid for pid in _with_environ(self.token.encode(), candidates) if table[pid][1] not in ("Z", "X")}
+        return {pid for pid in tree | _with_environ(self._marker, candidates) if table[pid][1] not in ("Z", "X")}
 
     def __enter__(self) -> ProcessGroup:
         return self

@@ -219,29 +219,23 @@ def node_start(
     presence = NodePresence(state.home / "run", tls.key.read_bytes() if tls else f"insecure:{department}".encode())
     presence.acquire(f"a node with --department {department}")
     try:
-        _run_node(env, state.home, department, cmd, superlink, mode, tls, presence,
-                  presence.rejoin_wait() if rejoin_wait is None else rejoin_wait, warn_after)
+        _run_in_foreground(
+            env, state.home / "logs", f"node-{department}", cmd,
+            lambda child: console.print(f"node {department}: connecting to the SuperLink at {superlink} ({mode}); "
+                                        f"log {child.log}", soft_wrap=True),
+            rejoin_wait=presence.rejoin_wait() if rejoin_wait is None else rejoin_wait,
+            connected=lambda child: console.print(f"[green]node {department} connected[/green] to {superlink} ({mode})"),
+            presence=presence,
+            silent_after=warn_after,
+            silence=f"no answer from the SuperLink at {superlink} yet: check --superlink (host and port) and that "
+                    "'quorumfl server start' runs there; still trying (Ctrl-C stops)",
+            tls_failure="" if tls is None else (
+                f"the SuperLink at {superlink} did not verify against {tls.ca_cert}: that certificate is another "
+                "federation's CA, or the server's certificate does not name this host; get the federation's ca.crt "
+                "from the admin (or pass --ca-cert)"),
+        )
     finally:
         presence.release()
-
-
-def _run_node(env: dict[str, str], home: Path, department: str, cmd: list[str], superlink: str, mode: str,
-              tls: NodeCredentials | None, presence: NodePresence, rejoin_wait: float, warn_after: float) -> None:
-    _run_in_foreground(
-        env, home / "logs", f"node-{department}", cmd,
-        lambda child: console.print(f"node {department}: connecting to the SuperLink at {superlink} ({mode}); "
-                                    f"log {child.log}", soft_wrap=True),
-        rejoin_wait=rejoin_wait,
-        connected=lambda child: console.print(f"[green]node {department} connected[/green] to {superlink} ({mode})"),
-        presence=presence,
-        silent_after=warn_after,
-        silence=f"no answer from the SuperLink at {superlink} yet: check --superlink (host and port) and that "
-                "'quorumfl server start' runs there; still trying (Ctrl-C stops)",
-        tls_failure="" if tls is None else (
-            f"the SuperLink at {superlink} did not verify against {tls.ca_cert}: that certificate is another "
-            "federation's CA, or the server's certificate does not name this host; get the federation's ca.crt "
-            "from the admin (or pass --ca-cert)"),
-    )
 
 
 @node_app.command("budget")
@@ -271,24 +265,20 @@ def _wait_reporting(child: Child, connected: Callable[[Child], None] | None, sil
                     presence: NodePresence | None = None) -> int:
     """Wait for ``child`` to exit; meanwhile say once when it connected (``connected``), or that it has
     not after ``silent_after`` seconds (``silence``)."""
-    if connected is None:
-        # Not one blocking wait: a Ctrl-C that the kernel hands to another thread of this process (Flower's
-        # and gRPC's) runs Python's handler only when the main thread next runs Python code.
-        while (code := child.process.poll()) is None:
-            time.sleep(0.25)
-        return code
+    # Polled, not one blocking wait: a Ctrl-C that the kernel hands to another thread of this process
+    # (Flower's and gRPC's) runs Python's handler only when the main thread next runs Python code.
     started, said, warned = time.monotonic(), False, False
     while (code := child.process.poll()) is None:
-        if said and presence is not None:
-            presence.connected()
-        if not said and activated(child):
-            connected(child)
-            said = True
-            if presence is not None:
-                presence.connected()
-        elif not said and not warned and time.monotonic() - started > silent_after:
-            err_console.print(f"[yellow]{silence}[/yellow]")
-            warned = True
+        if connected is not None:
+            if said:
+                if presence is not None:
+                    presence.connected()
+            elif activated(child):
+                connected(child)
+                said = True
+            elif not warned and time.monotonic() - started > silent_after:
+                err_console.print(f"[yellow]{silence}[/yellow]")
+                warned = True
         time.sleep(0.25)
     return code
 
