@@ -30,6 +30,7 @@ from types import TracebackType
 from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
 
 from quorumfl.aggregation.errors import ConfigError, CredentialError, FederationError
+from quorumfl.client.launch_gate import write_superexec
 
 from .admin_access import ADMIN_KEYS_FLAG
 from .certs import Credentials
@@ -66,7 +67,10 @@ def flower_executable(name: str) -> str:
 
 
 def flower_env(home: Path, *, db_url: str | None = None) -> dict[str, str]:
-    """Environment for Flower processes: no telemetry, no update check, no runtime installs."""
+    """Environment for Flower processes: no telemetry, no update check, no runtime installs, and
+    ``HOME/run/bin`` first on PATH with the ``flower-superexec`` that reaps the app processes Flower
+    starts (written here: call this only to start Flower processes)."""
+    shims = write_superexec(home / "run" / "bin")
     env = dict(os.environ)
     env.update(
         {
@@ -80,7 +84,7 @@ def flower_env(home: Path, *, db_url: str | None = None) -> dict[str, str]:
             # round trip pays up to that wait again.
             "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": os.environ.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.25"),
             # Flower starts its helpers (flower-superexec, flwr-serverapp, flwr-clientapp) by name.
-            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+            "PATH": os.pathsep.join([str(shims), str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
         }
     )
     if db_url:

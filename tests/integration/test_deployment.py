@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
+from quorumfl.server.processes import _below, _process_table
 from quorumfl.server.services import follow_run
 from quorumfl.server.state.repository import RoundStatus, RunStatus
 
@@ -49,6 +50,17 @@ def test_two_rounds_recorded_in_the_state_db(deployment: Deployment) -> None:
     while not d.federation.control.run_finished(flower_run_id):
         assert time.monotonic() < deadline, "Flower never marked the run finished"
         time.sleep(0.5)
+    # Every app process Flower started (ServerApp, ClientApps) has been reaped: none is <defunct>.
+    deadline = time.monotonic() + 10
+    while zombies := _defunct_below(d):
+        assert time.monotonic() < deadline, f"defunct app processes left after the run: {zombies}"
+        time.sleep(0.5)
+
+
+def _defunct_below(d: Deployment) -> list[str]:
+    table = _process_table()
+    tree = _below({c.process.pid for c in d.federation.group.children}, table)
+    return [str(pid) for pid in tree if table[pid][1] == "Z"]
 
 
 @pytest.mark.slow
