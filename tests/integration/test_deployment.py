@@ -50,17 +50,20 @@ def test_two_rounds_recorded_in_the_state_db(deployment: Deployment) -> None:
     while not d.federation.control.run_finished(flower_run_id):
         assert time.monotonic() < deadline, "Flower never marked the run finished"
         time.sleep(0.5)
-    # Every app process Flower started (ServerApp, ClientApps) has been reaped: none is <defunct>.
+    _assert_no_defunct_app_process(d)
+
+
+def _assert_no_defunct_app_process(d: Deployment) -> None:
+    """Every app process Flower started (ServerApp, ClientApps) has been reaped: none is <defunct>."""
     deadline = time.monotonic() + 10
-    while zombies := _defunct_below(d):
+    while True:
+        table = _process_table()
+        tree = _below({c.process.pid for c in d.federation.group.children}, table)
+        zombies = [pid for pid in tree if table[pid][1] == "Z"]
+        if not zombies:
+            return
         assert time.monotonic() < deadline, f"defunct app processes left after the run: {zombies}"
         time.sleep(0.5)
-
-
-def _defunct_below(d: Deployment) -> list[str]:
-    table = _process_table()
-    tree = _below({c.process.pid for c in d.federation.group.children}, table)
-    return [str(pid) for pid in tree if table[pid][1] == "Z"]
 
 
 @pytest.mark.slow
@@ -119,6 +122,7 @@ def test_runs_stop_through_the_cli(deployment: Deployment) -> None:
     assert run.status == RunStatus.STOPPED
     assert len([r for r in run.rounds if r.status == RoundStatus.COMPLETED]) < 50
     assert all(r.status in (RoundStatus.COMPLETED, RoundStatus.ABORTED) for r in run.rounds)
+    _assert_no_defunct_app_process(d)
 
 
 def test_flowers_own_flwr_cli_needs_the_admin_token_and_a_signed_app(deployment: Deployment, tmp_path: Path) -> None:
