@@ -64,6 +64,7 @@ GATE_REAL_ENV = "QUORUMFL_CLIENTAPP_REAL"  # Flower's own flwr-clientapp
 GATE_WAIT_ENV = "QUORUMFL_CLIENTAPP_GATE_WAIT"
 ADMIN_KEYS_ENV = "QUORUMFL_ADMIN_KEYS"  # the admin's public keys: the ClientApp runs behind app_guard
 CLIENTAPP = "flwr-clientapp"
+WARM_ENV = "QUORUMFL_CLIENTAPP_WARM"  # warm.WARM_ENV: the warm server's socket (warm ClientApps)
 SUPEREXEC = "flower-superexec"
 
 
@@ -126,6 +127,12 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         fd, slot = held
         os.set_inheritable(fd, True)
         environ[SLOT_HELD_ENV] = str(slot)
+    if environ.get(WARM_ENV):  # forked from the warm server, which has everything imported
+        from .warm import run_warm
+
+        code = run_warm(args, environ)
+        if code is not None:
+            return code
     if guarded:  # Flower's flwr-clientapp behind the admin-signature check (app_guard)
         os.execve(sys.executable, [sys.executable, "-m", "quorumfl.client.app_guard", *args], environ)
     os.execve(real, [real, *args], environ)

@@ -198,7 +198,8 @@ def supernode_command(
             f"'{value}'" if isinstance(value, str) else repr(value))
         config += f" {key}={shown}"
     cmd = [
-        flower_executable("flower-supernode"),
+        # Flower's SuperNode with its fixed 3 s idle poll shortened (quorumfl.client.supernode).
+        sys.executable, "-m", "quorumfl.client.supernode",
         "--superlink", superlink,
         "--port", str(port),
         "--node-config", config,

@@ -15,6 +15,8 @@ from quorumfl.client.data import prepare_partitions, read_partition
 from quorumfl.client.data.datasets import FASHION_MNIST_DIR
 from quorumfl.client.data.planted import plant_partitions
 from quorumfl.client.host_slots import host_slot_env
+from quorumfl.client.supernode import DEFAULT_POLL_S, POLL_ENV
+from quorumfl.client.warm import warm_env
 
 from ..certs import Credentials, check_node_key, check_server
 from ..config import SecureMode
@@ -182,6 +184,13 @@ def node_start(
     warn_after: Annotated[float, typer.Option(
         help="Say so when the SuperLink has not answered after this many seconds (the node keeps trying).")
     ] = CONNECT_WARNING_S,
+    warm: Annotated[bool, typer.Option(
+        "--warm-clientapps/--cold-clientapps",
+        help="Fork each ClientApp from one process that has torch, Flower and QuorumFL imported (warm), or "
+             "start a fresh interpreter per message, as Flower does (cold).")] = True,
+    poll: Annotated[float, typer.Option(
+        "--poll", help="Seconds between the SuperNode's requests for new messages while idle (Flower's own: 3).",
+        min=0.05, max=3.0)] = DEFAULT_POLL_S,
 ) -> None:
     """Run a Flower SuperNode that serves the QuorumFL ClientApp on DATA, until Ctrl-C."""
     state = settings(ctx)
@@ -215,6 +224,9 @@ def node_start(
     if tls is not None:  # only runs the admin signed (fails closed without the admin's public key)
         env.update(app_guard_env((admin_key or state.credentials.admin_pub).expanduser(),
                                  state.home / "clientapp-guard", path=env["PATH"]))
+    if warm:
+        env.update(warm_env(state.home / "clientapp-warm", path=env["PATH"], env=env))
+    env[POLL_ENV] = str(poll)
     mode = "TLS, authenticated" if tls else "INSECURE"
     presence = NodePresence(state.home / "run", tls.key.read_bytes() if tls else f"insecure:{department}".encode())
     presence.acquire(f"a node with --department {department}")

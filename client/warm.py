@@ -1,0 +1,329 @@
+"""Warm ClientApps: a node's ClientApp processes are forked from a process that has already imported
+torch, Flower and QuorumFL, instead of each starting a fresh interpreter.
+
+Flower's SuperExec starts ``flwr-clientapp`` once per message (train, each secure-aggregation stage,
+evaluate). Importing torch, Flower and QuorumFL costs about 2.3 s of CPU per process, where the
+stage itself often takes milliseconds: on two cores with ten nodes every round trip paid about
+ten seconds of imports. Flower 1.42 has pre-started task workers only for its Kubernetes executor
+(``flwr/supercore/task_worker.py``), and Python's ``multiprocessing`` forkserver runs functions, not
+a program with its own argv, environment and standard streams, so this module is the small
+fork server that does:
+
+- the launch gate (``launch_gate.main``, run by the SuperExec as ``flwr-clientapp``) calls
+  ``run_warm``: it connects to the warm server's Unix socket (starting the server first when none
+  answers, under a lock), sends its argv, environment and working directory and passes its stdin,
+  stdout and stderr as file descriptors (``SCM_RIGHTS``), then waits for the task's exit code and
+  exits with it, forwarding SIGINT/SIGTERM/SIGHUP to the task;
+- the warm server (``serve``) imports everything once, then for each request forks a child that
+  takes over those streams, the environment and argv, resets its signal handlers and runs the
+  same entry point the cold path would (Flower's ``flwr-clientapp``, behind ``app_guard`` when the
+  server was started with the admin key). A task's crash ends only that child; its memory is the
+  child's and is returned when it exits, as before.
+
+Trust: the socket lives in a 0700 directory of the node's home and the server answers only its own
+user (``SO_PEERCRED``); the admin-signature check is decided by the server's own environment, never
+by a request. The server exits when the SuperExec that started it is gone. Any failure to reach or
+start it falls back to the cold path (a fresh ``flwr-clientapp``).
+
+Standard library only at import: the gate imports this before anything heavy.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from .launch_gate import (
+    ADMIN_KEYS_ENV,
+    CLIENTAPP,
+    GATE_REAL_ENV,
+    SLOT_HELD_ENV,
+    WARM_ENV,
+    write_gate,
+)
+
+__all__ = ["WARM_ENV", "run_warm", "serve", "warm_env"]
+
+_MAX_REQUEST = 1 << 20
+_HEADER = struct.Struct("!I")
+_PID = struct.Struct("!q")
+_CODE = struct.Struct("!i")
+START_WAIT_S = 15.0  # a server that is not answering within this falls back to the cold path
+
+
+def warm_env(directory: Path, *, path: str, env: Mapping[str, str]) -> dict[str, str]:
+    """Environment entries that make a SuperNode's ClientApps warm: the launch gate (written to
+    ``directory/bin``) first on ``path``, the warm server's socket in ``directory`` (0700), and
+    Flower's own ``flwr-clientapp`` for the cold fallback (kept when ``env`` names one already)."""
+    import shutil
+
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    directory.chmod(0o700)
+    extra = {WARM_ENV: str(directory / "warm.sock")}
+    if not env.get(GATE_REAL_ENV):  # Flower's own, beside this interpreter (PATH may hold a gate already)
+        sibling = Path(sys.executable).parent / CLIENTAPP
+        real = str(sibling) if os.access(sibling, os.X_OK) else shutil.which(CLIENTAPP, path=path)
+        if real is None:
+            return {}  # no Flower ClientApp on PATH: leave the node as it is (it fails there, clearly)
+        extra[GATE_REAL_ENV] = real
+    gate_dir = write_gate(directory / "bin")
+    extra["PATH"] = os.pathsep.join([str(gate_dir), path])
+    return extra
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return data
+
+
+def _connect(path: str) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(path)
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def _start_server(path: str, env: Mapping[str, str], watch_pid: int) -> socket.socket | None:
+    """Connect to the warm server at ``path``, starting it first when none answers (one starter at a
+    time, under ``path.lock``); None when it is not answering within ``START_WAIT_S``."""
+    sock = _connect(path)
+    if sock is not None:
+        return sock
+    directory = Path(path).parent
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with open(f"{path}.lock", "a+b") as lock:
+        deadline = time.monotonic() + START_WAIT_S
+        while True:  # another gate may be starting it: wait for the lock without blocking forever
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return None
+                time.sleep(0.05)
+        sock = _connect(path)
+        if sock is not None:
+            return sock
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        server_env = {k: v for k, v in env.items() if k != SLOT_HELD_ENV}
+        log = open(directory / "warm-server.log", "ab")  # noqa: SIM115 (handed to the child)
+        with log:
+            subprocess.Popen([sys.executable, "-m", "quorumfl.client.warm", path, str(watch_pid)], env=server_env,
+                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                             close_fds=True)
+        while time.monotonic() < deadline:
+            sock = _connect(path)
+            if sock is not None:
+                return sock
+            time.sleep(0.05)
+        return None
+
+
+def _parent_pid(args: Sequence[str]) -> int:
+    """The SuperExec's pid from Flower's ``--parent-pid`` argument (else this process's parent)."""
+    for i, arg in enumerate(args):
+        if arg == "--parent-pid" and i + 1 < len(args) and args[i + 1].isdigit():
+            return int(args[i + 1])
+        if arg.startswith("--parent-pid="):
+            value = arg.split("=", 1)[1]
+            if value.isdigit():
+                return int(value)
+    return os.getppid()
+
+
+def run_warm(args: Sequence[str], env: Mapping[str, str]) -> int | None:
+    """Run ``flwr-clientapp args`` as a child of the warm server named by ``env[WARM_ENV]``, with this
+    process's standard streams; its exit code, or None when no warm server could be reached (the
+    caller then runs the cold path; nothing of the task has run)."""
+    path = env.get(WARM_ENV, "")
+    if not path:
+        return None
+    try:
+        sock = _start_server(path, env, _parent_pid(args))
+    except OSError:
+        return None
+    if sock is None:
+        return None
+    with sock:
+        request = json.dumps({"argv": list(args), "env": dict(env), "cwd": os.getcwd()}).encode()
+        try:
+            fds = array.array("i", [0, 1, 2])
+            sock.sendmsg([_HEADER.pack(len(request)), request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+            pid = _PID.unpack(_recv_exact(sock, _PID.size))[0]
+        except (OSError, EOFError):
+            return None  # the server refused or died before forking: nothing ran
+
+        def forward(signum: int, _frame: object) -> None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, forward)
+        try:
+            return int(_CODE.unpack(_recv_exact(sock, _CODE.size))[0])
+        except (OSError, EOFError):
+            return 1  # the task ended without reporting (killed)
+
+
+def _entry(own_env: Mapping[str, str]) -> int:
+    """The task's entry point, as the cold path would run it; the guard decided by ``own_env``."""
+    try:
+        if own_env.get(ADMIN_KEYS_ENV):
+            os.environ[ADMIN_KEYS_ENV] = own_env[ADMIN_KEYS_ENV]
+            from quorumfl.client.app_guard import main as guarded
+
+            guarded()
+        else:
+            from flwr.supernode.cli import flwr_clientapp
+
+            flwr_clientapp()
+    except SystemExit as exc:
+        code = exc.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code
+        print(code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: BLE001 (the child reports any failure as its exit code)
+        import traceback
+
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _child(conn: socket.socket, listener: socket.socket, request: dict[str, object], fds: list[int],
+           own_env: Mapping[str, str]) -> None:
+    """In the forked child: take over the requester's streams, environment and argv; run the task."""
+    code = 1
+    try:
+        listener.close()
+        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for target, fd in enumerate(fds[:3]):
+            os.dup2(fd, target)
+        for fd in fds:
+            if fd > 2:
+                os.close(fd)
+        env = request["env"]
+        argv = request["argv"]
+        assert isinstance(env, dict) and isinstance(argv, list)
+        os.environ.clear()
+        os.environ.update({str(k): str(v) for k, v in env.items()})
+        with contextlib.suppress(OSError):
+            os.chdir(str(request["cwd"]))
+        sys.argv = ["flwr-clientapp", *map(str, argv)]
+        conn.sendall(_PID.pack(os.getpid()))
+        code = _entry(own_env)
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        with contextlib.suppress(OSError):
+            conn.sendall(_CODE.pack(code))
+        os._exit(code & 0xFF if code >= 0 else 1)
+
+
+def _preload() -> None:
+    """Import what every ClientApp imports, so forked tasks start with it in memory."""
+    import flwr.supernode.cli  # noqa: F401
+    import flwr.supernode.runtime.run_clientapp  # noqa: F401
+    import torch  # noqa: F401
+
+    import quorumfl.client.app  # noqa: F401
+    import quorumfl.client.app_guard  # noqa: F401
+    import quorumfl.privacy.admin  # noqa: F401
+
+
+def serve(path: str, watch_pid: int) -> int:
+    """Preload, then fork a task for each request on the Unix socket ``path`` until ``watch_pid``
+    (the SuperExec) is gone. Single-threaded, so every fork copies a consistent process."""
+    own_env = dict(os.environ)
+    _preload()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    tmp = f"{path}.{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    listener.bind(tmp)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)  # appears only once the imports are done: a connect means warm
+    listener.listen(64)
+    listener.settimeout(1.0)
+    print(f"warm ClientApp server {os.getpid()} on {path}", flush=True)
+    uid = os.getuid()
+    while True:
+        try:
+            os.kill(watch_pid, 0)
+        except ProcessLookupError:
+            break
+        except PermissionError:
+            pass
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        except OSError:
+            break
+        conn.settimeout(10.0)
+        fds = []
+        try:
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            if struct.unpack("3i", creds)[1] != uid:
+                raise PermissionError("peer is another user")
+            fds_array = array.array("i")
+            header, ancdata, _flags, _addr = conn.recvmsg(_HEADER.size, socket.CMSG_SPACE(3 * fds_array.itemsize))
+            for level, kind, data in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds_array.frombytes(data[: len(data) - (len(data) % fds_array.itemsize)])
+            fds = list(fds_array)
+            if len(header) < _HEADER.size:
+                header += _recv_exact(conn, _HEADER.size - len(header))
+            (size,) = _HEADER.unpack(header)
+            if len(fds) != 3 or size > _MAX_REQUEST:
+                raise ValueError("malformed request")
+            request = json.loads(_recv_exact(conn, size))
+            if not isinstance(request, dict) or not isinstance(request.get("argv"), list) \
+                    or not isinstance(request.get("env"), dict):
+                raise ValueError("malformed request")
+        except (OSError, ValueError, EOFError, struct.error) as exc:
+            print(f"refused a request: {exc}", flush=True)
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            continue
+        conn.settimeout(None)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if os.fork() == 0:
+            _child(conn, listener, request, fds, own_env)
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+    return 0  # the socket file stays: a gate that cannot connect to it starts a new server
+
+
+if __name__ == "__main__":
+    sys.exit(serve(sys.argv[1], int(sys.argv[2])))

@@ -1,0 +1,117 @@
+"""Warm ClientApps and the SuperNode's poll: a task forked from the warm server runs Flower's real
+``flwr-clientapp`` with the requester's argv and streams and returns its exit code; without a warm
+server the gate falls back to the cold path; the admin-signature guard is the server's to decide,
+not the request's; the SuperNode's waits are shortened only where Flower sleeps."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from quorumfl.client.launch_gate import ADMIN_KEYS_ENV, GATE_REAL_ENV, WARM_ENV
+from quorumfl.client.supernode import DEFAULT_POLL_S, LOCAL_WAIT_S, POLL_ENV, patch_waits, poll_interval
+from quorumfl.client.warm import run_warm, warm_env
+
+GATE = [sys.executable, "-c", "import sys; from quorumfl.client.launch_gate import main; sys.exit(main())"]
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUORUMFL_")}
+    env.update(warm_env(tmp_path / "warm", path=env.get("PATH", ""), env=env))
+    env.update(extra)
+    return env
+
+
+def _server_pids(tmp_path: Path) -> set[int]:
+    found = set()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"quorumfl.client.warm" in cmdline and str(tmp_path).encode() in b" ".join(cmdline):
+            found.add(int(entry.name))
+    return found
+
+
+@pytest.fixture
+def servers(tmp_path: Path):  # type: ignore[no-untyped-def]
+    yield
+    for pid in _server_pids(tmp_path):
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_a_warm_task_runs_flowers_clientapp_with_the_callers_argv_streams_and_exit_code(
+        tmp_path: Path, servers: None) -> None:
+    env = _env(tmp_path)
+    # Flower's flwr-clientapp refuses an unknown flag with argparse's exit code 2 on stderr.
+    first = subprocess.run([*GATE, "--token", "t", "--no-such-flag"], env=env, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 2, first.stderr
+    assert "--no-such-flag" in first.stderr and "flwr-clientapp" in first.stderr
+    assert len(_server_pids(tmp_path)) == 1  # the first call started the warm server
+    log = (tmp_path / "warm" / "warm-server.log").read_text()
+    assert "warm ClientApp server" in log
+    shown = subprocess.run([*GATE, "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "Run a Flower ClientApp" in shown.stdout
+    assert len(_server_pids(tmp_path)) == 1  # the second call was forked by the same server
+
+
+def test_without_a_warm_server_the_gate_runs_the_cold_clientapp(tmp_path: Path) -> None:
+    cold = tmp_path / "cold-clientapp"
+    cold.write_text("#!/bin/sh\necho cold \"$@\"\nexit 5\n")
+    cold.chmod(0o755)
+    env = _env(tmp_path, **{WARM_ENV: "/proc/no-such-dir/warm.sock", GATE_REAL_ENV: str(cold)})
+    result = subprocess.run([*GATE, "--x"], env=env, capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout.strip()) == (5, "cold --x")
+    assert run_warm(["--x"], {WARM_ENV: ""}) is None
+
+
+def test_a_request_cannot_drop_the_servers_admin_guard(tmp_path: Path, servers: None) -> None:
+    """A server started for a node that runs only admin-signed apps keeps the guard for a request
+    whose environment leaves the admin key out: the task goes through app_guard, which fails
+    closed here (the key file is missing) with its exit code 78."""
+    env = _env(tmp_path, **{ADMIN_KEYS_ENV: str(tmp_path / "missing-admin.pub")})
+    guarded = subprocess.run([*GATE, "--help"], env=env, capture_output=True, text=True, timeout=120)
+    assert guarded.returncode == 78 and "refusing to run any app" in guarded.stderr
+    sneaky = {k: v for k, v in env.items() if k != ADMIN_KEYS_ENV}
+    result = subprocess.run([sys.executable, "-c", "import sys; from quorumfl.client.warm import run_warm; "
+                             "sys.exit(run_warm(['--help'], __import__('os').environ))"],
+                            env=sneaky, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 78 and "refusing to run any app" in result.stderr
+
+
+def test_supernode_waits_are_shortened_only_where_flower_sleeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    module = ModuleType("flower_loop")
+    module.time = time  # type: ignore[attr-defined]
+    patch_waits(module, 0.4)
+    module.time.sleep(3)  # type: ignore[attr-defined]
+    module.time.sleep(0.5)  # type: ignore[attr-defined]
+    assert slept == [0.4, LOCAL_WAIT_S]
+    assert module.time.monotonic is time.monotonic  # type: ignore[attr-defined]
+    with pytest.raises(RuntimeError, match="no longer uses the time module"):
+        patch_waits(module, 0.4)  # already patched: not the time module any more
+
+
+def test_flowers_supernode_loop_is_what_the_patch_expects() -> None:
+    from flwr.supernode import start_client_internal
+
+    assert start_client_internal.time is time  # Flower 1.42: `import time` and `time.sleep(3)` when idle
+    source = Path(start_client_internal.__file__).read_text()
+    assert "time.sleep(3)" in source
+
+
+def test_poll_interval_is_checked() -> None:
+    assert poll_interval({}) == DEFAULT_POLL_S
+    assert poll_interval({POLL_ENV: "1.5"}) == 1.5
+    for bad in ("0", "fast", "10"):
+        with pytest.raises(ValueError, match=POLL_ENV):
+            poll_interval({POLL_ENV: bad})
