@@ -22,7 +22,8 @@ reported on its own (``masked_setup_s``); with ≥ 3 rounds the median is a roun
     python benchmarks/secagg.py --json          # last line: one JSON object
 
 Keys: plain_round_s, masked_round_s, flower_secaggplus_round_s (run 3), masked_over_plain,
-overhead_ratio = (flower − plain) / (masked − plain); flower_secaggplus_eager_round_s and
+overhead_ratio = (flower − plain) / (masked − plain), null when masked ≤ plain (the overhead is then
+below the run's noise; masked_minus_plain_s and flower_minus_plain_s give the differences); flower_secaggplus_eager_round_s and
 overhead_ratio_eager for run 4; masked_setup_s, masked_unmask_s, masked_confirm_s (the consistency
 round trip of a signed epoch: local federations run with node keys, so it is on), signed_bytes
 (what signing adds per node), per-round lists, peak RSS.
@@ -97,9 +98,13 @@ def main() -> None:
             "masked_round_s": masked_s,
             "flower_secaggplus_round_s": flower_s,
             "masked_over_plain": masked_s / plain_s,
-            "overhead_ratio": (flower_s - plain_s) / (masked_s - plain_s) if masked_s > plain_s else float("inf"),
+            # None when the masked median is not above the plaintext one: the overhead is then below
+            # this run's round-to-round noise and a ratio says nothing (JSON has no infinity).
+            "overhead_ratio": (flower_s - plain_s) / (masked_s - plain_s) if masked_s > plain_s else None,
+            "masked_minus_plain_s": masked_s - plain_s,
+            "flower_minus_plain_s": flower_s - plain_s,
             "flower_secaggplus_eager_round_s": eager_s,
-            "overhead_ratio_eager": (eager_s - plain_s) / (masked_s - plain_s) if masked_s > plain_s else float("inf"),
+            "overhead_ratio_eager": (eager_s - plain_s) / (masked_s - plain_s) if masked_s > plain_s else None,
             "masked_setup_s": masked[0].get("secagg-setup", 0.0),
             "masked_unmask_s": statistics.median(t.get("secagg-unmask", 0.0) for t in masked),
             "masked_confirm_s": statistics.median(t.get("secagg-confirm", 0.0) for t in masked),

@@ -40,6 +40,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -213,6 +214,14 @@ def _entry(own_env: Mapping[str, str]) -> int:
     return 0
 
 
+def _end_with_requester(conn: socket.socket) -> None:
+    """The task ends with the process that asked for it (the SuperExec's ``flwr-clientapp``): the
+    requester sends nothing more, so a read returns only when it is gone, as after ``kill -9``."""
+    with contextlib.suppress(OSError):
+        conn.recv(1)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _child(conn: socket.socket, listener: socket.socket, request: dict[str, object], fds: list[int],
            own_env: Mapping[str, str]) -> None:
     """In the forked child: take over the requester's streams, environment and argv; run the task."""
@@ -234,8 +243,11 @@ def _child(conn: socket.socket, listener: socket.socket, request: dict[str, obje
         os.environ.update({str(k): str(v) for k, v in env.items()})
         with contextlib.suppress(OSError):
             os.chdir(str(request["cwd"]))
-        sys.argv = ["flwr-clientapp", *map(str, argv)]
+        sys.argv = [CLIENTAPP, *map(str, argv)]
+        with contextlib.suppress(OSError):  # what ps/top show as the process name
+            Path("/proc/self/comm").write_text(CLIENTAPP)
         conn.sendall(_PID.pack(os.getpid()))
+        threading.Thread(target=_end_with_requester, args=(conn,), daemon=True).start()
         code = _entry(own_env)
     finally:
         with contextlib.suppress(Exception):

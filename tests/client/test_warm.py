@@ -16,7 +16,13 @@ from types import ModuleType
 import pytest
 
 from quorumfl.client.launch_gate import ADMIN_KEYS_ENV, GATE_REAL_ENV, WARM_ENV
-from quorumfl.client.supernode import DEFAULT_POLL_S, LOCAL_WAIT_S, POLL_ENV, patch_waits, poll_interval
+from quorumfl.client.supernode import (
+    DEFAULT_POLL_S,
+    LOCAL_WAIT_S,
+    POLL_ENV,
+    patch_waits,
+    poll_interval,
+)
 from quorumfl.client.warm import run_warm, warm_env
 
 GATE = [sys.executable, "-c", "import sys; from quorumfl.client.launch_gate import main; sys.exit(main())"]
@@ -115,3 +121,46 @@ def test_poll_interval_is_checked() -> None:
     for bad in ("0", "fast", "10"):
         with pytest.raises(ValueError, match=POLL_ENV):
             poll_interval({POLL_ENV: bad})
+
+
+def _tasks_of(server_pids: set[int]) -> set[int]:
+    found = set()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid in server_pids:
+            found.add(int(entry.name))
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def test_a_task_ends_with_the_process_that_asked_for_it(tmp_path: Path, servers: None) -> None:
+    """``kill -9`` of the SuperExec's flwr-clientapp (the gate) ends the warm task too, as it ended
+    the cold ClientApp: nothing keeps running behind the SuperExec's back."""
+    env = _env(tmp_path)
+    # No Runtime API answers on port 9: Flower's ClientApp keeps retrying, so the task stays alive.
+    gate = subprocess.Popen([*GATE, "--token", "t", "--insecure", "--runtime-api-address", "127.0.0.1:9"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tasks := _tasks_of(_server_pids(tmp_path))):
+            assert time.monotonic() < deadline, "no warm task started"
+            time.sleep(0.1)
+        assert gate.poll() is None
+        assert {Path(f"/proc/{pid}/comm").read_text().strip() for pid in tasks} == {"flwr-clientapp"}
+        gate.kill()
+        gate.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(map(_running, tasks)):
+            assert time.monotonic() < deadline, "the warm task outlived its requester"
+            time.sleep(0.1)
+    finally:
+        gate.kill()
