@@ -164,3 +164,33 @@ def test_a_task_ends_with_the_process_that_asked_for_it(tmp_path: Path, servers:
             time.sleep(0.1)
     finally:
         gate.kill()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_another_user_is_not_served_even_through_an_open_socket(tmp_path: Path, servers: None) -> None:
+    """The socket sits in a 0700 folder; opened up on purpose, the server still serves only its own
+    user (SO_PEERCRED): another user's request is refused before anything is forked."""
+    import tempfile
+
+    open_dir = Path(tempfile.mkdtemp(prefix="quorumfl-warm-test-"))
+    try:
+        env = _env(tmp_path, **{WARM_ENV: str(open_dir / "warm.sock")})
+        assert subprocess.run([*GATE, "--help"], env=env, capture_output=True, timeout=120).returncode == 0
+        servers_now = _server_pids(open_dir)
+        assert len(servers_now) == 1
+        open_dir.chmod(0o777)
+        (open_dir / "warm.sock").chmod(0o666)
+        before = _tasks_of(servers_now)
+        # Imports first (the interpreter lives under root's home), then become nobody and ask.
+        probe = ("import os; from quorumfl.client.warm import run_warm; os.setgid(65534); os.setuid(65534); "
+                 f"print(run_warm(['--help'], {{'QUORUMFL_CLIENTAPP_WARM': {str(open_dir / 'warm.sock')!r}}}))")
+        result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+        assert result.stdout.strip() == "None", result.stderr  # refused: that caller would go cold, as itself
+        assert _tasks_of(servers_now) == before
+        assert "refused a request: peer is another user" in (open_dir / "warm-server.log").read_text()
+    finally:
+        for pid in _server_pids(open_dir):
+            os.kill(pid, signal.SIGKILL)
+        import shutil
+
+        shutil.rmtree(open_dir, ignore_errors=True)
