@@ -194,3 +194,20 @@ def test_another_user_is_not_served_even_through_an_open_socket(tmp_path: Path, 
         import shutil
 
         shutil.rmtree(open_dir, ignore_errors=True)
+
+
+def test_the_server_exits_with_the_superexec_that_started_it(tmp_path: Path, servers: None) -> None:
+    superexec = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        env = _env(tmp_path)
+        shown = subprocess.run([*GATE, "--parent-pid", str(superexec.pid), "--help"], env=env, capture_output=True,
+                               text=True, timeout=120)
+        assert shown.returncode == 0, shown.stderr
+        assert len(_server_pids(tmp_path)) == 1
+    finally:
+        superexec.kill()
+        superexec.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    while _server_pids(tmp_path):
+        assert time.monotonic() < deadline, "the warm server outlived its SuperExec"
+        time.sleep(0.2)
