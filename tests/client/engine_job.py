@@ -17,7 +17,7 @@ from quorumfl.client.data.datasets import Dataset
 from quorumfl.client.engine import EngineSettings, TrainJob, train_model
 from quorumfl.client.models import build_model
 
-JOB = TrainJob(epochs=4, batch_size=16, learning_rate=0.05, proximal_mu=0.01, seed=7, clip_norm=5.0, warmup_steps=10)
+JOB = TrainJob(epochs=2, batch_size=16, learning_rate=0.05, proximal_mu=0.01, seed=7, clip_norm=5.0, warmup_steps=10)
 
 
 def job_data() -> Dataset:

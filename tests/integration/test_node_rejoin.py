@@ -19,6 +19,7 @@ from quorumfl.server.local import local_federation
 from quorumfl.server.processes import REJOIN_GRACE_S, activated, activation_refused
 
 
+@pytest.mark.slow  # it waits out Flower's heartbeat window (about a minute)
 @pytest.mark.timeout(300)
 def test_killed_node_rejoins_under_its_own_key(tmp_path: Path) -> None:
     home = tmp_path / "home"
