@@ -22,7 +22,8 @@ fork server that does:
 
 Trust: the socket lives in a 0700 directory of the node's home and the server answers only its own
 user (``SO_PEERCRED``); the admin-signature check is decided by the server's own environment, never
-by a request. The server exits when the SuperExec that started it is gone. Any failure to reach or
+by a request, and a request whose admin key setting differs from the server's is refused (that
+requester then runs cold), so a guarded node never runs tasks through an unguarded server. The server exits when the SuperExec that started it is gone. Any failure to reach or
 start it falls back to the cold path (a fresh ``flwr-clientapp``).
 
 Standard library only at import: the gate imports this before anything heavy.
@@ -320,6 +321,10 @@ def serve(path: str, watch_pid: int) -> int:
             if not isinstance(request, dict) or not isinstance(request.get("argv"), list) \
                     or not isinstance(request.get("env"), dict):
                 raise ValueError("malformed request")
+            if request["env"].get(ADMIN_KEYS_ENV, "") != own_env.get(ADMIN_KEYS_ENV, ""):
+                # A node whose ClientApps must run only admin-signed apps never shares a server that
+                # was started without that check (or with another admin key), nor the other way round.
+                raise PermissionError(f"{ADMIN_KEYS_ENV} differs from this server's")
         except (OSError, ValueError, EOFError, struct.error) as exc:
             print(f"refused a request: {exc}", flush=True)
             for fd in fds:

@@ -80,17 +80,29 @@ def test_without_a_warm_server_the_gate_runs_the_cold_clientapp(tmp_path: Path) 
 
 
 def test_a_request_cannot_drop_the_servers_admin_guard(tmp_path: Path, servers: None) -> None:
-    """A server started for a node that runs only admin-signed apps keeps the guard for a request
-    whose environment leaves the admin key out: the task goes through app_guard, which fails
-    closed here (the key file is missing) with its exit code 78."""
+    """A server started for a node that runs only admin-signed apps runs every task through
+    app_guard (which fails closed here: the key file is missing, exit 78), and serves no request
+    whose admin key setting differs from its own, in either direction: a guarded node never runs
+    tasks through an unguarded server."""
     env = _env(tmp_path, **{ADMIN_KEYS_ENV: str(tmp_path / "missing-admin.pub")})
     guarded = subprocess.run([*GATE, "--help"], env=env, capture_output=True, text=True, timeout=120)
     assert guarded.returncode == 78 and "refusing to run any app" in guarded.stderr
-    sneaky = {k: v for k, v in env.items() if k != ADMIN_KEYS_ENV}
-    result = subprocess.run([sys.executable, "-c", "import sys; from quorumfl.client.warm import run_warm; "
-                             "sys.exit(run_warm(['--help'], __import__('os').environ))"],
-                            env=sneaky, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 78 and "refusing to run any app" in result.stderr
+    [server] = _server_pids(tmp_path)
+    probe = "import os; from quorumfl.client.warm import run_warm; print(run_warm(['--help'], os.environ))"
+    for changed in ({k: v for k, v in env.items() if k != ADMIN_KEYS_ENV}, {**env, ADMIN_KEYS_ENV: "/other/admin.pub"}):
+        result = subprocess.run([sys.executable, "-c", probe], env=changed, capture_output=True, text=True, timeout=120)
+        assert result.stdout.strip() == "None", result.stderr  # refused before anything was forked
+    assert _server_pids(tmp_path) == {server}
+    assert (tmp_path / "warm" / "warm-server.log").read_text().count(f"{ADMIN_KEYS_ENV} differs") == 2
+
+    # An unguarded server (started for a node without the check) refuses a guarded request the same way.
+    plain = tmp_path / "plain"
+    plain_env = {k: v for k, v in os.environ.items() if not k.startswith("QUORUMFL_")}
+    plain_env.update(warm_env(plain, path=plain_env.get("PATH", ""), env=plain_env))
+    assert subprocess.run([*GATE, "--help"], env=plain_env, capture_output=True, timeout=120).returncode == 0
+    result = subprocess.run([sys.executable, "-c", probe], env={**plain_env, ADMIN_KEYS_ENV: str(tmp_path / "k")},
+                            capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "None", result.stderr
 
 
 def test_supernode_waits_are_shortened_only_where_flower_sleeps(monkeypatch: pytest.MonkeyPatch) -> None:
