@@ -24,6 +24,7 @@ from quorumfl.client.supernode import (
     poll_interval,
 )
 from quorumfl.client.warm import run_warm, warm_env
+from quorumfl.server.processes import _process_table
 
 GATE = [sys.executable, "-c", "import sys; from quorumfl.client.launch_gate import main; sys.exit(main())"]
 
@@ -136,22 +137,12 @@ def test_poll_interval_is_checked() -> None:
 
 
 def _tasks_of(server_pids: set[int]) -> set[int]:
-    found = set()
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid in server_pids:
-            found.add(int(entry.name))
-    return found
+    return {pid for pid, (ppid, _state, _start) in _process_table().items() if ppid in server_pids}
 
 
 def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+    entry = _process_table().get(pid)
+    return entry is not None and entry[1] not in ("Z", "X")
 
 
 def test_a_task_ends_with_the_process_that_asked_for_it(tmp_path: Path, servers: None) -> None:
