@@ -21,7 +21,8 @@ Per-round wall time is the median over rounds (with ≥ 3 rounds, a round withou
     python benchmarks/threshold_ckks.py --json      # last line: one JSON object
 
 Keys: plain_round_s, ckks_round_s, single_key_round_s, ckks_over_plain, ckks_over_single_key,
-encrypt_s_per_client, bytes_per_client, sum_s (all N), partial_decrypt_s, combine_s, max_abs_error,
+encrypt_s_per_client, bytes_per_client (the packed ciphertexts a train reply carries), bytes_over_float32
+(bytes_per_client / the float32 update's bytes; the error bound is max_abs_error), sum_s (all N), partial_decrypt_s, combine_s, max_abs_error,
 ceremony_s (in memory) and ckks_ceremony_round_s (deployed), single_key_encrypt_s, single_key_bytes,
 server peak RSS per mode, per-round lists; what tying decryptions to contributors adds: tag_s_per_client
 (computing, sealing and signing a contributor's tag), tag_bytes_per_client, tag_check_s (a decryptor
@@ -58,6 +59,7 @@ from quorumfl.aggregation.ckks import (
     combine,
     contribute,
     encrypt_vector,
+    pack_residues,
     partial_decrypt,
 )
 from quorumfl.aggregation.secagg import resolve_threshold
@@ -118,13 +120,14 @@ def _steps(length: int, nodes: int) -> dict[str, float]:
     return {
         "ceremony_s": ceremony_s,
         "encrypt_s_per_client": statistics.median(encrypt_s),
-        "bytes_per_client": float(encrypted[0].nbytes),
+        "bytes_per_client": float(pack_residues(encrypted[0]).nbytes),  # as the train reply carries it
+        "bytes_over_float32": pack_residues(encrypted[0]).nbytes / (4.0 * length),
         "sum_s": sum_s,
         "partial_decrypt_s": statistics.median(partial_s),
         "combine_s": combine_s,
         "max_abs_error": error,
         "predicted_error_std": params.error_std(t, nodes),
-        "partial_bytes": float(total.c1.nbytes),
+        "partial_bytes": float(pack_residues(total.c1).nbytes),
         "tag_s_per_client": statistics.median(tag_s),
         "tag_bytes_per_client": float(statistics.median(tag_bytes)),
         "tag_check_s": tag_check_s,

@@ -24,6 +24,8 @@ from quorumfl.aggregation.ckks import (
     Contribution,
     Manifest,
     Reveal,
+    pack_residues,
+    unpack_residues,
 )
 from quorumfl.aggregation.errors import ConfigError, SecureAggregationError
 
@@ -77,6 +79,24 @@ def _u64(record: ArrayRecord, key: str, ndim: int) -> U64:
     if values.dtype != np.uint64 or values.ndim != ndim:
         raise SecureAggregationError(f"array '{key}' must be {ndim}-D uint64, got {values.ndim}-D {values.dtype}")
     return np.ascontiguousarray(values)
+
+
+def _packed(residues: U64) -> Array:
+    """The large residue arrays (ciphertexts, c1, partial decryptions) travel at 60 bits per residue."""
+    return Array(pack_residues(residues))
+
+
+def _unpacked(record: ArrayRecord, key: str, ndim: int) -> U64:
+    if key not in record:
+        raise SecureAggregationError(f"threshold-CKKS record has no array '{key}'")
+    try:
+        values: NDArray[np.uint8] = record[key].numpy()
+    except Exception as exc:  # a malformed array from a remote party
+        raise SecureAggregationError(f"array '{key}' cannot be decoded ({exc})") from exc
+    if values.dtype != np.uint8 or values.ndim != ndim:
+        raise SecureAggregationError(f"array '{key}' must be {ndim}-D packed residues (uint8), "
+                                     f"got {values.ndim}-D {values.dtype}")
+    return unpack_residues(values)
 
 
 def _strings(record: ConfigRecord, key: str) -> list[str]:
@@ -205,7 +225,7 @@ def decode_train_request(record: ConfigRecord) -> TrainRequest:
 
 def encode_encrypted(polys: U64, contribution: Contribution, *, key_id: str,
                      round_number: int) -> tuple[ArrayRecord, ConfigRecord]:
-    return ArrayRecord({"ct": Array(np.ascontiguousarray(polys))}), ConfigRecord({
+    return ArrayRecord({"ct": _packed(polys)}), ConfigRecord({
         "key_id": key_id, "round": round_number, "department": contribution.department,
         "sealed": contribution.sealed, "signature": contribution.signature})
 
@@ -213,7 +233,7 @@ def encode_encrypted(polys: U64, contribution: Contribution, *, key_id: str,
 def decode_encrypted(arrays: ArrayRecord, record: ConfigRecord, *, node: int) -> tuple[U64, Contribution, str, int]:
     contribution = Contribution(node, _get(record, "department", str), _get(record, "sealed", bytes),
                                 _get(record, "signature", bytes))
-    return _u64(arrays, "ct", 4), contribution, _get(record, "key_id", str), _get(record, "round", int)
+    return _unpacked(arrays, "ct", 4), contribution, _get(record, "key_id", str), _get(record, "round", int)
 
 
 def encode_decrypt_request(manifest: Manifest, c1: U64,
@@ -223,7 +243,7 @@ def encode_decrypt_request(manifest: Manifest, c1: U64,
         "manifest": json.dumps(manifest.to_dict()), "tag-nodes": _ids(nodes),
         "tag-departments": [contributions[n].department for n in nodes],
         "tags": [contributions[n].sealed for n in nodes], "tag-signatures": [contributions[n].signature for n in nodes],
-    }), ArrayRecord({"c1": Array(np.ascontiguousarray(c1))})
+    }), ArrayRecord({"c1": _packed(c1)})
 
 
 def decode_decrypt_request(record: ConfigRecord, arrays: ArrayRecord) -> tuple[Manifest, U64, list[Contribution]]:
@@ -239,12 +259,12 @@ def decode_decrypt_request(record: ConfigRecord, arrays: ArrayRecord) -> tuple[M
     if not len(nodes) == len(departments) == len(tags) == len(signatures):
         raise SecureAggregationError("decryption request's tag lists differ in length")
     contributions = [Contribution(n, d, t, g) for n, d, t, g in zip(nodes, departments, tags, signatures, strict=True)]
-    return Manifest.from_dict(data), _u64(arrays, "c1", 3), contributions
+    return Manifest.from_dict(data), _unpacked(arrays, "c1", 3), contributions
 
 
 def encode_partial(d: U64, manifest: Manifest) -> tuple[ConfigRecord, ArrayRecord]:
     return (ConfigRecord({"key_id": manifest.key_id, "round": manifest.round, "group": manifest.group}),
-            ArrayRecord({"d": Array(np.ascontiguousarray(d))}))
+            ArrayRecord({"d": _packed(d)}))
 
 
 def decode_partial(record: ConfigRecord, arrays: ArrayRecord, manifest: Manifest) -> U64:
@@ -252,4 +272,4 @@ def decode_partial(record: ConfigRecord, arrays: ArrayRecord, manifest: Manifest
         manifest.key_id, manifest.round, manifest.group
     ):
         raise SecureAggregationError("partial decryption answers another request")
-    return _u64(arrays, "d", 3)
+    return _unpacked(arrays, "d", 3)

@@ -8,7 +8,8 @@ ships it (``tenseal.sealapi``), with numpy for everything SEAL does not expose:
 - ``streams``: SEAL's serialized objects ⇄ numpy; ``seal``: the SEAL context and conversions;
 - ``rns``: arithmetic mod the RNS primes, Shamir sharing per prime and coordinate, flooding noise;
 - ``keys``: the dealer-free, commit-then-reveal key ceremony and the ``KeyShare`` it leaves;
-- ``threshold``: encryption, the running ciphertext sum, refusal rules, partial decryption, combine.
+- ``threshold``: encryption, the running ciphertext sum, refusal rules, partial decryption, combine;
+- ``packing``: residues on the wire at 60 bits (two in 15 bytes).
 
 Security: the server holds only public material; a decryption needs t members that each agree to a
 manifest (round, contributors, S) and can tie the c1 they are asked to decrypt to the contributors'
@@ -30,6 +31,7 @@ from .keys import (
     ceremony_in_one_process,
     public_key_id,
 )
+from .packing import pack_residues, unpack_residues
 from .params import CkksParams
 from .threshold import (
     MAX_DECRYPTIONS,
@@ -62,6 +64,8 @@ __all__ = [
     "combine",
     "contribute",
     "encrypt_vector",
+    "pack_residues",
     "partial_decrypt",
     "public_key_id",
+    "unpack_residues",
 ]

@@ -11,11 +11,14 @@ noise. Decisions, each checked by ``check``:
   the h summed key parts; about 2^8–2^9 measured for 10 encryptions under 10 holders, so β(10, 10)
   = 2^13.6 leaves a margin of 2^4 or more), so the published decryption hides that noise, and with
   it the key, up to statistical distance 2^−κ (Li–Micciancio IND-CPA-D);
-- capacity: |Σ values|·Δ + t·B must stay below half the modulus the ciphertexts travel at;
+- capacity: |Σ values|·Δ·√2 + t·B must stay below half the modulus the ciphertexts travel at (two
+  real values share one complex slot, so a slot's modulus is up to √2 times the value bound);
 - precision: 6σ of the decryption error, σ = (B/√3)·√t·√(N/2)/Δ, must be ≤ the precision target.
 
 Ciphertexts are switched down to the fewest primes that still hold the capacity ("send level"), so a
-longer chain costs nothing on the wire.
+longer chain costs nothing on the wire. Each of the N/2 slots is a complex number and carries two
+real values (real and imaginary part), so one ciphertext holds N values: the decryption error of
+each part has the same σ as a real-only slot's, and the bytes per value halve.
 """
 
 from __future__ import annotations
@@ -65,7 +68,13 @@ class CkksParams:
 
     @property
     def slots(self) -> int:
+        """Complex slots per ciphertext (N/2)."""
         return self.poly_degree // 2
+
+    @property
+    def values_per_ciphertext(self) -> int:
+        """Real values per ciphertext: two per complex slot."""
+        return 2 * self.slots
 
     @property
     def data_bits(self) -> tuple[int, ...]:
@@ -74,7 +83,7 @@ class CkksParams:
 
     def chunks(self, length: int) -> int:
         """Ciphertexts needed for a vector of ``length`` values."""
-        return max(1, -(-length // self.slots))
+        return max(1, -(-length // self.values_per_ciphertext))
 
     def flood_bits(self, contributors: int, holders: int) -> int:
         """log2 of the flooding bound B for an aggregate of ``contributors`` fresh encryptions under a
@@ -90,7 +99,7 @@ class CkksParams:
 
     def needed_bits(self, threshold: int, contributors: int, value_bound: float) -> float:
         """Bits the modulus needs for a sum of ``contributors`` values within ±value_bound, plus flooding."""
-        message = contributors * value_bound * 2.0**self.scale_bits
+        message = contributors * value_bound * math.sqrt(2.0) * 2.0**self.scale_bits  # |re + i·im| ≤ √2·bound
         noise = threshold * 2.0 ** self.flood_bits(contributors, contributors) * 2  # t floods plus the aggregate's own noise
         return math.log2(message + noise) + 2  # sign bit and a factor-2 margin
 

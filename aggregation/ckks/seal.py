@@ -144,22 +144,23 @@ class Seal:
 
     # ---- vectors ------------------------------------------------------------------------------------
     def encrypt(self, public_key: bytes, values: NDArray[np.float64], primes: int) -> U64:
-        """``values`` in chunks of N/2 slots, encrypted and kept at ``primes`` primes: ``[chunk, 2, prime, coeff]``."""
+        """``values`` in chunks of N (two per complex slot: the first N/2 as real parts, the next N/2 as
+        imaginary parts), encrypted and kept at ``primes`` primes: ``[chunk, 2, prime, coeff]``."""
         if primes not in self.levels:
             raise SecureAggregationError(f"no ciphertext level with {primes} primes")
         pk = self.load(sealapi.PublicKey, public_key)
         encryptor = sealapi.Encryptor(self.context, pk)
         parms = list(self.levels[primes])
-        slots = self.params.slots
+        slots, per = self.params.slots, self.params.values_per_ciphertext
         chunks = self.params.chunks(values.shape[0])
+        padded = np.zeros(chunks * per)
+        padded[: values.shape[0]] = values
         out = np.empty((chunks, 2, primes, self.params.poly_degree), dtype=np.uint64)
         scale = 2.0**self.params.scale_bits
         for c in range(chunks):
-            part = np.zeros(slots)
-            piece = values[c * slots: (c + 1) * slots]
-            part[: piece.shape[0]] = piece
+            piece = padded[c * per: (c + 1) * per]
             plain = sealapi.Plaintext()
-            self.encoder.encode(part.tolist(), parms, scale, plain)
+            self.encoder.encode((piece[:slots] + 1j * piece[slots:]).tolist(), parms, scale, plain)
             ct = sealapi.Ciphertext(self.context)
             encryptor.encrypt(plain, ct)
             data = parse_ciphertext(self.save(ct))
@@ -168,15 +169,21 @@ class Seal:
             out[c] = data.polys
         return out
 
+    def _unpack(self, plain: Any) -> NDArray[np.float64]:
+        """One decoded plaintext's N/2 complex slots as its N real values (real parts, then imaginary)."""
+        z = np.asarray(self.encoder.decode_complex(plain), dtype=np.complex128)
+        return np.concatenate([z.real, z.imag])
+
     def decode(self, coeffs: U64, length: int) -> NDArray[np.float64]:
         """Decode ``[chunk, prime, coeff]`` NTT plaintexts at scale Δ to ``length`` values."""
         chunks, primes, _ = coeffs.shape
         parms = self.levels[primes]
         scale = 2.0**self.params.scale_bits
-        out = np.empty(chunks * self.params.slots)
+        per = self.params.values_per_ciphertext
+        out = np.empty(chunks * per)
         for c in range(chunks):
             plain = self.load(sealapi.Plaintext, build_plaintext(PlaintextData(parms, scale, coeffs[c]), version=self.version))
-            out[c * self.params.slots: (c + 1) * self.params.slots] = self.encoder.decode_double(plain)
+            out[c * per: (c + 1) * per] = self._unpack(plain)
         return out[:length]
 
     def to_ntt(self, coeffs: U64) -> U64:
@@ -218,11 +225,12 @@ class Seal:
         chunks, _, primes, _ = polys.shape
         parms = self.levels[primes]
         decryptor = sealapi.Decryptor(self.context, secret)
-        out = np.empty(chunks * self.params.slots)
+        per = self.params.values_per_ciphertext
+        out = np.empty(chunks * per)
         for c in range(chunks):
             ct = self.load(sealapi.Ciphertext, build_ciphertext(
                 CiphertextData(parms, True, 2.0**self.params.scale_bits, polys[c]), version=self.version))
             plain = sealapi.Plaintext()
             decryptor.decrypt(ct, plain)
-            out[c * self.params.slots: (c + 1) * self.params.slots] = self.encoder.decode_double(plain)
+            out[c * per: (c + 1) * per] = self._unpack(plain)
         return out[:length]

@@ -27,7 +27,9 @@ from quorumfl.aggregation.ckks import (
     combine,
     contribute,
     encrypt_vector,
+    pack_residues,
     partial_decrypt,
+    unpack_residues,
 )
 from quorumfl.aggregation.ckks.keys import Reveal
 from quorumfl.aggregation.ckks.rns import (
@@ -54,7 +56,7 @@ from quorumfl.aggregation.errors import ConfigError, QuorumNotMetError, SecureAg
 PARAMS = CkksParams()
 MEMBERS = tuple(2**63 + 101 * i for i in range(10))  # Flower-sized ids
 T = 6
-LENGTH = 9000  # three ciphertexts of 4096 slots, the last one partly filled
+LENGTH = 18000  # three ciphertexts of 8192 values (4096 complex slots), the last one partly filled
 SOME = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                         HealthCheck.function_scoped_fixture])
 
@@ -419,3 +421,40 @@ def test_in_place_modular_addition_equals_the_plain_one() -> None:
                 for ca, cb in zip(a, b, strict=True)]
     add_mod_into(a, b, primes)
     assert a.tolist() == expected
+
+
+# ---- residues on the wire -------------------------------------------------------------------------
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 2**60 - 1), min_size=2, max_size=64).filter(lambda v: len(v) % 2 == 0))
+def test_packed_residues_are_the_pairs_as_120_bit_little_endian_integers(values: list[int]) -> None:
+    residues = np.array(values, dtype=np.uint64)
+    packed = pack_residues(residues)
+    reference = b"".join((a + (b << 60)).to_bytes(15, "little") for a, b in zip(values[::2], values[1::2], strict=True))
+    assert packed.tobytes() == reference
+    assert unpack_residues(packed).tolist() == values
+
+
+def test_ciphertexts_travel_at_15_16_of_their_size_and_come_back_bit_for_bit(encrypted: Round) -> None:
+    polys = next(iter(encrypted.ciphertexts.values()))
+    packed = pack_residues(polys)
+    assert packed.nbytes * 16 == polys.nbytes * 15
+    assert np.array_equal(unpack_residues(packed), polys)
+
+
+def test_packing_refuses_unreduced_residues_and_unpacking_refuses_partial_pairs() -> None:
+    with pytest.raises(SecureAggregationError, match="more than 60 bits"):
+        pack_residues(np.array([0, 2**60], dtype=np.uint64))
+    with pytest.raises(SecureAggregationError, match="even last axis"):
+        pack_residues(np.zeros(3, dtype=np.uint64))
+    with pytest.raises(SecureAggregationError, match="multiples of 15"):
+        unpack_residues(np.zeros(16, dtype=np.uint8))
+
+
+def test_one_ciphertext_carries_n_values_two_per_complex_slot(ceremony: Ceremony) -> None:
+    values = np.linspace(-1.0, 1.0, PARAMS.poly_degree)
+    primes = PARAMS.send_primes(T, len(MEMBERS), 8.0)
+    polys = encrypt_vector(PARAMS, ceremony.public_key, values, primes=primes)
+    assert polys.shape[0] == 1
+    seal = Seal.of(PARAMS)
+    decrypted = seal.decrypt_reference(seal.secret_from(secret_sum(ceremony)), polys, values.shape[0])
+    assert np.max(np.abs(decrypted - values)) < 1e-6

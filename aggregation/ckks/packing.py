@@ -1,0 +1,62 @@
+"""Residues on the wire at 60 bits each instead of 64: two residues in 15 bytes.
+
+Every prime of a parameter set has at most 60 bits (``CkksParams`` refuses larger ones), so a
+reduced residue fits in 60 bits and the top 4 bits of each uint64 are always zero. Ciphertexts,
+the aggregate's c1 and partial decryptions are by far the largest CKKS messages; packing pairs
+of residues into 15 bytes cuts them by 1/16. numpy has no packing for arbitrary bit widths
+(``packbits`` works bit by bit, 64× the memory), so this is written here: two shifts and two byte
+views per pair, at memory speed.
+
+Layout: the last axis (N residues, N even) becomes 15·N/2 bytes; pair (a, b) is written as the
+8 little-endian bytes of ``a | (b mod 16) << 60`` followed by the low 7 bytes of ``b >> 4``. The
+shape of the other axes is kept, so a packed array says its own shape.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ..errors import SecureAggregationError
+
+__all__ = ["RESIDUE_BITS", "pack_residues", "unpack_residues"]
+
+RESIDUE_BITS = 60
+_LOW60 = np.uint64((1 << RESIDUE_BITS) - 1)
+_PAIR_BYTES = 15
+
+U64 = NDArray[np.uint64]
+U8 = NDArray[np.uint8]
+
+
+def pack_residues(residues: U64) -> U8:
+    """``[..., N]`` uint64 residues (each < 2^60, N even) as ``[..., 15·N/2]`` bytes."""
+    if residues.dtype != np.uint64 or residues.ndim < 1 or residues.shape[-1] % 2:
+        raise SecureAggregationError(f"cannot pack residues of dtype {residues.dtype} and shape {residues.shape}: "
+                                     "uint64 with an even last axis is needed")
+    flat = np.ascontiguousarray(residues).reshape(-1, 2)
+    a, b = flat[:, 0], flat[:, 1]
+    if bool(np.any(a > _LOW60)) or bool(np.any(b > _LOW60)):
+        raise SecureAggregationError("a residue has more than 60 bits: it is not reduced modulo a CKKS prime")
+    out = np.empty((flat.shape[0], _PAIR_BYTES), dtype=np.uint8)
+    word0 = a | ((b & np.uint64(0xF)) << np.uint64(RESIDUE_BITS))
+    word1 = b >> np.uint64(4)
+    out[:, :8] = word0.astype("<u8").view(np.uint8).reshape(-1, 8)
+    out[:, 8:] = word1.astype("<u8").view(np.uint8).reshape(-1, 8)[:, :7]
+    return out.reshape(*residues.shape[:-1], residues.shape[-1] // 2 * _PAIR_BYTES)
+
+
+def unpack_residues(packed: U8) -> U64:
+    """The inverse of ``pack_residues``; refuses a byte count that is not a whole number of pairs."""
+    if packed.dtype != np.uint8 or packed.ndim < 1 or packed.shape[-1] % _PAIR_BYTES:
+        raise SecureAggregationError(f"packed residues of dtype {packed.dtype} and shape {packed.shape}: "
+                                     f"uint8 with a last axis in multiples of {_PAIR_BYTES} bytes is needed")
+    pairs = np.ascontiguousarray(packed).reshape(-1, _PAIR_BYTES)
+    word0 = pairs[:, :8].copy().view("<u8").reshape(-1).astype(np.uint64)
+    high = np.zeros((pairs.shape[0], 8), dtype=np.uint8)
+    high[:, :7] = pairs[:, 8:]
+    word1 = high.view("<u8").reshape(-1).astype(np.uint64)
+    out = np.empty((pairs.shape[0], 2), dtype=np.uint64)
+    out[:, 0] = word0 & _LOW60
+    out[:, 1] = (word0 >> np.uint64(RESIDUE_BITS)) | (word1 << np.uint64(4))
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] // _PAIR_BYTES * 2)
