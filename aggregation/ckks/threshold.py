@@ -1,7 +1,8 @@
 """Threshold-CKKS rounds: encrypt an update, add ciphertexts, decrypt with t partial decryptions.
 
-- A node encrypts its payload vector in chunks of N/2 slots under the joint public key, at the
-  fewest primes that hold the sum (``CkksParams.send_primes``); it travels as ``[chunk, 2, prime, coeff]``.
+- A node encrypts its payload vector in chunks of N values (two per complex slot) under the joint
+  public key, at the fewest primes that hold the sum (``CkksParams.send_primes``); it is
+  ``[chunk, 2, prime, coeff]`` and travels with its residues packed at 60 bits (``packing``).
 - The server adds ciphertexts as they arrive (a running sum mod each prime: memory is one
   aggregate, not one per node), then fixes the decrypting subset S (|S| ≥ t) and sends each
   member of S the aggregate's c1 with a ``Manifest``.
