@@ -3,7 +3,18 @@
 Flower's ``aggregate_arrayrecords`` divides by the sum of weights without checking it and keeps no
 validation, so this module does the arithmetic itself: every update is checked (names, shapes,
 finiteness, weight) *before* it touches the running sums, so a bad node can never change the
-aggregate. Memory is one float64 accumulator per parameter tensor, independent of the node count.
+aggregate. Memory is one float64 accumulator per parameter tensor (plus one float32 block for large
+float32 tensors), independent of the node count.
+
+Speed (large float32 tensors, ``LARGE`` elements and up — the weight matrices that are nearly all of
+a model's bytes): the finiteness check is one BLAS dot product (x·x is finite exactly when every
+element is, unless the squares overflow; only then does the element-wise check run), and w·x is
+accumulated with BLAS ``saxpy`` (y ← y + w·x in place, one pass, multi-threaded by OpenBLAS) into
+a float32 block that is added into the float64 sums every ``BLOCK`` updates. Error bound of that
+blocked summation: every coordinate of the result is within (BLOCK + 2)·2⁻²⁴·Σ|wᵢxᵢ|/Σwᵢ of the
+exact weighted mean (float32 rounding of each term and of each partial sum, then one float64 add
+per block and the float32 result), about 10⁻⁶ of the mean magnitude for BLOCK = 16; tested against
+a float64 numpy reference. Smaller tensors and other dtypes keep element-wise float64 accumulation.
 """
 
 from __future__ import annotations
@@ -14,12 +25,33 @@ from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import NDArray
+from scipy.linalg import blas
 
 from .errors import AggregationError, EmptyAggregationError
 
-__all__ = ["NodeUpdate", "WeightedMean", "aggregate_weighted_mean", "aggregate_weighted_metrics"]
+__all__ = ["BLOCK", "LARGE", "NodeUpdate", "WeightedMean", "aggregate_weighted_mean", "aggregate_weighted_metrics",
+           "error_bound"]
 
 Arrays = Mapping[str, NDArray[np.generic]]
+
+LARGE = 1 << 14  # float32 tensors with at least this many elements take the BLAS path
+BLOCK = 16  # float32 terms per block before it is added into the float64 sums
+UNIT_ROUNDOFF = 2.0**-24  # float32
+
+
+def error_bound(weights: Iterable[float], magnitudes: NDArray[np.float64]) -> NDArray[np.float64]:
+    """The documented bound on |result − exact mean| per coordinate for the BLAS path, given the
+    weights and Σ|wᵢxᵢ| per coordinate (``magnitudes``)."""
+    total = float(sum(weights))
+    return np.asarray((BLOCK + 2) * UNIT_ROUNDOFF * magnitudes / total, dtype=np.float64)
+
+
+def _all_finite(arr: NDArray[np.generic]) -> bool:
+    if arr.dtype == np.float32 and arr.size >= LARGE and arr.flags.c_contiguous:
+        flat = arr.reshape(-1)
+        if math.isfinite(float(np.dot(flat, flat))):
+            return True  # a NaN or ±inf anywhere makes the dot product non-finite
+    return bool(np.isfinite(arr).all())  # small tensors, other dtypes, or squares that overflowed
 
 
 @dataclass(frozen=True)
@@ -56,6 +88,8 @@ class WeightedMean:
         self._dtypes = {name: np.asarray(a).dtype for name, a in template.items()}
         self._sums = {name: np.zeros(shape, dtype=np.float64) for name, shape in self._shapes.items()}
         self._scratch: dict[str, NDArray[np.floating]] = {}
+        self._blocks: dict[str, NDArray[np.float32]] = {}  # float32 partial sums of the BLAS path
+        self._in_block = 0
         self._total = 0.0
         self._nodes: list[str] = []
 
@@ -94,7 +128,7 @@ class WeightedMean:
                 raise AggregationError(
                     f"'{name}' has non-real dtype {arr.dtype}", node=node
                 )
-            if not np.isfinite(arr).all():
+            if not _all_finite(arr):
                 bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
                 raise AggregationError(
                     f"'{name}' contains {bad} non-finite value(s) (NaN or Inf)", node=node
@@ -107,10 +141,18 @@ class WeightedMean:
             raise AggregationError("a second update from the same node in one aggregation", node=update.node)
         weight = self.check(update)
         for name, array in update.arrays.items():
+            arr = np.asarray(array)
+            if arr.dtype == np.float32 and arr.size >= LARGE:
+                block = self._blocks.get(name)
+                if block is None:
+                    block = self._blocks[name] = np.zeros(arr.size, dtype=np.float32)
+                out = blas.saxpy(np.ascontiguousarray(arr).reshape(-1), block, a=weight)
+                if out is not block:  # saxpy writes into a contiguous float32 y; anything else is a bug
+                    raise AggregationError("BLAS saxpy did not accumulate in place")
+                continue
             # w·x in the update's own float precision (one rounding per term) into a reused buffer,
             # then added into the float64 sums: no allocation per update, and half the memory
             # traffic of converting x to float64 first.
-            arr = np.asarray(array)
             dtype = arr.dtype if np.issubdtype(arr.dtype, np.floating) else np.dtype(np.float64)
             scratch = self._scratch.get(name)
             if scratch is None or scratch.dtype != dtype:
@@ -119,6 +161,17 @@ class WeightedMean:
             np.add(self._sums[name], scratch, out=self._sums[name])
         self._total += weight
         self._nodes.append(update.node)
+        self._in_block += 1
+        if self._in_block >= BLOCK:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Add the float32 blocks into the float64 sums and start new blocks."""
+        for name, block in self._blocks.items():
+            flat = self._sums[name].reshape(-1)
+            np.add(flat, block, out=flat)
+            block.fill(0.0)
+        self._in_block = 0
 
     def result(self) -> dict[str, NDArray[np.generic]]:
         """The weighted mean of everything added so far."""
@@ -126,6 +179,7 @@ class WeightedMean:
             raise EmptyAggregationError("no valid update to aggregate")
         if not math.isfinite(self._total) or self._total <= 0.0:
             raise AggregationError(f"sum of weights is {self._total}; it must be positive and finite")
+        self._flush()
         return {
             name: (acc / self._total).astype(self._dtypes[name], copy=False)
             for name, acc in self._sums.items()

@@ -102,10 +102,10 @@ class Sizes:
     as_json: bool
 
 
-def sizes(parser: argparse.ArgumentParser) -> Sizes:
-    """Parse --nodes/--rounds/--model (10, 5, mlp-wide; --smoke: 3, 2, mlp) and --json. One local epoch per round."""
+def sizes(parser: argparse.ArgumentParser, *, rounds: int = 5) -> Sizes:
+    """Parse --nodes/--rounds/--model (10, ``rounds``, mlp-wide; --smoke: 3, 2, mlp) and --json. One local epoch per round."""
     parser.add_argument("--nodes", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--model", default="mlp-wide")
     args = parser.parse_args()
     nodes, rounds, model = (3, 2, "mlp") if args.smoke else (args.nodes, args.rounds, args.model)

@@ -26,6 +26,7 @@ __all__ = [
     "lagrange_at_zero",
     "mul_scalar",
     "mul_small",
+    "reduced",
     "shamir_shares",
     "sub_mod",
     "uniform_mod",
@@ -40,6 +41,9 @@ def _q(primes: Sequence[int], a: U64) -> U64:
     if a.ndim < 2 or a.shape[-2] != len(primes):
         raise ValueError(f"array of shape {a.shape} has no axis of {len(primes)} primes before the last")
     return np.asarray(primes, dtype=np.uint64).reshape(-1, 1)
+
+
+_BLOCK_WORDS = 1 << 16  # 512 KiB of uint64 per step of add_mod_into: the block stays in cache
 
 
 def uniform_mod(primes: Sequence[int], shape: tuple[int, ...]) -> U64:
@@ -69,10 +73,36 @@ def add_mod(a: U64, b: U64, primes: Sequence[int]) -> U64:
 
 
 def add_mod_into(acc: U64, b: U64, primes: Sequence[int]) -> None:
-    """acc ← (acc + b) mod q in place (no full-size temporaries: a running sum stays one array)."""
+    """acc ← (acc + b) mod q in place, for reduced inputs (no full-size temporaries: a running sum
+    stays one array).
+
+    s = acc + b < 2q; s − q wraps around 2^64 when s < q, so min(s, s − q) is s mod q: three
+    vector passes with no boolean mask, done a cache-sized block of rows at a time.
+    """
     q = _q(primes, acc)
-    np.add(acc, b, out=acc)
-    np.subtract(acc, q, out=acc, where=acc >= q)
+    if b.shape != acc.shape:
+        raise ValueError(f"cannot add an array of shape {b.shape} into one of shape {acc.shape}")
+    if not acc.flags.c_contiguous:
+        np.add(acc, b, out=acc)
+        np.subtract(acc, q, out=acc, where=acc >= q)
+        return
+    rows_a = acc.reshape(-1, acc.shape[-2], acc.shape[-1])
+    rows_b = np.ascontiguousarray(b).reshape(rows_a.shape)
+    step = max(1, _BLOCK_WORDS // (acc.shape[-2] * acc.shape[-1]))
+    scratch = np.empty((min(step, rows_a.shape[0]), *rows_a.shape[1:]), dtype=np.uint64)
+    for start in range(0, rows_a.shape[0], step):
+        a = rows_a[start: start + step]
+        s = scratch[: a.shape[0]]
+        np.add(a, rows_b[start: start + step], out=a)
+        np.subtract(a, q, out=s)
+        np.minimum(a, s, out=a)
+
+
+def reduced(a: U64, primes: Sequence[int]) -> bool:
+    """Whether every residue of ``a`` (``[..., prime, coeff]``) is below its prime (one max per prime)."""
+    q = _q(primes, a)
+    rows = a.reshape(-1, a.shape[-2], a.shape[-1])
+    return bool(np.all(rows.max(axis=2).max(axis=0) < q[:, 0]))
 
 
 def sub_mod(a: U64, b: U64, primes: Sequence[int]) -> U64:

@@ -61,7 +61,7 @@ from ..errors import QuorumNotMetError, SecureAggregationError
 from ..secagg.identity import Roster, field_bytes
 from .keys import KeyShare
 from .params import CkksParams
-from .rns import add_mod, add_mod_into, flooding_noise, lagrange_at_zero, mul_scalar
+from .rns import add_mod, add_mod_into, flooding_noise, lagrange_at_zero, mul_scalar, reduced
 from .seal import Seal
 
 __all__ = [
@@ -211,7 +211,6 @@ class CiphertextSum:
         self.shape = (params.chunks(length), 2, primes, params.poly_degree)
         self.total = np.zeros(self.shape, dtype=np.uint64)
         self.contributors: list[int] = []
-        self._q = np.asarray(self.primes, dtype=np.uint64)[:, None]
 
     def add(self, node: int, polys: U64) -> None:
         """Check and add one node's ciphertexts; a malformed one is refused whole (nothing added)."""
@@ -219,7 +218,7 @@ class CiphertextSum:
             raise SecureAggregationError(f"node {node} already contributed to this sum", node=str(node))
         if polys.shape != self.shape or polys.dtype != np.uint64:
             raise SecureAggregationError(f"ciphertexts of shape {polys.shape}, expected {self.shape}", node=str(node))
-        if bool(np.any(polys >= self._q)):
+        if not reduced(polys, self.primes):
             raise SecureAggregationError("ciphertext residues are not reduced modulo their primes", node=str(node))
         add_mod_into(self.total, polys, self.primes)
         self.contributors.append(node)
@@ -357,7 +356,7 @@ class DecryptionSum:
     def add(self, node: int, d: U64) -> None:
         if node not in self.manifest.subset or node in self.answered:
             raise SecureAggregationError("a partial decryption from outside S, or a second one", node=str(node))
-        if d.shape != self.total.shape or bool(np.any(d >= np.asarray(self.primes, dtype=np.uint64)[:, None])):
+        if d.shape != self.total.shape or d.dtype != np.uint64 or not reduced(d, self.primes):
             raise SecureAggregationError("partial decryption is malformed", node=str(node))
         add_mod_into(self.total, d, self.primes)
         self.answered.add(node)

@@ -39,6 +39,7 @@ from quorumfl.aggregation.ckks.rns import (
     lagrange_at_zero,
     mul_scalar,
     mul_small,
+    reduced,
     shamir_shares,
     uniform_mod,
 )
@@ -458,3 +459,23 @@ def test_one_ciphertext_carries_n_values_two_per_complex_slot(ceremony: Ceremony
     seal = Seal.of(PARAMS)
     decrypted = seal.decrypt_reference(seal.secret_from(secret_sum(ceremony)), polys, values.shape[0])
     assert np.max(np.abs(decrypted - values)) < 1e-6
+
+
+def test_blocked_modular_addition_over_many_cache_blocks_equals_the_plain_one() -> None:
+    primes = Seal.of(PARAMS).primes[:2]
+    acc = np.stack([uniform_mod(primes, (2, 8192)) for _ in range(11)])  # 11 rows: blocks of 4 and a partial one
+    acc[0, 0, 0], acc[0, 1, 1] = primes[0] - 1, primes[1] - 1
+    b = np.stack([uniform_mod(primes, (2, 8192)) for _ in range(11)])
+    b[0, 0, 0], b[0, 1, 1] = primes[0] - 1, 1  # the largest sum, and one that lands exactly on q
+    expected = add_mod(acc, b, primes)
+    add_mod_into(acc, b, primes)
+    assert np.array_equal(acc, expected)
+    assert acc[0, 1, 1] == 0
+
+
+def test_reduced_finds_one_residue_at_or_above_its_prime() -> None:
+    primes = Seal.of(PARAMS).primes[:2]
+    a = np.stack([uniform_mod(primes, (2, 64)) for _ in range(3)])
+    assert reduced(a, primes)
+    a[2, 1, 63] = primes[1]
+    assert not reduced(a, primes)

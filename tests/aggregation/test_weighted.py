@@ -17,6 +17,7 @@ from quorumfl.aggregation import (
     aggregate_weighted_mean,
     aggregate_weighted_metrics,
 )
+from quorumfl.aggregation.weighted import BLOCK, LARGE, error_bound
 
 
 def _updates(rng: np.random.Generator, n: int, shapes: dict[str, tuple[int, ...]]) -> list[NodeUpdate]:
@@ -123,3 +124,47 @@ def test_weighted_metrics() -> None:
     assert result == {"loss": pytest.approx(2.5), "acc": pytest.approx(0.5)}
     with pytest.raises(AggregationError, match="node b"):
         aggregate_weighted_metrics([("b", {"loss": math.inf}, 1)])
+
+
+# ---- large float32 tensors: BLAS finiteness check and blocked float32 summation ------------------
+LARGE_SHAPES = {"w": (128, (LARGE // 128) + 3), "b": (7,)}  # one tensor on the BLAS path, one on the exact path
+
+
+@settings(max_examples=8, deadline=None)
+@given(n=st.integers(1, 2 * BLOCK + 3), seed=st.integers(0, 2**32 - 1), scale=st.sampled_from([1e-4, 1.0, 1e3]))
+def test_large_tensors_are_within_the_documented_bound_of_the_float64_reference(n: int, seed: int, scale: float) -> None:
+    rng = np.random.default_rng(seed)
+    updates = [NodeUpdate(f"n{i}", {k: (scale * rng.standard_normal(s)).astype(np.float32) for k, s in LARGE_SHAPES.items()},
+                          float(rng.integers(1, 5000))) for i in range(n)]
+    result = aggregate_weighted_mean(updates)
+    reference = _reference(updates)
+    weights = [u.weight for u in updates]
+    magnitudes = np.sum([u.weight * np.abs(u.arrays["w"].astype(np.float64)) for u in updates], axis=0)
+    bound = error_bound(weights, magnitudes)
+    error = np.abs(result["w"].astype(np.float64) - reference["w"])
+    assert np.all(error <= bound), float(np.max(error / bound))
+    np.testing.assert_allclose(result["b"], reference["b"], rtol=1e-5, atol=1e-6 * scale)
+
+
+def test_large_tensors_without_the_block_flush_would_be_wrong() -> None:
+    """The float64 sums see every block: 3·BLOCK + 1 updates of ones average to exactly one."""
+    updates = [NodeUpdate(f"n{i}", {"w": np.ones(LARGE, np.float32)}, 3.0) for i in range(3 * BLOCK + 1)]
+    np.testing.assert_array_equal(aggregate_weighted_mean(updates)["w"], np.ones(LARGE, np.float32))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_large_tensor_with_one_bad_value_is_refused_and_leaves_the_sums_untouched(bad: float) -> None:
+    good = np.full(LARGE + 5, 2.0, np.float32)
+    poisoned = good.copy()
+    poisoned[LARGE // 2] = bad
+    mean = WeightedMean({"w": good})
+    mean.add(NodeUpdate("tax-office", {"w": good}, 10))
+    with pytest.raises(AggregationError, match="1 non-finite") as info:
+        mean.add(NodeUpdate("planning", {"w": poisoned}, 10))
+    assert info.value.node == "planning"
+    np.testing.assert_array_equal(mean.result()["w"], good)
+
+
+def test_huge_finite_values_whose_squares_overflow_are_still_accepted() -> None:
+    big = np.full(LARGE, 1e30, np.float32)  # x·x overflows float32; the element-wise check decides
+    assert aggregate_weighted_mean([NodeUpdate("a", {"w": big}, 1.0)])["w"][0] == np.float32(1e30)
