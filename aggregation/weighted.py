@@ -19,13 +19,14 @@ a float64 numpy reference. Smaller tensors and other dtypes keep element-wise fl
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy.linalg import blas
 
 from .errors import AggregationError, EmptyAggregationError
 
@@ -44,6 +45,15 @@ def error_bound(weights: Iterable[float], magnitudes: NDArray[np.float64]) -> ND
     weights and Σ|wᵢxᵢ| per coordinate (``magnitudes``)."""
     total = float(sum(weights))
     return np.asarray((BLOCK + 2) * UNIT_ROUNDOFF * magnitudes / total, dtype=np.float64)
+
+
+@functools.cache
+def _saxpy() -> Callable[..., Any]:
+    """BLAS saxpy, imported on first use: nodes import this module but never aggregate, and
+    ``scipy.linalg`` costs ~0.3 s to import."""
+    from scipy.linalg import blas
+
+    return blas.saxpy  # type: ignore[no-any-return]
 
 
 def _all_finite(arr: NDArray[np.generic]) -> bool:
@@ -146,7 +156,7 @@ class WeightedMean:
                 block = self._blocks.get(name)
                 if block is None:
                     block = self._blocks[name] = np.zeros(arr.size, dtype=np.float32)
-                out = blas.saxpy(np.ascontiguousarray(arr).reshape(-1), block, a=weight)
+                out = _saxpy()(np.ascontiguousarray(arr).reshape(-1), block, a=weight)
                 if out is not block:  # saxpy writes into a contiguous float32 y; anything else is a bug
                     raise AggregationError("BLAS saxpy did not accumulate in place")
                 continue

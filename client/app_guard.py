@@ -80,6 +80,9 @@ def main() -> None:
 
     from flwr.supernode.cli import flwr_clientapp
 
+    from .pull_backoff import shorten_pull_backoff
+
+    shorten_pull_backoff()
     runner: Any = importlib.import_module("flwr.supernode.runtime.run_clientapp")
 
     pull, install = runner.pull_task_input, runner.install_from_fab

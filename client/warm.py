@@ -190,6 +190,9 @@ def run_warm(args: Sequence[str], env: Mapping[str, str]) -> int | None:
 def _entry(own_env: Mapping[str, str]) -> int:
     """The task's entry point, as the cold path would run it; the guard decided by ``own_env``."""
     try:
+        from quorumfl.client.pull_backoff import shorten_pull_backoff
+
+        shorten_pull_backoff()
         if own_env.get(ADMIN_KEYS_ENV):
             os.environ[ADMIN_KEYS_ENV] = own_env[ADMIN_KEYS_ENV]
             from quorumfl.client.app_guard import main as guarded
@@ -260,14 +263,24 @@ def _child(conn: socket.socket, listener: socket.socket, request: dict[str, obje
 
 
 def _preload() -> None:
-    """Import what every ClientApp imports, so forked tasks start with it in memory."""
+    """Import what every ClientApp imports, so forked tasks start with it in memory.
+
+    Measured with a profile of every task (3 nodes, plaintext, masking and CKKS rounds): a training
+    task spent 2.5 of its 3.5 s importing ``torch._dynamo``, which torch's optimizers import on
+    first construction, and every task ~0.05 s importing Flower's HTTP client (httpx); the
+    round's own modules (``client.steps`` and what it pulls in) another ~0.4 s."""
     import flwr.supernode.cli  # noqa: F401
     import flwr.supernode.runtime.run_clientapp  # noqa: F401
-    import torch  # noqa: F401
+    import httpx  # noqa: F401
+    import torch
+    import torch._dynamo  # noqa: F401
 
     import quorumfl.client.app  # noqa: F401
     import quorumfl.client.app_guard  # noqa: F401
+    import quorumfl.client.steps  # noqa: F401
     import quorumfl.privacy.admin  # noqa: F401
+
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # any first-use set-up, once
 
 
 def serve(path: str, watch_pid: int) -> int:

@@ -73,7 +73,7 @@ from .strategies import ClusteredFedAvg, ClusteredResult, FedAvg, FedPer, build_
 __all__ = ["IFCA_PICK", "Federation", "ReplyError", "parse_train_reply"]
 
 log = logging.getLogger(__name__)
-REPLY_POLL_SECONDS = 0.25  # how often the ServerApp asks the SuperLink for replies
+REPLY_POLL_SECONDS = 0.1  # how often the ServerApp asks the SuperLink for replies
 IFCA_PICK = "query.ifca_pick"
 Arrays = dict[str, NDArray[np.generic]]
 
