@@ -267,10 +267,15 @@ def _preload() -> None:
 
     Measured with a profile of every task (3 nodes, plaintext, masking and CKKS rounds): a training
     task spent 2.5 of its 3.5 s importing ``torch._dynamo``, which torch's optimizers import on
-    first construction, and every task ~0.05 s importing Flower's HTTP client (httpx); the
-    round's own modules (``client.steps`` and what it pulls in) another ~0.4 s."""
+    first construction, and every task ~0.05 s importing Flower's HTTP client (httpx, whose
+    transport imports httpcore and h11 on first use: 0.4 s per task with ten nodes on two cores)
+    and cryptography's OpenSSL backend; the round's own modules (``client.steps`` and what it
+    pulls in) another ~0.4 s."""
+    import cryptography.hazmat.backends.openssl  # noqa: F401
     import flwr.supernode.cli  # noqa: F401
     import flwr.supernode.runtime.run_clientapp  # noqa: F401
+    import h11  # noqa: F401
+    import httpcore  # noqa: F401
     import httpx  # noqa: F401
     import torch
     import torch._dynamo  # noqa: F401

@@ -6,6 +6,7 @@ import threading
 from typing import Any
 
 import pytest
+from flwr.supercore.constant import PULL_BACKOFF_CAP, PULL_INITIAL_BACKOFF
 from flwr.supercore.inflatable import inflatable_utils
 from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError, pull_objects
 
@@ -43,7 +44,11 @@ def _waits_while_pulling(monkeypatch: pytest.MonkeyPatch, unavailable: int) -> l
 
 
 def test_flowers_own_backoff_starts_at_one_second(restored: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The reference: what Flower 1.42 does unchanged (so the test below shows a real difference)."""
+    """The reference: what Flower 1.42's own constants do (so the test below shows a real difference),
+    whatever another test in this process already set."""
+    for function in (pull_objects, inflatable_utils.pull_and_inflate_object_from_tree):
+        assert function.__kwdefaults__ is not None
+        function.__kwdefaults__.update(initial_backoff=PULL_INITIAL_BACKOFF, backoff_cap=PULL_BACKOFF_CAP)
     assert _waits_while_pulling(monkeypatch, 3) == [1, 2, 4]
 
 
