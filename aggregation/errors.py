@@ -12,7 +12,8 @@ every other layer (client, server, CLI) can import it::
     │   └── SecureAggregationError  a secure-aggregation message breaks the protocol (fails closed)
     │       └── QuorumNotMetError   fewer than t parties are left; nothing is revealed
     ├── StateError           the state database (unreachable, not migrated, missing row)
-    │   └── NotFoundError    a run / node / model version that does not exist
+    │   ├── NotFoundError    a run / node / model version that does not exist
+    │   └── RunStoppedError  the run was stopped while its server was still running it (no new round)
     ├── ModelStoreError      a model file missing, tampered or unreadable
     ├── TrainingError        local training failed (a DDP worker died, a checkpoint is unusable)
     ├── PrivacyBudgetError   the next round would spend more ε than the department allows (refused)
@@ -41,6 +42,7 @@ __all__ = [
     "NotFoundError",
     "QuorumError",
     "QuorumNotMetError",
+    "RunStoppedError",
     "SecureAggregationError",
     "PrivacyBudgetError",
     "SelectionError",
@@ -95,6 +97,10 @@ class StateError(QuorumError):
 
 class NotFoundError(StateError):
     """A run, node or model version that does not exist."""
+
+
+class RunStoppedError(StateError):
+    """The run is no longer running (an admin stopped it) while its ServerApp still was: no new round."""
 
 
 class ModelStoreError(QuorumError):

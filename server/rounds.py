@@ -26,6 +26,7 @@ from quorumfl.aggregation.compression import warmup_fraction
 from quorumfl.aggregation.errors import (
     ConfigError,
     FederationError,
+    RunStoppedError,
     SecureAggregationError,
     StateError,
 )
@@ -423,6 +424,12 @@ class Federation:
                     f"none of the {config.num_rounds} round(s) completed; 'quorumfl rounds list' shows why"
                 )
             self._final_evaluation(run.id, models, sorted(seen))
+        except RunStoppedError as exc:
+            # An admin's 'runs stop' was recorded while this ServerApp was between rounds (Flower ends
+            # it soon after): the run stays stopped, and no round is left running.
+            self.repo.abort_running_rounds(run.id, "run stopped by the admin")
+            log.warning("run %s: %s", run.id, exc)
+            return run.id
         except (SystemExit, KeyboardInterrupt):
             # Flower ends a ServerApp this way when its server stops (Ctrl-C of 'quorumfl server start':
             # the parent process is gone) or its run is stopped at the SuperLink. Not a failure of the

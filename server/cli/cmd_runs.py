@@ -210,8 +210,10 @@ def stop(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (Qu
     if record.flower_run_id is None:
         raise ConfigError(f"run {record.id} has no Flower run id to stop")
     settings(ctx).control(superlink, insecure=insecure, ca_cert=ca_cert).stop_run(record.flower_run_id)
-    repo.abort_running_rounds(record.id, "run stopped by the admin")
+    # Stopped first: a ServerApp still between rounds then starts no new one (RunStoppedError), and
+    # the sweep after it catches a round it started before.
     repo.finish_run(record.id, RunStatus.STOPPED, error="stopped by the admin")
+    repo.abort_running_rounds(record.id, "run stopped by the admin")
     console.print(f"run {record.id} stopped")
 
 

@@ -15,7 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
-from quorumfl.aggregation.errors import ConfigError, NotFoundError, StateError
+from quorumfl.aggregation.errors import ConfigError, NotFoundError, RunStoppedError, StateError
 
 from .orm import (
     Decryption,
@@ -189,7 +189,15 @@ class Repository:
 
     # ---- rounds -----------------------------------------------------------------------------
     def start_round(self, run_id: int, number: int, selected: Iterable[int]) -> Round:
+        """Record round ``number`` as running; ``RunStoppedError`` (nothing written) when the run is no
+        longer running, e.g. an admin's ``runs stop`` landed while the ServerApp was between rounds."""
+
         def op(s: Session) -> Round:
+            run = s.get(Run, run_id)
+            if run is None:
+                raise NotFoundError(f"run {run_id} does not exist")
+            if run.status != RunStatus.RUNNING:
+                raise RunStoppedError(f"run {run_id} is {run.status}; round {number} is not started")
             # Earlier attempts of this round (a crashed or stopped server) stay recorded as aborted.
             earlier = list(s.scalars(select(Round).where(Round.run_id == run_id, Round.number == number)))
             for old in earlier:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import inspect
 
-from quorumfl.aggregation.errors import NotFoundError, StateError
+from quorumfl.aggregation.errors import NotFoundError, RunStoppedError, StateError
 from quorumfl.server.state.database import connect, create, require_current
 from quorumfl.server.state.repository import Repository, RoundStatus, RunStatus
 
@@ -50,6 +50,17 @@ def test_restarted_round_keeps_the_aborted_attempt(repo: Repository) -> None:
         (1, 1, RoundStatus.ABORTED), (1, 2, RoundStatus.ABORTED), (1, 3, RoundStatus.RUNNING)
     ]
     assert rounds[0].error == "server stopped"
+
+
+def test_a_stopped_run_starts_no_new_round(repo: Repository) -> None:
+    """An admin's stop recorded while the ServerApp is between rounds: its next start_round writes nothing."""
+    run = repo.create_run(flower_run_id=None, config={}, strategy="fedavg", num_rounds=3)
+    repo.start_round(run.id, 1, [1])
+    repo.finish_run(run.id, RunStatus.STOPPED, error="stopped by the admin")
+    assert repo.abort_running_rounds(run.id, "run stopped by the admin") == 1
+    with pytest.raises(RunStoppedError, match="round 2 is not started"):
+        repo.start_round(run.id, 2, [1])
+    assert [(r.number, r.status) for r in repo.get_run(run.id).rounds] == [(1, RoundStatus.ABORTED)]
 
 
 def test_nodes_registry(repo: Repository) -> None:
