@@ -56,8 +56,13 @@ def _saxpy() -> Callable[..., Any]:
     return blas.saxpy  # type: ignore[no-any-return]
 
 
+def _blas_path(arr: NDArray[np.generic]) -> bool:
+    """Large float32 tensors: checked with a dot product and accumulated with saxpy."""
+    return arr.dtype == np.float32 and arr.size >= LARGE
+
+
 def _all_finite(arr: NDArray[np.generic]) -> bool:
-    if arr.dtype == np.float32 and arr.size >= LARGE and arr.flags.c_contiguous:
+    if _blas_path(arr) and arr.flags.c_contiguous:
         flat = arr.reshape(-1)
         if math.isfinite(float(np.dot(flat, flat))):
             return True  # a NaN or ±inf anywhere makes the dot product non-finite
@@ -152,7 +157,7 @@ class WeightedMean:
         weight = self.check(update)
         for name, array in update.arrays.items():
             arr = np.asarray(array)
-            if arr.dtype == np.float32 and arr.size >= LARGE:
+            if _blas_path(arr):
                 block = self._blocks.get(name)
                 if block is None:
                     block = self._blocks[name] = np.zeros(arr.size, dtype=np.float32)

@@ -69,16 +69,20 @@ DECRYPT = "query.ckks_decrypt"
 U64 = NDArray[np.uint64]
 
 
-def _u64(record: ArrayRecord, key: str, ndim: int) -> U64:
+def _array(record: ArrayRecord, key: str, dtype: type[np.generic], ndim: int) -> NDArray[np.generic]:
     if key not in record:
         raise SecureAggregationError(f"threshold-CKKS record has no array '{key}'")
     try:
-        values = record[key].numpy()
+        values: NDArray[np.generic] = record[key].numpy()
     except Exception as exc:  # a malformed array from a remote party
         raise SecureAggregationError(f"array '{key}' cannot be decoded ({exc})") from exc
-    if values.dtype != np.uint64 or values.ndim != ndim:
-        raise SecureAggregationError(f"array '{key}' must be {ndim}-D uint64, got {values.ndim}-D {values.dtype}")
+    if values.dtype != dtype or values.ndim != ndim:
+        raise SecureAggregationError(f"array '{key}' must be {ndim}-D {np.dtype(dtype)}, got {values.ndim}-D {values.dtype}")
     return np.ascontiguousarray(values)
+
+
+def _u64(record: ArrayRecord, key: str, ndim: int) -> U64:
+    return _array(record, key, np.uint64, ndim)  # type: ignore[return-value]
 
 
 def _packed(residues: U64) -> Array:
@@ -87,16 +91,7 @@ def _packed(residues: U64) -> Array:
 
 
 def _unpacked(record: ArrayRecord, key: str, ndim: int) -> U64:
-    if key not in record:
-        raise SecureAggregationError(f"threshold-CKKS record has no array '{key}'")
-    try:
-        values: NDArray[np.uint8] = record[key].numpy()
-    except Exception as exc:  # a malformed array from a remote party
-        raise SecureAggregationError(f"array '{key}' cannot be decoded ({exc})") from exc
-    if values.dtype != np.uint8 or values.ndim != ndim:
-        raise SecureAggregationError(f"array '{key}' must be {ndim}-D packed residues (uint8), "
-                                     f"got {values.ndim}-D {values.dtype}")
-    return unpack_residues(values)
+    return unpack_residues(_array(record, key, np.uint8, ndim))  # type: ignore[arg-type]
 
 
 def _strings(record: ConfigRecord, key: str) -> list[str]:

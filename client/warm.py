@@ -190,9 +190,6 @@ def run_warm(args: Sequence[str], env: Mapping[str, str]) -> int | None:
 def _entry(own_env: Mapping[str, str]) -> int:
     """The task's entry point, as the cold path would run it; the guard decided by ``own_env``."""
     try:
-        from quorumfl.client.pull_backoff import shorten_pull_backoff
-
-        shorten_pull_backoff()
         if own_env.get(ADMIN_KEYS_ENV):
             os.environ[ADMIN_KEYS_ENV] = own_env[ADMIN_KEYS_ENV]
             from quorumfl.client.app_guard import main as guarded
@@ -286,6 +283,9 @@ def _preload() -> None:
     import quorumfl.privacy.admin  # noqa: F401
 
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # any first-use set-up, once
+    from quorumfl.client.pull_backoff import shorten_pull_backoff
+
+    shorten_pull_backoff()  # every forked task inherits the shorter object-pull backoff
 
 
 def serve(path: str, watch_pid: int) -> int:

@@ -36,7 +36,7 @@ def pack_residues(residues: U64) -> U8:
                                      "uint64 with an even last axis is needed")
     flat = np.ascontiguousarray(residues).reshape(-1, 2)
     a, b = flat[:, 0], flat[:, 1]
-    if bool(np.any(a > _LOW60)) or bool(np.any(b > _LOW60)):
+    if flat.size and flat.max() > _LOW60:
         raise SecureAggregationError("a residue has more than 60 bits: it is not reduced modulo a CKKS prime")
     pairs = flat.shape[0]
     word0 = np.bitwise_and(b, np.uint64(0xF))  # two temporaries in all, shifted and combined in place
