@@ -161,3 +161,27 @@ def test_the_runtime_api_refuses_callers_from_other_addresses(link: Link) -> Non
                                content=AcquireTaskRequest().SerializeToString(),
                                headers={"Content-Type": "application/protobuf", "Authorization": f"Bearer {_admin_token(link)}"})
     assert response.status_code == 403, (response.status_code, response.text)
+
+
+def test_control_calls_dressed_as_fleet_or_runtime_paths_are_not_obeyed(link: Link) -> None:
+    """The SuperLink skips its Control-only layers (authentication among them) for Fleet and Runtime
+    paths; a Control call whose raw path merely starts like one must not reach a Control handler."""
+    import http.client
+
+    admin = Control(link.address, insecure=False, root_certificates=str(link.creds.ca_cert),
+                    admin_key=link.creds.admin_key)
+    run_id = admin.start_run({"num-rounds": 1})
+    body = StopRunRequest(run_id=run_id).SerializeToString()
+    context = ssl.create_default_context(cafile=str(link.creds.ca_cert))
+    for path in ("/v1/fleet/../control/stop-run", "/v1/runtime/../control/stop-run", "/v1/fleet/%2e%2e/control/stop-run",
+                 "/v1/fleet//v1/control/stop-run"):
+        connection = http.client.HTTPSConnection(LINK_HOST, link.port, context=context, timeout=20,
+                                                 source_address=(ATTACKER_HOST, 0))
+        try:
+            connection.request("POST", path, body=body, headers={"Content-Type": "application/protobuf"})
+            status = connection.getresponse().status
+        finally:
+            connection.close()
+        assert status in (401, 403, 404), (path, status)
+    runs = admin.list_runs()
+    assert [r.run_id for r in runs] == [run_id] and runs[0].status in ("pending", "starting", "running"), runs
