@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "ADMIN_KEYS_ENV",
@@ -189,9 +190,21 @@ def reap_children(stop: threading.Event, interval: float = 0.25) -> None:
 
 
 def superexec_main() -> int:
-    """Flower's ``flower-superexec`` (same arguments) with ``reap_children`` on a daemon thread."""
+    """Flower's ``flower-superexec`` (same arguments) with ``reap_children`` on a daemon thread, and
+    woken by its SuperNode between asks for new tasks (``task_wake``) when the SuperNode set that up."""
+    from .task_wake import WakeableSleep
+
     threading.Thread(target=reap_children, args=(threading.Event(),), name="reap-app-processes",
                      daemon=True).start()
+    sleeper = WakeableSleep.from_env()
+    if sleeper is not None:
+        import importlib
+
+        loop: Any = importlib.import_module("flwr.supercore.superexec.run_superexec")  # the module, not its function
+        if getattr(loop, "time", None) is time:
+            loop.time = sleeper
+        else:  # Flower changed its loop: keep polling as configured
+            sleeper.close()
     from flwr.supercore.cli import flower_superexec
 
     flower_superexec()

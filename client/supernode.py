@@ -11,8 +11,10 @@ those sleeps alone: in a masked round of four departments the consistency and un
 unchanged except for those two waits in that module: the pull from the SuperLink is repeated every
 ``QUORUMFL_SUPERNODE_POLL_S`` seconds (0.5 by default; a larger value costs latency, a smaller one
 more requests on the SuperLink: one small RPC per idle node per interval), and the local wait for
-a reply checks every 0.05 s (no network); and its pulls of a message's objects retry after 0.05 s
-instead of 1 s (``pull_backoff``). Nothing else of Flower's behaviour changes.
+a reply checks every 0.05 s (no network); its pulls of a message's objects retry after 0.05 s
+instead of 1 s (``pull_backoff``); and once a message from the SuperLink is stored, it wakes the
+SuperExec it started (``task_wake``), which otherwise asks for new tasks only every second. Nothing
+else of Flower's behaviour changes.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from types import ModuleType
 from typing import Any
 
 from .pull_backoff import shorten_pull_backoff
+from .task_wake import WAKE_ENV, Waker, new_wake_name
 
-__all__ = ["POLL_ENV", "main", "patch_waits", "poll_interval"]
+__all__ = ["POLL_ENV", "main", "patch_waits", "poll_interval", "wake_after_store"]
 
 POLL_ENV = "QUORUMFL_SUPERNODE_POLL_S"
 DEFAULT_POLL_S = 0.5
@@ -69,6 +72,23 @@ def patch_waits(module: ModuleType, poll: float) -> None:
     module.time = _Waits(poll)  # type: ignore[attr-defined]
 
 
+def wake_after_store(module: ModuleType, waker: Waker) -> None:
+    """Make ``module``'s ``_pull_and_store_message`` (Flower's SuperNode loop) wake the SuperExec
+    after each message it has stored."""
+    pull_and_store = getattr(module, "_pull_and_store_message", None)
+    if pull_and_store is None:
+        raise RuntimeError(f"{module.__name__} no longer has _pull_and_store_message as Flower 1.42 did; "
+                           "run Flower's flower-supernode directly")
+
+    def pull_store_and_wake(*args: Any, **kwargs: Any) -> Any:
+        run_id = pull_and_store(*args, **kwargs)
+        if run_id is not None:
+            waker.wake()
+        return run_id
+
+    module._pull_and_store_message = pull_store_and_wake  # type: ignore[attr-defined]
+
+
 def main() -> None:
     try:
         poll = poll_interval()
@@ -80,6 +100,9 @@ def main() -> None:
 
     patch_waits(start_client_internal, poll)
     shorten_pull_backoff()
+    wake_name = new_wake_name()
+    os.environ[WAKE_ENV] = wake_name  # for the SuperExec that Flower's SuperNode starts
+    wake_after_store(start_client_internal, Waker(wake_name))
     sys.argv = ["flower-supernode", *sys.argv[1:]]
     flower_supernode()
 

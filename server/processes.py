@@ -81,7 +81,8 @@ def flower_env(home: Path, *, db_url: str | None = None) -> dict[str, str]:
             "QUORUMFL_HOME": str(home),
             "PYTHONUNBUFFERED": "1",
             # Flower's SuperExec looks for new app tasks once a second by default; every message
-            # round trip pays up to that wait again.
+            # round trip pays up to that wait again. (A SuperNode started as quorumfl.client.supernode
+            # wakes its SuperExec instead: client/task_wake.py; this applies to the ServerApp's.)
             "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": os.environ.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", "0.25"),
             # Flower starts its helpers (flower-superexec, flwr-serverapp, flwr-clientapp) by name.
             "PATH": os.pathsep.join([str(shims), str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
