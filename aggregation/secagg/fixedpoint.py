@@ -7,8 +7,18 @@ encoded values inside (−M/2, M/2):
     max_summands · (clip · scale + 1) ≤ M/2 − 1   ⇒   scale = ⌊(M/2 − 1 − max_summands) / (max_summands · clip)⌋
 
 so the signed sum decodes exactly (the scale is also capped so that scaled values stay below 2^52,
-where float64 is exact). Each rounding is off by less than 1/scale, hence the documented
-bound: |decode(Σ encode(v_i)) − Σ clip(v_i)| < max_summands / scale per coordinate (``error_bound``).
+where float64 is exact). Per coordinate, with n = max_summands and u = 2⁻⁵³ (float64's unit
+roundoff), ``error_bound`` adds up:
+
+- each stochastic rounding: less than 1/scale;
+- each float64 product v·scale: at most |v·scale|·u, i.e. clip·u in value units (near the 2⁵² cap
+  that is up to half a unit of the scaled grid, as large as the rounding itself);
+- decoding: the integer sum converted to float64 (inexact above 2⁵³) and divided by scale, two
+  roundings of at most |decoded sum|·u ≤ (n·clip + n/scale)·u each.
+
+That is n/scale·(1 + 2u) + 3·n·clip·u to first order; ``error_bound`` rounds both factors up to 4
+for the second-order terms: |decode(Σ encode(v_i)) − Σ clip(v_i)| ≤ n/scale·(1 + 4u) + 4·n·clip·u,
+against the exact rational sum of the float64 inputs.
 """
 
 from __future__ import annotations
@@ -62,8 +72,9 @@ class FixedPoint:
 
     @property
     def error_bound(self) -> float:
-        """Per-coordinate bound on |decoded sum − exact sum of the clipped values|."""
-        return self.max_summands / self.scale
+        """Per-coordinate bound on |decoded sum − exact sum of the clipped values| (module docstring)."""
+        n, unit = self.max_summands, 2.0**-53
+        return n / self.scale * (1 + 4 * unit) + 4 * n * self.clip * unit
 
     def encode(self, values: NDArray[np.floating], rng: np.random.Generator) -> tuple[NDArray[np.unsignedinteger], int]:
         """Encoded copy of ``values`` and how many coordinates had to be clipped."""
