@@ -205,6 +205,10 @@ def superexec_main() -> int:
             loop.time = sleeper
         else:  # Flower changed its loop: keep polling as configured
             sleeper.close()
+    if os.environ.get(WARM_ENV):
+        from .warm import install_warm_launch
+
+        install_warm_launch()
     from flwr.supercore.cli import flower_superexec
 
     flower_superexec()

@@ -9,6 +9,13 @@ ten seconds of imports. Flower 1.42 has pre-started task workers only for its Ku
 a program with its own argv, environment and standard streams, so this module is the small
 fork server that does:
 
+- the SuperExec (``launch_gate.superexec_main``, when its node has a warm server) does not start a
+  ``flwr-clientapp`` process for a ClientApp task at all (``install_warm_launch``): a thread of its
+  own takes the host slot as the gate would, then calls ``run_warm`` with the arguments Flower
+  would have passed and the SuperExec's standard streams, and falls back to Flower's launch (the
+  gate, below) when the warm server cannot be reached. Measured A/B on ten nodes and two cores,
+  a masking run used 54-64 s of CPU against 67-75 s with a gate process per task (about 0.06 s of
+  CPU each), and its consistency and unmask stages took 1.0-1.8 s against 1.3-2.2 s;
 - the launch gate (``launch_gate.main``, run by the SuperExec as ``flwr-clientapp``) calls
   ``run_warm``: it connects to the warm server's Unix socket (starting the server first when none
   answers, under a lock), sends its argv, environment and working directory and passes its stdin,
@@ -45,17 +52,22 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from .launch_gate import (
     ADMIN_KEYS_ENV,
     CLIENTAPP,
     GATE_REAL_ENV,
+    GATE_WAIT_ENV,
     SLOT_HELD_ENV,
     WARM_ENV,
+    acquire_slot,
+    slot_count,
+    slot_directory,
     write_gate,
 )
 
-__all__ = ["WARM_ENV", "run_warm", "serve", "warm_env"]
+__all__ = ["WARM_ENV", "install_warm_launch", "run_warm", "serve", "warm_env"]
 
 _MAX_REQUEST = 1 << 20
 _HEADER = struct.Struct("!I")
@@ -153,15 +165,18 @@ def _parent_pid(args: Sequence[str]) -> int:
     return os.getppid()
 
 
-def run_warm(args: Sequence[str], env: Mapping[str, str]) -> int | None:
-    """Run ``flwr-clientapp args`` as a child of the warm server named by ``env[WARM_ENV]``, with this
-    process's standard streams; its exit code, or None when no warm server could be reached (the
-    caller then runs the cold path; nothing of the task has run)."""
+def run_warm(args: Sequence[str], env: Mapping[str, str], *, fds: Sequence[int] = (0, 1, 2),
+             watch_pid: int | None = None, forward_signals: bool = True) -> int | None:
+    """Run ``flwr-clientapp args`` as a child of the warm server named by ``env[WARM_ENV]``, with
+    ``fds`` as its standard streams (this process's by default); its exit code, or None when no warm
+    server could be reached (the caller then runs the cold path; nothing of the task has run).
+    ``watch_pid``: the SuperExec the server lives with (default: Flower's ``--parent-pid``);
+    ``forward_signals``: pass this process's SIGINT/SIGTERM/SIGHUP on to the task (main thread only)."""
     path = env.get(WARM_ENV, "")
     if not path:
         return None
     try:
-        sock = _start_server(path, env, _parent_pid(args))
+        sock = _start_server(path, env, _parent_pid(args) if watch_pid is None else watch_pid)
     except OSError:
         return None
     if sock is None:
@@ -169,8 +184,8 @@ def run_warm(args: Sequence[str], env: Mapping[str, str]) -> int | None:
     with sock:
         request = json.dumps({"argv": list(args), "env": dict(env), "cwd": os.getcwd()}).encode()
         try:
-            fds = array.array("i", [0, 1, 2])
-            sock.sendmsg([_HEADER.pack(len(request)), request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+            streams = array.array("i", list(fds))
+            sock.sendmsg([_HEADER.pack(len(request)), request], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, streams)])
             pid = _PID.unpack(_recv_exact(sock, _PID.size))[0]
         except (OSError, EOFError):
             return None  # the server refused or died before forking: nothing ran
@@ -179,12 +194,86 @@ def run_warm(args: Sequence[str], env: Mapping[str, str]) -> int | None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(signum, forward)
+        if forward_signals:
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(signum, forward)
         try:
             return int(_CODE.unpack(_recv_exact(sock, _CODE.size))[0])
         except (OSError, EOFError):
             return 1  # the task ended without reporting (killed)
+
+
+def _task_argv(spec: Any) -> list[str]:
+    """The arguments Flower 1.42's ``SubprocessExecutor.launch`` gives ``flwr-clientapp`` for ``spec``."""
+    args = ["--runtime-api-address", spec.runtime_api_address, "--token", spec.token]
+    if spec.insecure:
+        args.append("--insecure")
+    elif spec.root_certificates_path is not None:
+        args.extend(["--root-certificates", spec.root_certificates_path])
+    if spec.parent_pid is not None:
+        args.extend(["--parent-pid", str(spec.parent_pid)])
+    if spec.runtime_dependency_install:
+        args.append("--allow-runtime-dependency-installation")
+    return args
+
+
+def _launch_in_thread(spec: Any, cold: Any) -> None:
+    """One ClientApp task handed to the warm server from a thread of the SuperExec: the host slot
+    first (as the launch gate takes it), then the warm server; ``cold()`` when that cannot be reached."""
+    env = dict(os.environ)
+    held: tuple[int, int] | None = None
+    try:
+        slots = slot_count(env)
+        if slots is not None:
+            wait = float(env.get(GATE_WAIT_ENV, "18"))
+            held = acquire_slot(slot_directory(env), slots, timeout=wait)
+            if held is None:  # as the gate's exit 75: Flower starts the task again once its claim lapses
+                print(f"quorumfl launch gate: no host slot free within {wait:g} s; Flower starts the task again",
+                      file=sys.stderr, flush=True)
+                return
+            env[SLOT_HELD_ENV] = str(held[1])
+        with contextlib.ExitStack() as stack:
+            fds = [0, 1, 2]
+            if spec.suppress_output:
+                null = stack.enter_context(open(os.devnull, "r+b"))  # noqa: SIM115
+                fds = [0, null.fileno(), null.fileno()]
+            code = run_warm(_task_argv(spec), env, fds=fds, watch_pid=os.getpid(), forward_signals=False)
+        if code is None:
+            if held is not None:
+                os.close(held[0])
+                held = None
+            cold()
+    except (OSError, ValueError) as exc:
+        print(f"quorumfl warm launch: {exc}", file=sys.stderr, flush=True)
+    finally:
+        if held is not None:
+            os.close(held[0])
+
+
+def install_warm_launch() -> bool:
+    """In the SuperExec (``launch_gate.superexec_main``): hand ClientApp tasks to the warm server from
+    a thread of this process instead of starting a ``flwr-clientapp`` launch gate for each (a Python
+    process of its own, about 0.06 s of CPU per message). Other task types, and a task whose warm
+    server cannot be reached, go through Flower's own launch (the gate). False when Flower's
+    executor is not the one this was written for (then nothing changes)."""
+    from flwr.supercore.constant import TaskType
+    from flwr.supercore.superexec.executor import subprocess_executor
+    from flwr.supercore.superexec.executor.types import LaunchResult
+
+    executor = subprocess_executor.SubprocessExecutor
+    flower_launch = executor.launch
+    if getattr(flower_launch, "__qualname__", "") != "SubprocessExecutor.launch":
+        return False
+
+    def launch(self: Any, spec: Any) -> Any:
+        if spec.task_type != TaskType.CLIENT_APP or not os.environ.get(WARM_ENV):
+            return flower_launch(self, spec)
+        threading.Thread(target=_launch_in_thread, args=(spec, lambda: flower_launch(self, spec)),
+                         name=f"clientapp-task-{spec.task_id}", daemon=True).start()
+        return LaunchResult.accepted()
+
+    executor.launch = launch  # type: ignore[method-assign]
+    return True
 
 
 def _entry(own_env: Mapping[str, str]) -> int:
