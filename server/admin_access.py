@@ -21,7 +21,7 @@ API only (four on Control, two on Fleet) and pass every other request on untouch
 still costs every request a task group and memory streams. With ten SuperNodes polling and
 moving model updates that was most of the SuperLink's CPU: in a three-round plaintext run of ten
 nodes on two cores it used 20-26 s of CPU with every layer and 12-15 s with the gate, and a round
-took 8-10 s against 6-7.5 s. ``gate_middleware`` routes a request around such a
+took 7.4-9.8 s against 5.7-7.6 s. ``gate_middleware`` routes a request around such a
 layer when its path belongs to another API (``/v1/fleet/`` or ``/v1/runtime/`` for the Control
 layers; ``/v1/control/`` or ``/v1/runtime/`` for the Fleet ones): exactly the requests the layer
 itself would pass on unchanged. Any other path, including ones no route serves, still goes

@@ -25,14 +25,18 @@ from .conftest import DEPARTMENTS
 
 
 def _clientapps(supernodes: set[int]) -> list[int]:
-    """ClientApp processes below the given SuperNodes (SuperNode → SuperExec → flwr-clientapp, which
-    runs as ``python -m quorumfl.client.app_guard`` behind the admin-signature check), via /proc."""
+    """ClientApp task processes below the given SuperNodes, via /proc: warm tasks (SuperNode →
+    SuperExec → warm server → a forked child named ``flwr-clientapp``) and cold ones (a
+    ``flwr-clientapp`` process, which runs as ``python -m quorumfl.client.app_guard`` behind the
+    admin-signature check)."""
     parents: dict[int, int] = {}
     cmdlines: dict[int, bytes] = {}
+    names: dict[int, str] = {}
     for entry in Path("/proc").glob("[0-9]*"):
         try:
             parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
             cmdlines[int(entry.name)] = (entry / "cmdline").read_bytes()
+            names[int(entry.name)] = (entry / "comm").read_text().strip()
         except (OSError, ValueError, IndexError):
             continue
     below, frontier = set(), set(supernodes)
@@ -40,7 +44,8 @@ def _clientapps(supernodes: set[int]) -> list[int]:
         frontier = {pid for pid, ppid in parents.items() if ppid in frontier and pid not in below}
         below |= frontier
     marks = (b"flwr-clientapp", b"quorumfl.client.app_guard")
-    return sorted(pid for pid in below if any(m in cmdlines.get(pid, b"") for m in marks))
+    return sorted(pid for pid in below
+                  if names.get(pid) == "flwr-clientapp" or any(m in cmdlines.get(pid, b"") for m in marks))
 
 
 @pytest.mark.slow
