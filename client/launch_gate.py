@@ -50,9 +50,11 @@ __all__ = [
     "SUPEREXEC",
     "acquire_slot",
     "main",
+    "no_slot_message",
     "reap_children",
     "slot_count",
     "slot_directory",
+    "slot_wait",
     "superexec_main",
     "write_gate",
     "write_superexec",
@@ -83,6 +85,15 @@ def slot_directory(env: Mapping[str, str]) -> Path:
     return Path(env.get(SLOTS_DIR_ENV) or Path(tempfile.gettempdir()) / "quorumfl-clientapp-slots")
 
 
+def slot_wait(env: Mapping[str, str]) -> float:
+    """How long a task waits for a host slot (``QUORUMFL_CLIENTAPP_GATE_WAIT``, 18 s by default)."""
+    return float(env.get(GATE_WAIT_ENV, "18"))
+
+
+def no_slot_message(wait: float) -> str:
+    return f"quorumfl launch gate: no host slot free within {wait:g} s; Flower starts the task again"
+
+
 def acquire_slot(directory: Path, slots: int, *, timeout: float | None = None) -> tuple[int, int] | None:
     """Take one of ``slots`` lock files in ``directory``: (open fd holding it, slot number); None
     after ``timeout`` seconds (None: wait as long as it takes)."""
@@ -111,7 +122,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     guarded = bool(environ.get(ADMIN_KEYS_ENV))
     try:
         slots = slot_count(environ)
-        wait = float(environ.get(GATE_WAIT_ENV, "18"))
+        wait = slot_wait(environ)
         if not guarded and (not real or not os.access(real, os.X_OK)):
             raise ValueError(f"{GATE_REAL_ENV}={real!r} must name Flower's executable flwr-clientapp")
         if not 0 < wait < 3600:
@@ -122,8 +133,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     if slots is not None:
         held = acquire_slot(slot_directory(environ), slots, timeout=wait)
         if held is None:
-            print(f"quorumfl launch gate: no host slot free within {wait:g} s; Flower starts the task again",
-                  file=sys.stderr)
+            print(no_slot_message(wait), file=sys.stderr)
             return 75
         fd, slot = held
         os.set_inheritable(fd, True)

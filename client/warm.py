@@ -58,12 +58,13 @@ from .launch_gate import (
     ADMIN_KEYS_ENV,
     CLIENTAPP,
     GATE_REAL_ENV,
-    GATE_WAIT_ENV,
     SLOT_HELD_ENV,
     WARM_ENV,
     acquire_slot,
+    no_slot_message,
     slot_count,
     slot_directory,
+    slot_wait,
     write_gate,
 )
 
@@ -225,11 +226,10 @@ def _launch_in_thread(spec: Any, cold: Any) -> None:
     try:
         slots = slot_count(env)
         if slots is not None:
-            wait = float(env.get(GATE_WAIT_ENV, "18"))
+            wait = slot_wait(env)
             held = acquire_slot(slot_directory(env), slots, timeout=wait)
             if held is None:  # as the gate's exit 75: Flower starts the task again once its claim lapses
-                print(f"quorumfl launch gate: no host slot free within {wait:g} s; Flower starts the task again",
-                      file=sys.stderr, flush=True)
+                print(no_slot_message(wait), file=sys.stderr, flush=True)
                 return
             env[SLOT_HELD_ENV] = str(held[1])
         with contextlib.ExitStack() as stack:
