@@ -331,8 +331,9 @@ class Federation:
                     good.append((node, reply))
 
         # Grid.send_and_receive sleeps 3 s between pulls; every round trip would pay up to that again.
-        # Replies are pulled one request per call on a few threads (``ReplyPuller``): a reply whose
-        # arrays are still uploading over a slow link then holds up neither the others nor the deadline.
+        # ``ReplyPuller`` lists the arrived replies in one request per poll and pulls each one's objects
+        # on a few threads: a reply whose arrays are still uploading over a slow link then holds up
+        # neither the others nor the deadline.
         waiting = set(message_ids)
         deadline = self.clock() + timeout
         with ReplyPuller(self.grid) as puller:
