@@ -50,12 +50,12 @@ __all__ = [
     "SUPEREXEC",
     "acquire_slot",
     "main",
-    "no_slot_message",
     "reap_children",
     "slot_count",
     "slot_directory",
     "slot_wait",
     "superexec_main",
+    "take_slot",
     "write_gate",
     "write_superexec",
 ]
@@ -90,8 +90,17 @@ def slot_wait(env: Mapping[str, str]) -> float:
     return float(env.get(GATE_WAIT_ENV, "18"))
 
 
-def no_slot_message(wait: float) -> str:
-    return f"quorumfl launch gate: no host slot free within {wait:g} s; Flower starts the task again"
+def take_slot(env: dict[str, str], slots: int, wait: float) -> int | None:
+    """Take one of ``slots`` host slots within ``wait`` seconds for a task started with ``env``: the
+    fd holding it, with ``SLOT_HELD_ENV`` set in ``env`` (the task then does not take another); None
+    after saying on stderr that none was free (Flower starts the task again once its claim lapses)."""
+    held = acquire_slot(slot_directory(env), slots, timeout=wait)
+    if held is None:
+        print(f"quorumfl launch gate: no host slot free within {wait:g} s; Flower starts the task again",
+              file=sys.stderr, flush=True)
+        return None
+    env[SLOT_HELD_ENV] = str(held[1])
+    return held[0]
 
 
 def acquire_slot(directory: Path, slots: int, *, timeout: float | None = None) -> tuple[int, int] | None:
@@ -131,13 +140,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         print(f"quorumfl launch gate: {exc}", file=sys.stderr)
         return 78
     if slots is not None:
-        held = acquire_slot(slot_directory(environ), slots, timeout=wait)
-        if held is None:
-            print(no_slot_message(wait), file=sys.stderr)
+        fd = take_slot(environ, slots, wait)
+        if fd is None:
             return 75
-        fd, slot = held
         os.set_inheritable(fd, True)
-        environ[SLOT_HELD_ENV] = str(slot)
     if environ.get(WARM_ENV):  # forked from the warm server, which has everything imported
         from .warm import run_warm
 

@@ -112,9 +112,7 @@ class WakeableSleep:
         while True:
             try:
                 _data, ancillary, _flags, _addr = self.sock.recvmsg(16, socket.CMSG_SPACE(_CREDS.size))
-            except (BlockingIOError, InterruptedError):
-                return ours
-            except OSError:
+            except OSError:  # nothing queued (BlockingIOError) or the socket failed: what was read counts
                 return ours
             for level, kind, payload in ancillary:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= _CREDS.size:

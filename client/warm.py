@@ -60,11 +60,9 @@ from .launch_gate import (
     GATE_REAL_ENV,
     SLOT_HELD_ENV,
     WARM_ENV,
-    acquire_slot,
-    no_slot_message,
     slot_count,
-    slot_directory,
     slot_wait,
+    take_slot,
     write_gate,
 )
 
@@ -222,16 +220,13 @@ def _launch_in_thread(spec: Any, cold: Any) -> None:
     """One ClientApp task handed to the warm server from a thread of the SuperExec: the host slot
     first (as the launch gate takes it), then the warm server; ``cold()`` when that cannot be reached."""
     env = dict(os.environ)
-    held: tuple[int, int] | None = None
+    held: int | None = None
     try:
         slots = slot_count(env)
         if slots is not None:
-            wait = slot_wait(env)
-            held = acquire_slot(slot_directory(env), slots, timeout=wait)
+            held = take_slot(env, slots, slot_wait(env))
             if held is None:  # as the gate's exit 75: Flower starts the task again once its claim lapses
-                print(no_slot_message(wait), file=sys.stderr, flush=True)
                 return
-            env[SLOT_HELD_ENV] = str(held[1])
         with contextlib.ExitStack() as stack:
             fds = [0, 1, 2]
             if spec.suppress_output:
@@ -240,14 +235,14 @@ def _launch_in_thread(spec: Any, cold: Any) -> None:
             code = run_warm(_task_argv(spec), env, fds=fds, watch_pid=os.getpid(), forward_signals=False)
         if code is None:
             if held is not None:
-                os.close(held[0])
+                os.close(held)
                 held = None
             cold()
     except (OSError, ValueError) as exc:
         print(f"quorumfl warm launch: {exc}", file=sys.stderr, flush=True)
     finally:
         if held is not None:
-            os.close(held[0])
+            os.close(held)
 
 
 def install_warm_launch() -> bool:
