@@ -29,6 +29,7 @@ Standard library only: this runs before anything heavy is imported.
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import random
 import stat
@@ -86,8 +87,16 @@ def slot_directory(env: Mapping[str, str]) -> Path:
 
 
 def slot_wait(env: Mapping[str, str]) -> float:
-    """How long a task waits for a host slot (``QUORUMFL_CLIENTAPP_GATE_WAIT``, 18 s by default)."""
-    return float(env.get(GATE_WAIT_ENV, "18"))
+    """How long a task waits for a host slot (``QUORUMFL_CLIENTAPP_GATE_WAIT``, 18 s by default).
+    Raises ValueError naming the variable unless it is a number of seconds in (0, 3600)."""
+    raw = env.get(GATE_WAIT_ENV, "18")
+    try:
+        wait = float(raw)
+    except ValueError:
+        wait = math.nan
+    if not 0 < wait < 3600:
+        raise ValueError(f"{GATE_WAIT_ENV}={raw!r} must be a number of seconds between 0 and 3600")
+    return wait
 
 
 def take_slot(env: dict[str, str], slots: int, wait: float) -> int | None:
@@ -134,8 +143,6 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         wait = slot_wait(environ)
         if not guarded and (not real or not os.access(real, os.X_OK)):
             raise ValueError(f"{GATE_REAL_ENV}={real!r} must name Flower's executable flwr-clientapp")
-        if not 0 < wait < 3600:
-            raise ValueError(f"{GATE_WAIT_ENV}={wait} must be between 0 and 3600 seconds")
     except ValueError as exc:
         print(f"quorumfl launch gate: {exc}", file=sys.stderr)
         return 78

@@ -218,13 +218,18 @@ def _task_argv(spec: Any) -> list[str]:
 
 def _launch_in_thread(spec: Any, cold: Any) -> None:
     """One ClientApp task handed to the warm server from a thread of the SuperExec: the host slot
-    first (as the launch gate takes it), then the warm server; ``cold()`` when that cannot be reached."""
+    first (as the launch gate takes it), then the warm server; ``cold()`` when that cannot be reached
+    or a slot setting is bad (the gate then says which and exits 78)."""
     env = dict(os.environ)
     held: int | None = None
     try:
-        slots = slot_count(env)
+        slots, wait = slot_count(env), slot_wait(env)
+    except ValueError:  # Flower's launch runs the gate, which refuses the setting in one line (exit 78)
+        cold()
+        return
+    try:
         if slots is not None:
-            held = take_slot(env, slots, slot_wait(env))
+            held = take_slot(env, slots, wait)
             if held is None:  # as the gate's exit 75: Flower starts the task again once its claim lapses
                 return
         with contextlib.ExitStack() as stack:

@@ -141,6 +141,7 @@ def test_gate_gives_up_within_the_wait_before_flower_starts(tmp_path: Path) -> N
 def test_gate_refuses_bad_settings(tmp_path: Path) -> None:
     env = _gated(tmp_path, 2)
     for key, value, named in ((SLOTS_ENV, "-1", SLOTS_ENV), (GATE_WAIT_ENV, "nan", GATE_WAIT_ENV),
+                              (GATE_WAIT_ENV, "soon", GATE_WAIT_ENV),
                               (GATE_REAL_ENV, str(tmp_path / "missing"), GATE_REAL_ENV)):
         bad = subprocess.run(["flwr-clientapp"], env={**env, key: value}, capture_output=True, text=True, timeout=30)
         assert bad.returncode == 78 and named in bad.stderr, (key, bad.stderr)

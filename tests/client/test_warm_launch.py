@@ -81,3 +81,16 @@ def test_without_a_free_host_slot_nothing_starts_and_the_slot_rule_holds(monkeyp
     again = acquire_slot(slots, 1, timeout=1)
     assert again is not None  # nothing kept the slot
     os.close(again[0])
+
+
+@pytest.mark.parametrize("wait", ["abc", "0", "5000"])
+def test_a_bad_slot_wait_goes_to_the_gate_that_refuses_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                           wait: str) -> None:
+    monkeypatch.setenv(SLOTS_ENV, "1")
+    monkeypatch.setenv(SLOTS_DIR_ENV, str(tmp_path / "slots"))
+    monkeypatch.setenv(GATE_WAIT_ENV, wait)
+    monkeypatch.setenv(WARM_ENV, str(tmp_path / "warm.sock"))
+    cold: list[bool] = []
+    _launch_in_thread(_spec(), lambda: cold.append(True))
+    assert cold == [True]  # Flower's launch: the gate names the variable and exits 78
+    assert not (tmp_path / "warm.sock").exists()  # no warm server was started for it
