@@ -1,6 +1,6 @@
 """Pure combination math for QuorumFL: no I/O, no logging, no Flower imports.
 
-The names below are loaded on first use (PEP 562), so importing ``quorumfl.aggregation.errors`` —
+The names below are loaded on first use (PEP 562), so importing ``quorumfl.errors`` —
 which every command of the CLI does — does not import numpy.
 """
 
@@ -9,11 +9,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import AggregationError, EmptyAggregationError, QuorumError
+from quorumfl.errors import AggregationError, EmptyAggregationError, QuorumError
 
 if TYPE_CHECKING:
-    from .clustering import ClusteredMean, choose_cluster, cluster_purity, repair_clusters
-    from .weighted import (
+    from quorumfl.aggregation.clustering import (
+        ClusteredMean,
+        choose_cluster,
+        cluster_purity,
+        repair_clusters,
+    )
+    from quorumfl.aggregation.weighted import (
         NodeUpdate,
         WeightedMean,
         aggregate_weighted_mean,

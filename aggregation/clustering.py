@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from .errors import AggregationError, EmptyAggregationError
-from .weighted import NodeUpdate, WeightedMean
+from quorumfl.aggregation.weighted import NodeUpdate, WeightedMean
+from quorumfl.errors import AggregationError, EmptyAggregationError
 
 __all__ = ["ClusteredMean", "Repair", "choose_cluster", "cluster_purity", "repair_clusters"]
 

@@ -32,7 +32,7 @@ from enum import StrEnum
 import numpy as np
 from numpy.typing import NDArray
 
-from .errors import AggregationError, ConfigError
+from quorumfl.errors import AggregationError, ConfigError
 
 __all__ = [
     "Encoded", "ErrorFeedback", "Scheme", "decode", "decode_arrays", "encode", "encode_arrays", "gap_words", "gaps_to_positions",

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from .errors import ConfigError
+from quorumfl.errors import ConfigError
 
 __all__ = ["HEAD", "merge_arrays", "personal_names", "split_arrays"]
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from .errors import AggregationError, EmptyAggregationError
+from quorumfl.errors import AggregationError, EmptyAggregationError
 
 __all__ = ["BLOCK", "LARGE", "NodeUpdate", "WeightedMean", "aggregate_weighted_mean", "aggregate_weighted_metrics",
            "error_bound"]

@@ -16,9 +16,9 @@ from typing import Any
 
 import tomli_w
 
-from quorumfl.client.data import prepare_partitions
-from quorumfl.client.models import build_model
-from quorumfl.server.local import LocalFederation, local_federation
+from quorumfl.core.data import prepare_partitions
+from quorumfl.core.models import build_model
+from quorumfl.deploy.local import LocalFederation, local_federation
 from quorumfl.server.services import follow_run
 from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository, RoundStatus
@@ -142,8 +142,8 @@ def department_split(dataset: str, departments: int, *, alpha: float, seed: int)
     (else a held-out fifth), the rest split Dirichlet(α) — or IID for α = 0 — over the departments."""
     import numpy as np
 
-    from quorumfl.client.data.datasets import load_dataset
-    from quorumfl.client.data.partition import partition_dirichlet, partition_iid
+    from quorumfl.core.data.datasets import load_dataset
+    from quorumfl.core.data.partition import partition_dirichlet, partition_iid
 
     pool, test = load_dataset(dataset)
     if test is None:
@@ -159,7 +159,7 @@ def department_split(dataset: str, departments: int, *, alpha: float, seed: int)
 
 def fedavg_start(model_name: str, test: Any, seed: int) -> tuple[Any, Any, dict[str, Any]]:
     """The product's FedAvg strategy (built from a run config, as a run does), a model and its initial arrays."""
-    from quorumfl.client.models import model_to_arrays
+    from quorumfl.core.models import model_to_arrays
     from quorumfl.server.config import RunConfig
     from quorumfl.server.strategies import build_strategy
 

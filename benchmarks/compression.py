@@ -5,8 +5,8 @@ evaluated on the official test set after the last round. Every scheme gets the s
 local epochs, batch size, learning rate and model (FedAvg, all departments every round). Each
 department trains with ``client.node_round.train_round`` (what the ClientApp runs), encodes
 ``trained − received`` with error feedback (``aggregation.compression.ErrorFeedback``, as the
-ClientApp does) into the reply's wire records (``client.wire.encode_update``); the server side decodes
-them with ``client.wire.decode_update`` and averages with ``server.strategies.FedAvg``. Bytes are the
+ClientApp does) into the reply's wire records (``protocol.wire.encode_update``); the server side decodes
+them with ``protocol.wire.decode_update`` and averages with ``server.strategies.FedAvg``. Bytes are the
 wire size of the update's Flower Arrays (numbers plus one ~128-byte header per Array), as the server
 records them. No full-precision sync rounds here (``compression-sync-every = 0``). Top-k keeps 1 % of
 the whole update (global top-k, as the product does); shared random-k keeps 10 % by default
@@ -38,10 +38,10 @@ import numpy as np
 from _common import department_split, fedavg_start, parser, peak_rss_mb, report
 from quorumfl.aggregation import NodeUpdate
 from quorumfl.aggregation.compression import ErrorFeedback, Scheme, warmup_fraction
-from quorumfl.client.models import arrays_to_model
 from quorumfl.client.node_round import train_round
-from quorumfl.client.training import evaluate
-from quorumfl.client.wire import TrainConfig, decode_update, encode_update
+from quorumfl.core.models import arrays_to_model
+from quorumfl.protocol.wire import TrainConfig, decode_update, encode_update
+from quorumfl.training.local import evaluate
 
 SCHEMES = {"none": Scheme.NONE, "topk": Scheme.TOPK, "topk_warmup": Scheme.TOPK, "sign": Scheme.SIGN,
            "int8": Scheme.INT8, "shared_randk": Scheme.RANDK}

@@ -35,11 +35,11 @@ import numpy as np
 
 from _common import department_split, fedavg_start, parser, peak_rss_mb, report
 from quorumfl.aggregation import NodeUpdate
-from quorumfl.client.models import arrays_to_model
 from quorumfl.client.node_round import PrivacyGate, train_round
-from quorumfl.client.training import evaluate
-from quorumfl.client.wire import TrainConfig
+from quorumfl.core.models import arrays_to_model
 from quorumfl.privacy.ledger import Ledger
+from quorumfl.protocol.wire import TrainConfig
+from quorumfl.training.local import evaluate
 
 
 @dataclass(frozen=True)

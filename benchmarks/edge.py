@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from _common import parser, peak_rss_mb, report
-from quorumfl.client.data.datasets import holdout_split
-from quorumfl.client.models import build_model
+from quorumfl.core.data.datasets import holdout_split
+from quorumfl.core.models import build_model
 from quorumfl.edge.export import ArtifactFormat, onnx_bytes, pte_bytes
 from quorumfl.edge.qat import QatSettings, quantize_aware
 from quorumfl.edge.runtime import load_model

@@ -31,7 +31,7 @@ client = ClientApp()
 
 
 def _model(config: dict[str, Any]) -> Any:
-    from quorumfl.client.models import build_model
+    from quorumfl.core.models import build_model
 
     return build_model(str(config["model"]), (1, 8, 8), 10, seed=int(config["seed"]))
 
@@ -69,8 +69,8 @@ def main(grid: Grid, context: Context) -> None:
 
 @client.train()
 def train(msg: Message, context: Context) -> Message:
-    from quorumfl.client.data.store import read_partition
-    from quorumfl.client.training import train as local_train
+    from quorumfl.core.data.store import read_partition
+    from quorumfl.training.local import train as local_train
 
     run = dict(context.run_config)
     torch.set_num_threads(1)

@@ -3,7 +3,7 @@
 Shipped inside a Flower app bundle by the benchmark (not part of the QuorumFL package). The server is
 Flower's ``DefaultWorkflow(fit_workflow=SecAggPlusWorkflow(...))`` with the legacy ``FedAvg``; the
 client is a ``NumPyClient`` behind ``secaggplus_mod`` that runs QuorumFL's own local training
-(``quorumfl.client.training.train``) on the node's partition, so the work per round matches the
+(``quorumfl.training.local.train``) on the node's partition, so the work per round matches the
 QuorumFL runs and only the aggregation protocol differs. Like the QuorumFL ClientApp it imports torch
 only when it trains, so Flower's stages are not charged for an import QuorumFL avoids.
 Each fit round's wall time is appended to the JSON-lines file named by the ``timings-file`` config.
@@ -28,7 +28,7 @@ server = ServerApp()
 
 
 def _model(config: dict[str, Any], input_shape: tuple[int, ...], num_classes: int) -> Any:
-    from quorumfl.client.models import build_model
+    from quorumfl.core.models import build_model
 
     return build_model(str(config["model"]), input_shape, num_classes, seed=int(config["seed"]))
 
@@ -65,8 +65,8 @@ class DepartmentClient(NumPyClient):  # type: ignore[misc]
     def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict[str, Any]]:
         import torch
 
-        from quorumfl.client.data.store import read_partition
-        from quorumfl.client.training import train
+        from quorumfl.core.data.store import read_partition
+        from quorumfl.training.local import train
 
         run = dict(self.context.run_config)
         torch.set_num_threads(1)

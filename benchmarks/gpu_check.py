@@ -3,7 +3,7 @@ over NCCL when the machine has two or more GPUs. Run it whenever a GPU machine i
 its output.
 
 Each check trains the same job (synthetic 28×28 images, the ``cnn`` model, fixed seeds) with
-``client.engine.train_model`` and compares the weights with an fp32 single-device run of the same job:
+``training.engine.train_model`` and compares the weights with an fp32 single-device run of the same job:
 fp32 on CUDA must agree with fp32 on the CPU to float tolerance; AMP runs must stay close and finite;
 NCCL DDP (all GPUs) must agree with one GPU on the same global batch. Without CUDA the script runs the
 CPU counterparts (bf16 autocast, 2 gloo workers) so its logic is exercised anywhere.
@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from _common import parser, report
-from quorumfl.client.data.datasets import Dataset
-from quorumfl.client.engine import Amp, EngineSettings, TrainJob, train_model
-from quorumfl.client.models import build_model
+from quorumfl.core.data.datasets import Dataset
+from quorumfl.core.models import build_model
+from quorumfl.training.engine import Amp, EngineSettings, TrainJob, train_model
 
 
 def _diff(a: torch.nn.Module, b: torch.nn.Module) -> float:

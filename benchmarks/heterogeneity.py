@@ -44,12 +44,12 @@ import numpy as np
 from _common import parser, peak_rss_mb, report
 from quorumfl.aggregation import NodeUpdate
 from quorumfl.aggregation.clustering import cluster_purity
-from quorumfl.client.data.datasets import Dataset, load_dataset
-from quorumfl.client.data.partition import partition_dirichlet, partition_iid
-from quorumfl.client.data.planted import plant_label_permutations
-from quorumfl.client.models import build_model, model_to_arrays
 from quorumfl.client.node_round import evaluate_round, train_round
-from quorumfl.client.wire import TrainConfig
+from quorumfl.core.data.datasets import Dataset, load_dataset
+from quorumfl.core.data.partition import partition_dirichlet, partition_iid
+from quorumfl.core.data.planted import plant_label_permutations
+from quorumfl.core.models import build_model, model_to_arrays
+from quorumfl.protocol.wire import TrainConfig
 from quorumfl.server.config import RunConfig
 from quorumfl.server.strategies import ClusteredFedAvg, FedAvg, build_strategy
 

@@ -10,7 +10,7 @@ used memory, the SuperLink's peak and the ServerApp's own peak (recorded by the 
 
 ``--slots K`` (default 2, the cores here): the nodes share the host as department nodes on one
 server would (``quorumfl node start --host-slots``), so at most K ClientApps run at once; the others
-wait in the launch gate before Flower's ``flwr-clientapp`` starts (``client/launch_gate.py``).
+wait in the launch gate before Flower's ``flwr-clientapp`` starts (``deploy/launch_gate.py``).
 ``--nice N`` (default 19) runs the SuperNodes and their ClientApps at a lower CPU priority than the
 SuperLink and the ServerApp. ``--task-poll S`` (default 1.0, Flower's own default; local federations
 use 0.25 for short round trips): how often each node's SuperExec asks for work; 50 nodes asking 4
@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 from _common import parser, report, round_seconds
-from quorumfl.client.data import prepare_partitions
-from quorumfl.server.local import local_federation
-from quorumfl.server.processes import _descendants, terminate_on_signals
+from quorumfl.core.data import prepare_partitions
+from quorumfl.deploy.local import local_federation
+from quorumfl.deploy.processes import _descendants, terminate_on_signals
 from quorumfl.server.services import follow_run
 from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository, RoundStatus

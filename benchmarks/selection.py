@@ -10,7 +10,7 @@ latency (log-normal around 2 s), and an availability cycle (offline for a quarte
 Each round the selector (``quorumfl.server.selection``, as the server uses it) chooses
 K·(1 + β) of the departments online at that moment (over-selection), with local epochs each
 (Random and Oort: ``--epochs``; RL: one of ``--epoch-choices``). The first K to finish within the
-round deadline are trained for real (``client.training.train``: SGD, what a node runs) and averaged
+round deadline are trained for real (``training.local.train``: SGD, what a node runs) and averaged
 (``aggregation.WeightedMean``); the round ends when the K-th arrives, or at the deadline. The
 deadline is ``--deadline-factor`` × the median department's duration at ``--epochs``. A department
 that did not make the cut is reported late, censored at the time the round stopped waiting; a
@@ -39,9 +39,9 @@ import torch
 
 from _common import department_split, parser, peak_rss_mb, report
 from quorumfl.aggregation import NodeUpdate, WeightedMean
-from quorumfl.client.models import arrays_to_model, build_model, model_to_arrays
-from quorumfl.client.training import evaluate, train
+from quorumfl.core.models import arrays_to_model, build_model, model_to_arrays
 from quorumfl.server.selection import NodeResult, Outcome, RoundFeedback, build_selector
+from quorumfl.training.local import evaluate, train
 
 SELECTORS = ("random", "oort", "rl")
 

@@ -30,7 +30,7 @@ POLL = 0.25  # as QuorumFL's ServerApp polls for replies
 
 
 def _model(config: dict[str, Any]) -> Any:
-    from quorumfl.client.models import build_model
+    from quorumfl.core.models import build_model
 
     return build_model(str(config["model"]), (1, 8, 8), 10, seed=int(config["seed"]))
 
@@ -92,8 +92,8 @@ def train(msg: Message, context: Context) -> Message:
     import tenseal as ts
     import torch
 
-    from quorumfl.client.data.store import read_partition
-    from quorumfl.client.training import train as local_train
+    from quorumfl.core.data.store import read_partition
+    from quorumfl.training.local import train as local_train
 
     run = dict(context.run_config)
     secret = ts.context_from(Path(str(run["context-file"])).read_bytes())

@@ -17,13 +17,20 @@ from __future__ import annotations
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from quorumfl.aggregation.errors import PrivacyBudgetError, SecureAggregationError
-
-from . import ckks, secure
-from .ckks_wire import CKKS
-from .host_slots import hold_host_slot
-from .secure_wire import SECAGG
-from .wire import ARRAYS, COMPRESSION, METRICS, NODE, REFUSAL, UPDATE, to_array_record
+from quorumfl.client import ckks, secure
+from quorumfl.core.slots import hold_host_slot
+from quorumfl.errors import PrivacyBudgetError, SecureAggregationError
+from quorumfl.protocol.ckks_wire import CKKS
+from quorumfl.protocol.secure_wire import SECAGG
+from quorumfl.protocol.wire import (
+    ARRAYS,
+    COMPRESSION,
+    METRICS,
+    NODE,
+    REFUSAL,
+    UPDATE,
+    to_array_record,
+)
 
 __all__ = ["app"]
 
@@ -33,8 +40,10 @@ app = ClientApp()
 @app.train()
 def train_handler(msg: Message, context: Context) -> Message:
     hold_host_slot()  # several nodes on one host: at most K ClientApps load torch at once
-    from .compress import compressed_update
-    from .steps import train_received  # torch loads here, only for messages that train
+    from quorumfl.client.compress import compressed_update
+    from quorumfl.client.steps import (
+        train_received,  # torch loads here, only for messages that train
+    )
 
     try:
         local = train_received(msg, context)
@@ -65,7 +74,7 @@ def train_handler(msg: Message, context: Context) -> Message:
 @app.evaluate()
 def evaluate_handler(msg: Message, context: Context) -> Message:
     hold_host_slot()
-    from .steps import evaluate_received
+    from quorumfl.client.steps import evaluate_received
 
     metrics, department = evaluate_received(msg, context)
     content = RecordDict({METRICS: MetricRecord(dict(metrics)), NODE: secure.node_record(context, department)})
@@ -75,7 +84,7 @@ def evaluate_handler(msg: Message, context: Context) -> Message:
 @app.query("ifca_pick")
 def ifca_pick(msg: Message, context: Context) -> Message:
     """IFCA under secure aggregation: which cluster model fits this node's data (the sums are per cluster)."""
-    from .steps import pick_received
+    from quorumfl.client.steps import pick_received
 
     cluster, department = pick_received(msg, context)
     content = RecordDict({METRICS: MetricRecord({"cluster": cluster}), NODE: secure.node_record(context, department)})

@@ -16,7 +16,6 @@ run's ``ckks-max-decryptions``.
 from __future__ import annotations
 
 import hmac
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,11 +31,12 @@ from quorumfl.aggregation.ckks import (
 )
 from quorumfl.aggregation.ckks.seal import Seal
 from quorumfl.aggregation.ckks.threshold import answer_checked
-from quorumfl.aggregation.errors import NotFoundError, SecureAggregationError
 from quorumfl.aggregation.secagg import flatten, weighted_payload
+from quorumfl.client.secure import _binding, identity, node_record
+from quorumfl.core.files import default_home
+from quorumfl.errors import NotFoundError, SecureAggregationError
 from quorumfl.privacy.keystore import KeyStore, StoredKey
-
-from .ckks_wire import (
+from quorumfl.protocol.ckks_wire import (
     ARRAYS,
     CKKS,
     ENCRYPTED,
@@ -50,13 +50,12 @@ from .ckks_wire import (
     encode_partial,
     encode_reveal,
 )
-from .secure import _binding, identity, node_record
-from .wire import METRICS, NODE
+from quorumfl.protocol.wire import METRICS, NODE
 
 MAX_DECRYPTIONS_KEY = "ckks-max-decryptions"  # run-config key (declared in the server's config defaults)
 
 if TYPE_CHECKING:
-    from .steps import LocalTraining
+    from quorumfl.client.steps import LocalTraining
 
 __all__ = ["commit", "decrypt", "encrypted_train_reply", "finish", "key_store", "reveal"]
 
@@ -65,7 +64,7 @@ def key_store(context: Context) -> KeyStore:
     configured = context.node_config.get("key-dir")
     if isinstance(configured, str) and configured:
         return KeyStore(Path(configured).expanduser())
-    home = Path(os.environ.get("QUORUMFL_HOME") or Path.home() / ".quorumfl").expanduser()
+    home = default_home()
     return KeyStore(home / "node-keys" / str(context.node_id))
 
 

@@ -22,19 +22,18 @@ from quorumfl.aggregation.compression import (
     shared_positions,
 )
 from quorumfl.aggregation.secagg import flatten
-
-from .personal_store import PersonalStore
-from .wire import TrainConfig, encode_update
+from quorumfl.client.personal_store import PersonalStore
+from quorumfl.protocol.wire import TrainConfig, encode_update
 
 if TYPE_CHECKING:
-    from .steps import LocalTraining
+    from quorumfl.client.steps import LocalTraining
 
 __all__ = ["compressed_update", "shared_update_vector"]
 
 
 def _step(context: Context, local: LocalTraining) -> tuple[dict[str, Encoded], dict[str, NDArray[np.float32]]]:
     """Run error feedback for this round: the encoding, and the update it decodes to (what the server gets)."""
-    from .steps import run_state_key  # steps imports this module
+    from quorumfl.client.steps import run_state_key  # steps imports this module
 
     config: TrainConfig = local.config
     feedback = ErrorFeedback(Scheme(config.compression), config.compression_fraction)

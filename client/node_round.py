@@ -27,14 +27,13 @@ import torch
 from numpy.typing import NDArray
 
 from quorumfl.aggregation.clustering import choose_cluster
-from quorumfl.aggregation.errors import ConfigError
 from quorumfl.aggregation.personal import merge_arrays, personal_names, split_arrays
-
-from .data.datasets import Dataset
-from .engine import EngineSettings, TrainJob, plan_devices, train_model
-from .models import arrays_to_model, build_model, model_to_arrays
-from .training import evaluate, train
-from .wire import TrainConfig
+from quorumfl.core.data.datasets import Dataset
+from quorumfl.core.models import arrays_to_model, build_model, model_to_arrays
+from quorumfl.errors import ConfigError
+from quorumfl.protocol.wire import TrainConfig
+from quorumfl.training.engine import EngineSettings, TrainJob, plan_devices, train_model
+from quorumfl.training.local import evaluate, train
 
 __all__ = [
     "NodeEvaluation", "NodeRound", "Personalisation", "evaluate_round", "pick_round", "train_job", "train_round",
@@ -166,7 +165,7 @@ def train_round(
     job = train_job(config, seed=seed)
     dp_metrics: dict[str, float] = {}
     if config.dp == "local":
-        from quorumfl.privacy.dp_sgd import (  # opacus loads only for DP runs
+        from quorumfl.training.dp_sgd import (  # opacus loads only for DP runs
             plan_round,
             train_private,
         )
@@ -180,7 +179,7 @@ def train_round(
         dp_metrics["dp-noise-multiplier"] = plan.noise_multiplier
         devices = plan_devices(engine or EngineSettings(), cuda_devices=torch.cuda.device_count())
         if devices.world > 1:  # Opacus' DPDDP: the same schedule, so the same ledger entry
-            from quorumfl.privacy.dp_ddp import train_private_ddp
+            from quorumfl.training.dp_ddp import train_private_ddp
 
             threads = (engine or EngineSettings()).threads_per_worker
             result = train_private_ddp(model, train_data, job, plan, devices, threads=threads)

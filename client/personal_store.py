@@ -10,7 +10,6 @@ leaves the previous state whole. It never leaves the node.
 from __future__ import annotations
 
 import io
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,9 +17,8 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
-from quorumfl.aggregation.errors import DataError
-
-from .files import atomic_write
+from quorumfl.core.files import atomic_write, default_home
+from quorumfl.errors import DataError
 
 __all__ = ["PersonalStore", "node_state_dir"]
 
@@ -33,7 +31,7 @@ def node_state_dir(node_config: Mapping[str, object], node_id: int) -> Path:
     configured = node_config.get("state-dir")
     if isinstance(configured, str) and configured:
         return Path(configured).expanduser()
-    home = Path(os.environ.get("QUORUMFL_HOME") or Path.home() / ".quorumfl").expanduser()
+    home = default_home()
     return home / "node-state" / str(node_id)
 
 

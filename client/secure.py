@@ -20,11 +20,10 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric import ec
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from quorumfl.aggregation.errors import SecureAggregationError
 from quorumfl.aggregation.secagg import NodeEpoch, flatten, weighted_payload
 from quorumfl.aggregation.secagg.identity import Roster, department_message, load_signing_key, sign
-
-from .secure_wire import (
+from quorumfl.errors import SecureAggregationError
+from quorumfl.protocol.secure_wire import (
     MASKED,
     MISSING_KEYS,
     SECAGG,
@@ -38,10 +37,10 @@ from .secure_wire import (
     encode_masked,
     encode_unmask_reply,
 )
-from .wire import METRICS, NODE, ROSTER_KEY
+from quorumfl.protocol.wire import METRICS, NODE, ROSTER_KEY
 
 if TYPE_CHECKING:
-    from .steps import LocalTraining
+    from quorumfl.client.steps import LocalTraining
 
 __all__ = ["Identity", "advertise", "confirm", "identity", "masked_train_reply", "node_record", "share", "signed_slot",
            "unmask"]
@@ -172,7 +171,7 @@ def masked_train_reply(msg: Message, context: Context, local: LocalTraining) -> 
     state = _load(context)
     request, max_weight = decode_mask_request(_record(msg), node=int(context.node_id))
     if local.config.compression == "randk":  # shared coordinates: the masked sum is the sum of encodings
-        from .compress import shared_update_vector
+        from quorumfl.client.compress import shared_update_vector
 
         update = shared_update_vector(context, local)
     elif local.config.compression != "none":
@@ -211,9 +210,8 @@ def confirm(msg: Message, context: Context) -> RecordDict:
     state = _load(context)
     request = decode_unmask_request(_record(msg))
     signature = state.confirm(request, signer)
+    from quorumfl.client.personal_store import node_state_dir
     from quorumfl.privacy.contributions import ContributionLedger, slot_key
-
-    from .personal_store import node_state_dir
 
     # The contribution ledger learns that this slot's input may now be unmasked (and refuses a slot
     # released by a later contribution from the same model), and the node its confirmed view, both

@@ -17,16 +17,21 @@ import torch
 from flwr.app import Context, Message
 from numpy.typing import NDArray
 
-from quorumfl.aggregation.errors import ConfigError, DataError, PrivacyBudgetError
-
-from .ckks_wire import CKKS, decode_train_request
-from .data.store import Partition, read_partition
-from .engine import EngineSettings
-from .node_round import Personalisation, PrivacyGate, evaluate_round, pick_round, train_round
-from .personal_store import PersonalStore, node_state_dir
-from .secure import signed_slot
-from .secure_wire import SECAGG, decode_mask_request
-from .wire import CONFIG, TrainConfig, candidate_models
+from quorumfl.client.node_round import (
+    Personalisation,
+    PrivacyGate,
+    evaluate_round,
+    pick_round,
+    train_round,
+)
+from quorumfl.client.personal_store import PersonalStore, node_state_dir
+from quorumfl.client.secure import signed_slot
+from quorumfl.core.data.store import Partition, read_partition
+from quorumfl.errors import ConfigError, DataError, PrivacyBudgetError
+from quorumfl.protocol.ckks_wire import CKKS, decode_train_request
+from quorumfl.protocol.secure_wire import SECAGG, decode_mask_request
+from quorumfl.protocol.wire import CONFIG, TrainConfig, candidate_models
+from quorumfl.training.engine import EngineSettings
 
 __all__ = ["LocalTraining", "evaluate_received", "pick_received", "train_received"]
 

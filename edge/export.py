@@ -21,9 +21,8 @@ from enum import StrEnum
 import torch
 from torch import nn
 
-from quorumfl.aggregation.errors import EdgeError
-
-from .qat import MAX_BATCH, QuantizedModel
+from quorumfl.edge.qat import MAX_BATCH, QuantizedModel
+from quorumfl.errors import EdgeError
 
 __all__ = ["ArtifactFormat", "export_artifact", "onnx_bytes", "pte_bytes", "quiet"]
 

@@ -15,9 +15,8 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
-from quorumfl.aggregation.errors import ArtifactError, ConfigError
-
-from .export import ArtifactFormat
+from quorumfl.edge.export import ArtifactFormat
+from quorumfl.errors import ArtifactError, ConfigError
 
 __all__ = ["Channel", "Manifest", "check_newer", "check_payload"]
 

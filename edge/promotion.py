@@ -12,18 +12,17 @@ from pathlib import Path
 
 import numpy as np
 
-from quorumfl.aggregation.errors import DataError
-from quorumfl.client.data.datasets import holdout_split
-from quorumfl.client.data.store import read_partition
+from quorumfl.core.data.datasets import holdout_split
+from quorumfl.core.data.store import read_partition
+from quorumfl.edge.export import ArtifactFormat
+from quorumfl.edge.manifest import Channel
+from quorumfl.edge.qat import QatSettings
+from quorumfl.edge.registry import Calibration, Registry
+from quorumfl.edge.signing import create_signing_key
+from quorumfl.errors import DataError
 from quorumfl.server.state.artifacts import ArtifactRecords
 from quorumfl.server.state.orm import EdgeArtifact
 from quorumfl.server.state.repository import Repository
-
-from .export import ArtifactFormat
-from .manifest import Channel
-from .qat import QatSettings
-from .registry import Calibration, Registry
-from .signing import create_signing_key
 
 __all__ = ["calibration_for", "default_key_path", "promote_to_edge", "registry_root"]
 

@@ -18,7 +18,7 @@ import torch
 from numpy.typing import NDArray
 from torch import nn
 
-from quorumfl.aggregation.errors import ConfigError, EdgeError
+from quorumfl.errors import ConfigError, EdgeError
 
 __all__ = ["QatSettings", "QuantizedModel", "accuracy", "quantize_aware"]
 
@@ -89,7 +89,7 @@ def quantize_aware(
     settings: QatSettings | None = None,
 ) -> QuantizedModel:
     """Fine-tune ``model`` (left unchanged) with fake quantisation on ``(x, y)``, then convert to INT8."""
-    from .export import quiet
+    from quorumfl.edge.export import quiet
 
     with quiet():  # importing torchao warns about CUDA kernels a CPU wheel does not have
         from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (

@@ -21,17 +21,16 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
-from quorumfl.aggregation.errors import ArtifactError, ModelError
-from quorumfl.client.files import atomic_write
+from quorumfl.core.files import atomic_write
+from quorumfl.edge.export import ArtifactFormat, export_artifact
+from quorumfl.edge.manifest import Channel, Manifest, check_payload
+from quorumfl.edge.qat import QatSettings, accuracy, quantize_aware
+from quorumfl.edge.runtime import load_model
+from quorumfl.edge.signing import load_private_key, sign
+from quorumfl.errors import ArtifactError, ModelError
 from quorumfl.server.model_store import ModelStore
 from quorumfl.server.state.artifacts import ArtifactRecords, NewArtifact
 from quorumfl.server.state.orm import EdgeArtifact, ModelVersion
-
-from .export import ArtifactFormat, export_artifact
-from .manifest import Channel, Manifest, check_payload
-from .qat import QatSettings, accuracy, quantize_aware
-from .runtime import load_model
-from .signing import load_private_key, sign
 
 __all__ = ["Calibration", "Registry", "parse_architecture"]
 
@@ -51,7 +50,7 @@ class Calibration:
 
 
 def parse_architecture(key: str) -> tuple[str, tuple[int, ...], int]:
-    """Inverse of ``quorumfl.client.models.architecture_key``: ``name:CxHxW:classes``."""
+    """Inverse of ``quorumfl.core.models.architecture_key``: ``name:CxHxW:classes``."""
     try:
         name, shape, classes = key.rsplit(":", 2)
         return name, tuple(int(d) for d in shape.split("x")), int(classes)
@@ -76,7 +75,7 @@ class Registry:
         settings: QatSettings | None = None,
         formats: Sequence[ArtifactFormat] = (ArtifactFormat.ONNX, ArtifactFormat.PTE),
     ) -> list[EdgeArtifact]:
-        from quorumfl.client.models import arrays_to_model, build_model
+        from quorumfl.core.models import arrays_to_model, build_model
 
         key = load_private_key(key_path)  # before any work: a missing key fails fast
         name, input_shape, num_classes = parse_architecture(version.architecture)

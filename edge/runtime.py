@@ -8,9 +8,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from quorumfl.aggregation.errors import EdgeError
-
-from .export import ArtifactFormat
+from quorumfl.edge.export import ArtifactFormat
+from quorumfl.errors import EdgeError
 
 __all__ = ["EdgeModel", "load_model"]
 

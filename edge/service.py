@@ -20,13 +20,12 @@ from typing import Any
 
 import grpc
 
-from quorumfl.aggregation.errors import ArtifactError, ConfigError, NotFoundError
+from quorumfl.edge import sync_pb2, sync_pb2_grpc
+from quorumfl.edge.export import ArtifactFormat
+from quorumfl.edge.manifest import Channel
+from quorumfl.edge.registry import Registry
+from quorumfl.errors import ArtifactError, ConfigError, NotFoundError
 from quorumfl.server.state.artifacts import ArtifactRecords
-
-from . import sync_pb2, sync_pb2_grpc
-from .export import ArtifactFormat
-from .manifest import Channel
-from .registry import Registry
 
 __all__ = ["SyncServer", "SyncService", "start_server"]
 

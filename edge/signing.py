@@ -14,8 +14,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from quorumfl.aggregation.errors import ArtifactError, ConfigError
-from quorumfl.client.files import atomic_write
+from quorumfl.core.files import atomic_write
+from quorumfl.errors import ArtifactError, ConfigError
 
 __all__ = ["create_signing_key", "load_private_key", "load_public_key", "public_key_path", "sign", "verify"]
 

@@ -23,14 +23,13 @@ from typing import Any
 
 import grpc
 
-from quorumfl.aggregation.errors import ArtifactError, ConfigError
-from quorumfl.client.files import atomic_write
-
-from . import sync_pb2, sync_pb2_grpc
-from .export import ArtifactFormat
-from .manifest import Channel, Manifest, check_newer, check_payload
-from .runtime import EdgeModel, load_model
-from .signing import load_public_key, verify
+from quorumfl.core.files import atomic_write
+from quorumfl.edge import sync_pb2, sync_pb2_grpc
+from quorumfl.edge.export import ArtifactFormat
+from quorumfl.edge.manifest import Channel, Manifest, check_newer, check_payload
+from quorumfl.edge.runtime import EdgeModel, load_model
+from quorumfl.edge.signing import load_public_key, verify
+from quorumfl.errors import ArtifactError, ConfigError
 
 __all__ = ["Installed", "SyncResult", "installed", "load_current", "rollback", "sync"]
 

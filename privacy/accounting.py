@@ -17,7 +17,7 @@ import numpy as np
 from opacus.accountants import PRVAccountant
 from opacus.accountants.utils import get_noise_multiplier
 
-from quorumfl.aggregation.errors import ConfigError
+from quorumfl.errors import ConfigError
 
 __all__ = ["Entry", "epsilon", "noise_for_target", "steps_per_epoch"]
 

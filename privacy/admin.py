@@ -40,7 +40,7 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from quorumfl.aggregation.errors import CredentialError
+from quorumfl.errors import CredentialError
 
 __all__ = [
     "SIGNATURE_FILE",

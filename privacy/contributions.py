@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from quorumfl.aggregation.errors import SecureAggregationError
-from quorumfl.client.files import atomic_write
+from quorumfl.core.files import atomic_write
+from quorumfl.errors import SecureAggregationError
 
 __all__ = ["CONTRIBUTIONS_FILE", "ContributionLedger", "model_digest", "slot_key"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from quorumfl.aggregation.errors import ConfigError
+from quorumfl.errors import ConfigError
 
 __all__ = ["clip_update", "noisy_share"]
 

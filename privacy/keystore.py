@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from quorumfl.aggregation.ckks import Announcement, CkksParams, Commitment, KeyParty, KeyShare
-from quorumfl.aggregation.errors import NotFoundError, SecureAggregationError
-from quorumfl.client.files import atomic_write
+from quorumfl.core.files import atomic_write
+from quorumfl.errors import NotFoundError, SecureAggregationError
 
 __all__ = ["KeyStore", "StoredKey"]
 

@@ -11,13 +11,12 @@ import logging
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from quorumfl.client.pull_backoff import shorten_pull_backoff
-
-from .config import RunConfig
-from .model_store import ModelStore
-from .rounds import Federation
-from .state.database import connect
-from .state.repository import Repository
+from quorumfl.protocol.pull_backoff import shorten_pull_backoff
+from quorumfl.server.config import RunConfig
+from quorumfl.server.model_store import ModelStore
+from quorumfl.server.rounds import Federation
+from quorumfl.server.state.database import connect
+from quorumfl.server.state.repository import Repository
 
 __all__ = ["app"]
 

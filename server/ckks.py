@@ -39,16 +39,16 @@ from quorumfl.aggregation.ckks import (
     DecryptionSum,
 )
 from quorumfl.aggregation.ckks.threshold import contribution_message
-from quorumfl.aggregation.errors import (
+from quorumfl.aggregation.secagg import flatten, read_payload, resolve_threshold, unflatten
+from quorumfl.aggregation.secagg.identity import Roster
+from quorumfl.errors import (
     EmptyAggregationError,
     QuorumError,
     QuorumNotMetError,
     SecureAggregationError,
 )
-from quorumfl.aggregation.secagg import flatten, read_payload, resolve_threshold, unflatten
-from quorumfl.aggregation.secagg.identity import Roster
-from quorumfl.client.ckks_wire import ARRAYS as CKKS_ARRAYS
-from quorumfl.client.ckks_wire import (
+from quorumfl.protocol.ckks_wire import ARRAYS as CKKS_ARRAYS
+from quorumfl.protocol.ckks_wire import (
     CKKS,
     COMMIT,
     DECRYPT,
@@ -66,15 +66,14 @@ from quorumfl.client.ckks_wire import (
     encode_finish,
     encode_train_request,
 )
-from quorumfl.client.wire import (
+from quorumfl.protocol.wire import (
     ARRAYS,
     CONFIG,
     TrainConfig,
     to_array_record,
 )
-
-from .config import RunConfig
-from .phase import TrainPhase
+from quorumfl.server.config import RunConfig
+from quorumfl.server.phase import TrainPhase
 
 __all__ = ["AuditTrail", "CkksKey", "CkksSession"]
 

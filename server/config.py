@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from quorumfl.aggregation.ckks import MAX_DECRYPTIONS, CkksParams
-from quorumfl.aggregation.errors import ConfigError
+from quorumfl.errors import ConfigError
 
 __all__ = ["DEFAULTS", "Compression", "DpMode", "RunConfig", "SecureMode", "StartFrom", "StrategyName", "load_run_config_file"]
 
@@ -121,8 +121,8 @@ DEFAULTS: dict[str, Any] = {
 
 def _roster_problems(text: str) -> list[str]:
     """The roster is JSON {department: OpenSSH ECDSA public key}; its signature is the run's own."""
-    from quorumfl.aggregation.errors import SecureAggregationError
     from quorumfl.aggregation.secagg.identity import Roster
+    from quorumfl.errors import SecureAggregationError
 
     try:
         Roster.from_json(text)
@@ -245,8 +245,8 @@ class RunConfig:
                 return ()
             return epochs
 
-        from quorumfl.client.data.datasets import DATASETS
-        from quorumfl.client.models import MODELS
+        from quorumfl.core.data.datasets import DATASETS
+        from quorumfl.core.models import MODELS
 
         dataset = text("dataset")
         if dataset not in DATASETS:
@@ -395,12 +395,12 @@ class RunConfig:
         return Path(self.data_dir).expanduser() if self.data_dir else None
 
     def resolved_state_url(self) -> str:
-        from .state.database import default_url
+        from quorumfl.server.state.database import default_url
 
         return self.state_url or default_url()
 
     def resolved_model_dir(self) -> Path:
-        from .state.database import default_home
+        from quorumfl.core.files import default_home
 
         if self.model_dir:
             return Path(self.model_dir).expanduser()

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
-from quorumfl.aggregation.errors import ModelStoreError
-from quorumfl.client.files import atomic_write
+from quorumfl.core.files import atomic_write
+from quorumfl.errors import ModelStoreError
 
 __all__ = ["ModelStore", "StoredModel"]
 

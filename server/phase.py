@@ -8,7 +8,7 @@ import numpy as np
 from flwr.app import RecordDict
 from numpy.typing import NDArray
 
-from quorumfl.client.wire import METRICS, department_of
+from quorumfl.protocol.wire import METRICS, department_of
 
 __all__ = ["TrainPhase"]
 

@@ -18,8 +18,8 @@ from numpy.typing import NDArray
 
 from quorumfl.aggregation import NodeUpdate, aggregate_weighted_metrics
 from quorumfl.aggregation.clustering import Repair
-from quorumfl.aggregation.errors import QuorumError
-from quorumfl.client.wire import (
+from quorumfl.errors import QuorumError
+from quorumfl.protocol.wire import (
     ARRAYS,
     COMPRESSION,
     METRICS,
@@ -29,9 +29,8 @@ from quorumfl.client.wire import (
     department_of,
     from_array_record,
 )
-
-from .phase import TrainPhase
-from .strategies import ClusteredFedAvg, FedAvg
+from quorumfl.server.phase import TrainPhase
+from quorumfl.server.strategies import ClusteredFedAvg, FedAvg
 
 __all__ = [
     "RefusedError",

@@ -23,18 +23,17 @@ from flwr.serverapp import Grid
 from numpy.typing import NDArray
 
 from quorumfl.aggregation.compression import warmup_fraction
-from quorumfl.aggregation.errors import (
+from quorumfl.aggregation.secagg.identity import Roster, department_message
+from quorumfl.core.data.datasets import Dataset, holdout_split
+from quorumfl.core.models import architecture_key, arrays_to_model, build_model, model_to_arrays
+from quorumfl.errors import (
     ConfigError,
     FederationError,
     RunStoppedError,
     SecureAggregationError,
     StateError,
 )
-from quorumfl.aggregation.secagg.identity import Roster, department_message
-from quorumfl.client.data.datasets import Dataset, holdout_split
-from quorumfl.client.models import architecture_key, arrays_to_model, build_model, model_to_arrays
-from quorumfl.client.training import evaluate
-from quorumfl.client.wire import (
+from quorumfl.protocol.wire import (
     ARRAYS,
     CONFIG,
     METRICS,
@@ -44,21 +43,20 @@ from quorumfl.client.wire import (
     department_of,
     to_array_record,
 )
-
-from .ckks import AuditTrail, CkksSession
-from .config import DpMode, RunConfig, SecureMode, StartFrom
-from .model_store import ModelStore
-from .phase import TrainPhase
-from .pulling import ReplyPuller
-from .replies import (
+from quorumfl.server.ckks import AuditTrail, CkksSession
+from quorumfl.server.config import DpMode, RunConfig, SecureMode, StartFrom
+from quorumfl.server.model_store import ModelStore
+from quorumfl.server.phase import TrainPhase
+from quorumfl.server.pulling import ReplyPuller
+from quorumfl.server.replies import (
     ReplyError,
     aggregate_train_replies,
     cluster_of_metrics,
     describe_repairs,
     parse_train_reply,
 )
-from .secure import MaskingSession
-from .selection import (
+from quorumfl.server.secure import MaskingSession
+from quorumfl.server.selection import (
     NodeResult,
     Outcome,
     RoundFeedback,
@@ -67,9 +65,16 @@ from .selection import (
     build_selector,
     check_selection,
 )
-from .state.orm import Run
-from .state.repository import INTERRUPTED, Repository, RoundStatus, RunStatus
-from .strategies import ClusteredFedAvg, ClusteredResult, FedAvg, FedPer, build_strategy
+from quorumfl.server.state.orm import Run
+from quorumfl.server.state.repository import INTERRUPTED, Repository, RoundStatus, RunStatus
+from quorumfl.server.strategies import (
+    ClusteredFedAvg,
+    ClusteredResult,
+    FedAvg,
+    FedPer,
+    build_strategy,
+)
+from quorumfl.training.local import evaluate
 
 __all__ = ["IFCA_PICK", "Federation", "ReplyError", "parse_train_reply"]
 

@@ -23,12 +23,6 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from numpy.typing import NDArray
 
 from quorumfl.aggregation.compression import shared_positions
-from quorumfl.aggregation.errors import (
-    EmptyAggregationError,
-    QuorumError,
-    QuorumNotMetError,
-    SecureAggregationError,
-)
 from quorumfl.aggregation.secagg import (
     CoordinatorEpoch,
     MaskingParams,
@@ -37,7 +31,13 @@ from quorumfl.aggregation.secagg import (
     resolve_threshold,
     unflatten,
 )
-from quorumfl.client.secure_wire import (
+from quorumfl.errors import (
+    EmptyAggregationError,
+    QuorumError,
+    QuorumNotMetError,
+    SecureAggregationError,
+)
+from quorumfl.protocol.secure_wire import (
     ADVERTISE,
     CONFIRM,
     MASKED,
@@ -55,16 +55,15 @@ from quorumfl.client.secure_wire import (
     encode_mask_request,
     encode_unmask_request,
 )
-from quorumfl.client.wire import (
+from quorumfl.protocol.wire import (
     ARRAYS,
     CONFIG,
     REFUSAL,
     TrainConfig,
     to_array_record,
 )
-
-from .config import RunConfig
-from .phase import TrainPhase
+from quorumfl.server.config import RunConfig
+from quorumfl.server.phase import TrainPhase
 
 __all__ = ["MaskingSession"]
 

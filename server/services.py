@@ -10,11 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from quorumfl.aggregation.errors import FederationError, NotFoundError, QuorumError
-
-from .model_store import ModelStore
-from .state.orm import Metric, ModelVersion, Round, Run
-from .state.repository import Repository, RoundStatus, RunStatus
+from quorumfl.errors import FederationError, NotFoundError, QuorumError
+from quorumfl.server.model_store import ModelStore
+from quorumfl.server.state.orm import Metric, ModelVersion, Round, Run
+from quorumfl.server.state.repository import Repository, RoundStatus, RunStatus
 
 __all__ = [
     "export_model",

@@ -21,9 +21,8 @@ from numpy.typing import NDArray
 from quorumfl.aggregation import AggregationError, NodeUpdate, WeightedMean
 from quorumfl.aggregation.clustering import ClusteredMean, Repair, repair_clusters
 from quorumfl.aggregation.personal import personal_names, split_arrays
-from quorumfl.client.wire import TrainConfig
-
-from .config import RunConfig, StrategyName
+from quorumfl.protocol.wire import TrainConfig
+from quorumfl.server.config import RunConfig, StrategyName
 
 __all__ = [
     "AggregateResult", "ClusteredFedAvg", "ClusteredResult", "Ditto", "FedAvg", "FedPer", "FedProx", "build_strategy",

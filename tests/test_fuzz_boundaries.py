@@ -21,16 +21,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from quorumfl.aggregation.errors import (
+from quorumfl.aggregation.secagg import MaskingParams, NodeEpoch
+from quorumfl.aggregation.secagg.fixedpoint import FixedPoint
+from quorumfl.errors import (
     ConfigError,
     ModelStoreError,
     QuorumError,
     SecureAggregationError,
 )
-from quorumfl.aggregation.secagg import MaskingParams, NodeEpoch
-from quorumfl.aggregation.secagg.fixedpoint import FixedPoint
-from quorumfl.client import ckks_wire, secure_wire
-from quorumfl.client.wire import (
+from quorumfl.protocol import ckks_wire, secure_wire
+from quorumfl.protocol.wire import (
     ARRAYS,
     COMPRESSION,
     METRICS,

@@ -21,7 +21,7 @@ def test_wheel_installs_and_migrates(tmp_path: Path) -> None:
     assert install.returncode == 0, install.stderr
     # -S: no .pth files, so the editable install of the source tree cannot fill in what the wheel lacks
     script = (
-        "import quorumfl.server, quorumfl.client.app, quorumfl.server.cli.main, quorumfl.server.app;"
+        "import quorumfl.server, quorumfl.client.app, quorumfl.cli.main, quorumfl.server.app;"
         "import quorumfl.aggregation.secagg, quorumfl.aggregation.ckks;"
         "from quorumfl.server.state.database import connect;"
         f"connect('sqlite:///{tmp_path / 'w.db'}', migrate=True);"
@@ -35,4 +35,4 @@ def test_wheel_installs_and_migrates(tmp_path: Path) -> None:
     assert check.returncode == 0, check.stderr
     assert check.stdout.strip().startswith(str(target))  # the wheel's copy, not the source tree
     entry_points = next(target.glob("quorumfl-*.dist-info")) / "entry_points.txt"
-    assert "quorumfl = quorumfl.server.cli.main:main" in entry_points.read_text()
+    assert "quorumfl = quorumfl.cli.main:main" in entry_points.read_text()

@@ -21,7 +21,7 @@ t − 1 learn nothing from the shares, but one member colluding with the server 
 ciphertext after seeing the others' (no proof of well-formed ciphertexts): see ``threshold``.
 """
 
-from .keys import (
+from quorumfl.aggregation.ckks.keys import (
     Announcement,
     CeremonyCoordinator,
     Commitment,
@@ -31,9 +31,9 @@ from .keys import (
     ceremony_in_one_process,
     public_key_id,
 )
-from .packing import pack_residues, unpack_residues
-from .params import CkksParams
-from .threshold import (
+from quorumfl.aggregation.ckks.packing import pack_residues, unpack_residues
+from quorumfl.aggregation.ckks.params import CkksParams
+from quorumfl.aggregation.ckks.threshold import (
     MAX_DECRYPTIONS,
     CiphertextSum,
     Contribution,

@@ -33,12 +33,17 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
-from ..errors import ConfigError, SecureAggregationError
-from ..secagg.identity import Roster, field_bytes
-from ..secagg.streams import decrypt_bundle, encrypt_bundle, new_private_key, public_key
-from .params import CkksParams
-from .rns import add_mod, mul_mod, shamir_shares, sub_mod
-from .seal import Seal
+from quorumfl.aggregation.ckks.params import CkksParams
+from quorumfl.aggregation.ckks.rns import add_mod, mul_mod, shamir_shares, sub_mod
+from quorumfl.aggregation.ckks.seal import Seal
+from quorumfl.aggregation.secagg.identity import Roster, field_bytes
+from quorumfl.aggregation.secagg.streams import (
+    decrypt_bundle,
+    encrypt_bundle,
+    new_private_key,
+    public_key,
+)
+from quorumfl.errors import ConfigError, SecureAggregationError
 
 __all__ = [
     "Announcement",

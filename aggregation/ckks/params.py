@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from quorumfl.errors import ConfigError
 
 __all__ = ["CkksParams", "MAX_COEFF_BITS"]
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from ..errors import SecureAggregationError
+from quorumfl.errors import SecureAggregationError
 
 __all__ = [
     "add_mod",

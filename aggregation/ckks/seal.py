@@ -20,9 +20,8 @@ import numpy as np
 from numpy.typing import NDArray
 from tenseal import sealapi
 
-from ..errors import SecureAggregationError
-from .params import CkksParams
-from .streams import (
+from quorumfl.aggregation.ckks.params import CkksParams
+from quorumfl.aggregation.ckks.streams import (
     CiphertextData,
     ParmsId,
     PlaintextData,
@@ -32,6 +31,7 @@ from .streams import (
     parse_plaintext,
     stream_version,
 )
+from quorumfl.errors import SecureAggregationError
 
 __all__ = ["Seal"]
 

@@ -24,7 +24,7 @@ import numpy as np
 import zstandard
 from numpy.typing import NDArray
 
-from ..errors import SecureAggregationError
+from quorumfl.errors import SecureAggregationError
 
 __all__ = ["CiphertextData", "PlaintextData", "build_ciphertext", "build_plaintext", "parse_ciphertext", "parse_plaintext"]
 

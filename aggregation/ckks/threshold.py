@@ -57,12 +57,19 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from numpy.typing import NDArray
 
-from ..errors import QuorumNotMetError, SecureAggregationError
-from ..secagg.identity import Roster, field_bytes
-from .keys import KeyShare
-from .params import CkksParams
-from .rns import add_mod, add_mod_into, flooding_noise, lagrange_at_zero, mul_scalar, reduced
-from .seal import Seal
+from quorumfl.aggregation.ckks.keys import KeyShare
+from quorumfl.aggregation.ckks.params import CkksParams
+from quorumfl.aggregation.ckks.rns import (
+    add_mod,
+    add_mod_into,
+    flooding_noise,
+    lagrange_at_zero,
+    mul_scalar,
+    reduced,
+)
+from quorumfl.aggregation.ckks.seal import Seal
+from quorumfl.aggregation.secagg.identity import Roster, field_bytes
+from quorumfl.errors import QuorumNotMetError, SecureAggregationError
 
 __all__ = [
     "MAX_DECRYPTIONS",

@@ -43,10 +43,10 @@ a split view of who dropped gathers too few confirmations unless 2t − n collud
 views. Nodes check every message they receive against their own state.
 """
 
-from .coordinator import CoordinatorEpoch, GroupOutcome, MaskedRound
-from .fixedpoint import FixedPoint
-from .graph import neighbour_graph, share_threshold, sparse_degree
-from .messages import (
+from quorumfl.aggregation.secagg.coordinator import CoordinatorEpoch, GroupOutcome, MaskedRound
+from quorumfl.aggregation.secagg.fixedpoint import FixedPoint
+from quorumfl.aggregation.secagg.graph import neighbour_graph, share_threshold, sparse_degree
+from quorumfl.aggregation.secagg.messages import (
     EpochAnnouncement,
     KeyAdvertisement,
     KeyDirectory,
@@ -57,8 +57,14 @@ from .messages import (
     UnmaskRequest,
     resolve_threshold,
 )
-from .node import NodeEpoch
-from .payload import SecureMean, flatten, read_payload, unflatten, weighted_payload
+from quorumfl.aggregation.secagg.node import NodeEpoch
+from quorumfl.aggregation.secagg.payload import (
+    SecureMean,
+    flatten,
+    read_payload,
+    unflatten,
+    weighted_payload,
+)
 
 __all__ = [
     "CoordinatorEpoch",

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from numpy.typing import NDArray
 
-from ..errors import QuorumNotMetError, SecureAggregationError
-from .messages import (
+from quorumfl.aggregation.secagg.messages import (
     COMMITMENT_BYTES,
     EPOCH_BYTES,
     EpochAnnouncement,
@@ -31,8 +30,15 @@ from .messages import (
     UnmaskRequest,
     share_commitment,
 )
-from .shamir import PRIME, reconstruct_secret, share_to_bytes
-from .streams import KEY_BYTES, keystream, pairwise_mask_key, public_key, self_mask_key
+from quorumfl.aggregation.secagg.shamir import PRIME, reconstruct_secret, share_to_bytes
+from quorumfl.aggregation.secagg.streams import (
+    KEY_BYTES,
+    keystream,
+    pairwise_mask_key,
+    public_key,
+    self_mask_key,
+)
+from quorumfl.errors import QuorumNotMetError, SecureAggregationError
 
 __all__ = ["CoordinatorEpoch", "GroupOutcome", "MaskedRound"]
 

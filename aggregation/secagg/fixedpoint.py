@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from ..errors import ConfigError
+from quorumfl.errors import ConfigError
 
 __all__ = ["FixedPoint", "ModulusBits"]
 

@@ -31,7 +31,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..errors import SecureAggregationError
+from quorumfl.errors import SecureAggregationError
 
 __all__ = [
     "COMPLETE_UP_TO",

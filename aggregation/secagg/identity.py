@@ -5,7 +5,7 @@ the server could hand out keys of its own and unmask one department's update in 
 every key advertisement is signed with the department's registered node key (ECDSA P-384, the key
 its SuperNode authenticates with), and a node accepts a peer only when the signature verifies under
 the key that the admin's roster lists for that department. The roster reaches the node inside the
-admin-signed run config (``quorumfl.client.app_guard`` checks that signature before the app runs),
+admin-signed run config (``quorumfl.deploy.app_guard`` checks that signature before the app runs),
 so the server can neither forge an entry nor add one. A department's name is the roster entry whose
 key verifies, never what a node or the server says.
 
@@ -27,7 +27,7 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from ..errors import SecureAggregationError
+from quorumfl.errors import SecureAggregationError
 
 __all__ = ["Roster", "advertisement_message", "department_message", "field_bytes", "load_signing_key", "parse_ec_private_key", "sign", "view_message"]
 

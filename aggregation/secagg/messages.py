@@ -10,10 +10,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..errors import ConfigError, SecureAggregationError
-from .fixedpoint import FixedPoint
-from .graph import COMPLETE_UP_TO, neighbour_graph, share_threshold
-from .streams import KEY_BYTES
+from quorumfl.aggregation.secagg.fixedpoint import FixedPoint
+from quorumfl.aggregation.secagg.graph import COMPLETE_UP_TO, neighbour_graph, share_threshold
+from quorumfl.aggregation.secagg.streams import KEY_BYTES
+from quorumfl.errors import ConfigError, SecureAggregationError
 
 __all__ = [
     "EPOCH_BYTES",

@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
-from ..errors import QuorumNotMetError, SecureAggregationError
-from .identity import Roster, advertisement_message, view_message
-from .messages import (
+from quorumfl.aggregation.secagg.identity import Roster, advertisement_message, view_message
+from quorumfl.aggregation.secagg.messages import (
     EPOCH_BYTES,
     EpochAnnouncement,
     KeyAdvertisement,
@@ -37,8 +36,13 @@ from .messages import (
     UnmaskRequest,
     share_commitment,
 )
-from .shamir import SHARE_BYTES, share_from_bytes, share_to_bytes, split_secret
-from .streams import (
+from quorumfl.aggregation.secagg.shamir import (
+    SHARE_BYTES,
+    share_from_bytes,
+    share_to_bytes,
+    split_secret,
+)
+from quorumfl.aggregation.secagg.streams import (
     KEY_BYTES,
     decrypt_bundle,
     encrypt_bundle,
@@ -48,6 +52,7 @@ from .streams import (
     public_key,
     self_mask_key,
 )
+from quorumfl.errors import QuorumNotMetError, SecureAggregationError
 
 __all__ = ["NodeEpoch"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from ..errors import AggregationError, EmptyAggregationError, SecureAggregationError
+from quorumfl.errors import AggregationError, EmptyAggregationError, SecureAggregationError
 
 __all__ = ["SecureMean", "flatten", "unflatten", "weighted_payload", "read_payload"]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
 
-from ..errors import SecureAggregationError
+from quorumfl.errors import SecureAggregationError
 
 __all__ = [
     "PRIME", "SHARE_BYTES", "interpolate_at", "reconstruct_secret", "share_from_bytes", "share_to_bytes", "split_secret",

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from numpy.typing import NDArray
 
-from ..errors import SecureAggregationError
+from quorumfl.errors import SecureAggregationError
 
 __all__ = [
     "KEY_BYTES",

@@ -1,5 +1,5 @@
 """The per-department ε ledger (local SQLite in the node's data directory)."""
 
-from .store import LEDGER_FILE, Ledger, RunSpend
+from quorumfl.privacy.ledger.store import LEDGER_FILE, Ledger, RunSpend
 
 __all__ = ["LEDGER_FILE", "Ledger", "RunSpend"]

@@ -19,11 +19,10 @@ from sqlalchemy import Engine, create_engine, event, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from quorumfl.aggregation.errors import ConfigError, PrivacyBudgetError, StateError
-
-from .. import accounting
-from ..accounting import Entry, epsilon
-from .orm import NoisePlan, Refusal, Spend
+from quorumfl.errors import ConfigError, PrivacyBudgetError, StateError
+from quorumfl.privacy import accounting
+from quorumfl.privacy.accounting import Entry, epsilon
+from quorumfl.privacy.ledger.orm import NoisePlan, Refusal, Spend
 
 __all__ = ["LEDGER_FILE", "Ledger", "RunSpend"]
 

@@ -10,10 +10,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .base import RandomSelector, Selection, Selector, check_selection, round_reward
-from .oort import OortSelector
-from .rl import Guard, RLSelector
-from .stats import FEATURES, NodeBook, NodeResult, NodeStats, Outcome, RoundFeedback, features
+from quorumfl.server.selection.base import (
+    RandomSelector,
+    Selection,
+    Selector,
+    check_selection,
+    round_reward,
+)
+from quorumfl.server.selection.oort import OortSelector
+from quorumfl.server.selection.rl import Guard, RLSelector
+from quorumfl.server.selection.stats import (
+    FEATURES,
+    NodeBook,
+    NodeResult,
+    NodeStats,
+    Outcome,
+    RoundFeedback,
+    features,
+)
 
 __all__ = [
     "FEATURES", "Guard", "NodeBook", "NodeResult", "NodeStats", "OortSelector", "Outcome", "RLSelector",
@@ -34,6 +48,6 @@ def build_selector(name: str, *, seed: int, epochs: int, epoch_choices: Sequence
     if name == "rl":
         return RLSelector(seed=seed, epochs=epochs, epoch_choices=list(epoch_choices) or [epochs], clusters=clusters,
                           late_penalty=late_penalty)
-    from quorumfl.aggregation.errors import ConfigError
+    from quorumfl.errors import ConfigError
 
     raise ConfigError(f"selector must be one of {list(SELECTORS)}, got {name!r}")

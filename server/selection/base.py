@@ -10,9 +10,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from quorumfl.aggregation.errors import SelectionError
-
-from .stats import NodeBook, Outcome, RoundFeedback
+from quorumfl.errors import SelectionError
+from quorumfl.server.selection.stats import NodeBook, Outcome, RoundFeedback
 
 __all__ = ["RandomSelector", "Selection", "Selector", "check_selection", "round_reward"]
 

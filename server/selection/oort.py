@@ -20,10 +20,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from quorumfl.aggregation.errors import SelectionError
-
-from .base import Selection, round_reward
-from .stats import NodeBook, Outcome, RoundFeedback
+from quorumfl.errors import SelectionError
+from quorumfl.server.selection.base import Selection, round_reward
+from quorumfl.server.selection.stats import NodeBook, Outcome, RoundFeedback
 
 __all__ = ["OortSelector"]
 

@@ -39,11 +39,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from quorumfl.aggregation.errors import SelectionError
-
-from .base import Selection, round_reward
-from .oort import OortSelector
-from .stats import FEATURES, NodeBook, Outcome, RoundFeedback, features
+from quorumfl.errors import SelectionError
+from quorumfl.server.selection.base import Selection, round_reward
+from quorumfl.server.selection.oort import OortSelector
+from quorumfl.server.selection.stats import FEATURES, NodeBook, Outcome, RoundFeedback, features
 
 __all__ = ["Guard", "Policy", "RLSelector", "plackett_luce_log_prob"]
 

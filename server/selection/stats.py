@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from quorumfl.aggregation.errors import SelectionError
+from quorumfl.errors import SelectionError
 
 __all__ = ["FEATURES", "NodeBook", "NodeResult", "NodeStats", "Outcome", "RoundFeedback", "features"]
 

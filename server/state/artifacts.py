@@ -9,10 +9,9 @@ from dataclasses import dataclass
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from quorumfl.aggregation.errors import NotFoundError
-
-from .orm import EdgeArtifact
-from .repository import read, utcnow, write
+from quorumfl.errors import NotFoundError
+from quorumfl.server.state.orm import EdgeArtifact
+from quorumfl.server.state.repository import read, utcnow, write
 
 __all__ = ["ArtifactRecords", "NewArtifact"]
 

@@ -15,22 +15,19 @@ from sqlalchemy import Engine, create_engine, event, inspect, make_url, text
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from quorumfl.aggregation.errors import ConfigError, StateError
+from quorumfl.core.files import default_home
+from quorumfl.errors import ConfigError, StateError
 
 if TYPE_CHECKING:  # Alembic is imported only to migrate: reading commands start faster without it
     from alembic.config import Config
 
-__all__ = ["HEAD", "connect", "default_home", "default_url", "migration_config", "upgrade", "require_current"]
+__all__ = ["HEAD", "connect", "default_url", "migration_config", "upgrade", "require_current"]
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 # The newest migration's revision: what a current database's alembic_version holds. Kept here so that
 # checking a database needs no Alembic import; tests/server/test_migrations.py checks it is the head
 # of the migrations folder.
 HEAD = "0005"
-
-
-def default_home() -> Path:
-    return Path(os.environ.get("QUORUMFL_HOME") or Path.home() / ".quorumfl").expanduser()
 
 
 def default_url(home: Path | None = None) -> str:

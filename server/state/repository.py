@@ -15,9 +15,8 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
-from quorumfl.aggregation.errors import ConfigError, NotFoundError, RunStoppedError, StateError
-
-from .orm import (
+from quorumfl.errors import ConfigError, NotFoundError, RunStoppedError, StateError
+from quorumfl.server.state.orm import (
     Decryption,
     KeyCeremony,
     Metric,

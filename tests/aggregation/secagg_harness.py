@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.typing import NDArray
 
-from quorumfl.aggregation.errors import SecureAggregationError
 from quorumfl.aggregation.secagg import (
     CoordinatorEpoch,
     GroupOutcome,
@@ -23,6 +22,7 @@ from quorumfl.aggregation.secagg import (
     UnmaskRequest,
 )
 from quorumfl.aggregation.secagg.identity import Roster
+from quorumfl.errors import SecureAggregationError
 
 
 @dataclass

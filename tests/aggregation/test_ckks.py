@@ -52,7 +52,7 @@ from quorumfl.aggregation.ckks.streams import (
     parse_plaintext,
 )
 from quorumfl.aggregation.ckks.threshold import _unflooded
-from quorumfl.aggregation.errors import ConfigError, QuorumNotMetError, SecureAggregationError
+from quorumfl.errors import ConfigError, QuorumNotMetError, SecureAggregationError
 
 PARAMS = CkksParams()
 MEMBERS = tuple(2**63 + 101 * i for i in range(10))  # Flower-sized ids

@@ -35,9 +35,9 @@ from quorumfl.aggregation.ckks import (
 )
 from quorumfl.aggregation.ckks.seal import Seal
 from quorumfl.aggregation.ckks.threshold import c1_digest
-from quorumfl.aggregation.errors import SecureAggregationError
 from quorumfl.aggregation.secagg.identity import Roster, sign
 from quorumfl.aggregation.secagg.streams import new_private_key, public_key
+from quorumfl.errors import SecureAggregationError
 
 PARAMS = CkksParams()
 NODES = tuple(2**62 + 313 * i for i in range(5))

@@ -15,8 +15,8 @@ from quorumfl.aggregation.clustering import (
     cluster_purity,
     repair_clusters,
 )
-from quorumfl.aggregation.errors import AggregationError, EmptyAggregationError
 from quorumfl.aggregation.weighted import NodeUpdate
+from quorumfl.errors import AggregationError, EmptyAggregationError
 
 finite = st.floats(min_value=-1e6, max_value=1e6, allow_nan=False)
 

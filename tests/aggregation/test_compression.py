@@ -23,7 +23,7 @@ from quorumfl.aggregation.compression import (
     shared_indices,
     warmup_fraction,
 )
-from quorumfl.aggregation.errors import AggregationError, ConfigError
+from quorumfl.errors import AggregationError, ConfigError
 
 finite = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False, width=32)
 vectors = arrays(np.float32, st.integers(1, 400), elements=finite)

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from quorumfl.aggregation.errors import ConfigError
 from quorumfl.aggregation.personal import merge_arrays, personal_names, split_arrays
+from quorumfl.errors import ConfigError
 
 NAMES = ["0.weight", "0.bias", "2.weight", "2.bias", "10.weight", "10.bias"]
 

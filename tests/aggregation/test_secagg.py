@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
 
-from quorumfl.aggregation.errors import ConfigError, QuorumNotMetError, SecureAggregationError
 from quorumfl.aggregation.secagg import (
     CoordinatorEpoch,
     FixedPoint,
@@ -29,6 +28,7 @@ from quorumfl.aggregation.secagg.shamir import (
     reconstruct_secret,
     split_secret,
 )
+from quorumfl.errors import ConfigError, QuorumNotMetError, SecureAggregationError
 
 from .secagg_harness import Dropouts, Federation
 

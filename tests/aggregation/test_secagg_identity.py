@@ -18,7 +18,6 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from flwr.app import Context, Message, RecordDict
 
-from quorumfl.aggregation.errors import SecureAggregationError
 from quorumfl.aggregation.secagg import (
     CoordinatorEpoch,
     FixedPoint,
@@ -28,6 +27,7 @@ from quorumfl.aggregation.secagg import (
 )
 from quorumfl.aggregation.secagg.identity import Roster, sign
 from quorumfl.aggregation.secagg.streams import new_private_key, public_key
+from quorumfl.errors import SecureAggregationError
 
 from .secagg_harness import Dropouts, Federation
 
@@ -181,7 +181,7 @@ def task_identity(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("task_identity")
 def test_the_clientapp_refuses_a_substituted_key_in_the_directory(tmp_path: object) -> None:
     from quorumfl.client import secure
-    from quorumfl.client.secure_wire import (
+    from quorumfl.protocol.secure_wire import (
         ADVERTISE,
         SECAGG,
         SHARE,

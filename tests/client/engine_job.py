@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from quorumfl.client.data.datasets import Dataset
-from quorumfl.client.engine import EngineSettings, TrainJob, train_model
-from quorumfl.client.models import build_model
+from quorumfl.core.data.datasets import Dataset
+from quorumfl.core.models import build_model
+from quorumfl.training.engine import EngineSettings, TrainJob, train_model
 
 JOB = TrainJob(epochs=2, batch_size=16, learning_rate=0.05, proximal_mu=0.01, seed=7, clip_norm=5.0, warmup_steps=10)
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from quorumfl.aggregation.errors import ConfigError, DataError
-from quorumfl.client.data import holdout_split, load_dataset, prepare_partitions, read_partition
-from quorumfl.client.data.datasets import read_idx
+from quorumfl.core.data import holdout_split, load_dataset, prepare_partitions, read_partition
+from quorumfl.core.data.datasets import read_idx
+from quorumfl.errors import ConfigError, DataError
 
 
 def _write_idx(path: Path, array: np.ndarray, *, compress: bool) -> None:

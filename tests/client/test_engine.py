@@ -18,9 +18,10 @@ import pytest
 import torch
 from torch import nn
 
-from quorumfl.aggregation.errors import ConfigError, TrainingError
-from quorumfl.client.data.datasets import Dataset
-from quorumfl.client.engine import (
+from quorumfl.core.data.datasets import Dataset
+from quorumfl.core.models import build_model
+from quorumfl.errors import ConfigError, TrainingError
+from quorumfl.training.engine import (
     Amp,
     CheckpointFile,
     CommHook,
@@ -29,8 +30,7 @@ from quorumfl.client.engine import (
     plan_devices,
     train_model,
 )
-from quorumfl.client.engine.loop import _is_spike
-from quorumfl.client.models import build_model
+from quorumfl.training.engine.loop import _is_spike
 
 HERE = Path(__file__).parent
 
@@ -157,7 +157,7 @@ def test_a_checkpoint_of_another_job_is_not_resumed(tmp_path: Path) -> None:
     other_job = TrainJob(epochs=1, batch_size=32, learning_rate=0.05, seed=99)
     settings = EngineSettings(device="cpu", checkpoint_every=2)
     # A stale checkpoint of a different job sits in the file: it must be ignored, then replaced.
-    from quorumfl.client.engine import launch
+    from quorumfl.training.engine import launch
     stale = launch._job_fingerprint(first, data, other_job, None)
     CheckpointFile(ckpt).save(_fake_checkpoint(stale, first))
     result = train_model(first, data, JOB, settings, checkpoint=ckpt)
@@ -169,7 +169,7 @@ def test_a_checkpoint_of_another_job_is_not_resumed(tmp_path: Path) -> None:
 
 
 def _fake_checkpoint(key: str, model: nn.Module):  # type: ignore[no-untyped-def]
-    from quorumfl.client.engine.checkpoint import Checkpoint
+    from quorumfl.training.engine.checkpoint import Checkpoint
 
     return Checkpoint(fingerprint=key, epoch=0, next_batch=3, steps=3, epoch_generator=torch.Generator().get_state(),
                       model={k: v + 1 for k, v in model.state_dict().items()}, optimizer={}, scaler=None,

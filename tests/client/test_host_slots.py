@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from quorumfl.aggregation.errors import ConfigError
-from quorumfl.client.host_slots import SLOTS_DIR_ENV, SLOTS_ENV, hold_host_slot, host_slot_env
-from quorumfl.client.launch_gate import GATE_REAL_ENV, GATE_WAIT_ENV
+from quorumfl.core.slots import SLOTS_DIR_ENV, SLOTS_ENV, hold_host_slot
+from quorumfl.deploy.host_slots import host_slot_env
+from quorumfl.deploy.launch_gate import GATE_REAL_ENV, GATE_WAIT_ENV
+from quorumfl.errors import ConfigError
 
 HOLDER = """
 import sys, time
-from quorumfl.client.host_slots import hold_host_slot
+from quorumfl.core.slots import hold_host_slot
 slot = hold_host_slot()
 start = time.time()
 time.sleep(float(sys.argv[2]))
@@ -71,7 +72,7 @@ def test_no_limit_and_bad_values() -> None:
 FAKE_CLIENTAPP = """#!{python}
 import fcntl, os, sys, time
 from pathlib import Path
-from quorumfl.client.host_slots import hold_host_slot
+from quorumfl.core.slots import hold_host_slot
 slot = os.environ["QUORUMFL_CLIENTAPP_SLOT_HELD"]
 fd = os.open(Path(os.environ["QUORUMFL_CLIENTAPP_SLOTS_DIR"]) / f"slot-{{slot}}", os.O_RDWR)
 try:  # the slot the gate took is held by this process (inherited), so it cannot be taken again

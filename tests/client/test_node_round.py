@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from quorumfl.aggregation.errors import ConfigError
 from quorumfl.aggregation.personal import personal_names, split_arrays
-from quorumfl.client.data.datasets import Dataset, load_dataset
-from quorumfl.client.data.planted import plant_label_permutations
-from quorumfl.client.models import arrays_to_model, build_model, model_to_arrays
 from quorumfl.client.node_round import evaluate_round, pick_round, train_round
-from quorumfl.client.training import evaluate, train
-from quorumfl.client.wire import TrainConfig
+from quorumfl.core.data.datasets import Dataset, load_dataset
+from quorumfl.core.data.planted import plant_label_permutations
+from quorumfl.core.models import arrays_to_model, build_model, model_to_arrays
+from quorumfl.errors import ConfigError
+from quorumfl.protocol.wire import TrainConfig
+from quorumfl.training.local import evaluate, train
 
 CONFIG = TrainConfig(server_round=1, model="mlp", local_epochs=2, batch_size=32, learning_rate=0.05,
                      proximal_mu=0.0, seed=0)

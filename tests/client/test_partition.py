@@ -7,8 +7,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from quorumfl.aggregation.errors import ConfigError
-from quorumfl.client.data.partition import partition
+from quorumfl.core.data.partition import partition
+from quorumfl.errors import ConfigError
 
 labels_st = st.integers(0, 2**16).map(lambda s: np.random.default_rng(s).integers(0, 10, size=400))
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from quorumfl.aggregation.errors import DataError
 from quorumfl.client.personal_store import PersonalStore
+from quorumfl.errors import DataError
 
 
 def test_round_trip_and_overwrite(tmp_path: Path) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from quorumfl.aggregation.errors import DataError
-from quorumfl.client.data.datasets import Dataset
-from quorumfl.client.data.planted import plant_label_permutations
+from quorumfl.core.data.datasets import Dataset
+from quorumfl.core.data.planted import plant_label_permutations
+from quorumfl.errors import DataError
 
 
 def _parts(n: int) -> list[Dataset]:

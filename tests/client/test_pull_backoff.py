@@ -10,7 +10,7 @@ from flwr.supercore.constant import PULL_BACKOFF_CAP, PULL_INITIAL_BACKOFF
 from flwr.supercore.inflatable import inflatable_utils
 from flwr.supercore.inflatable.inflatable_utils import ObjectUnavailableError, pull_objects
 
-from quorumfl.client.pull_backoff import BACKOFF_CAP_S, INITIAL_BACKOFF_S, shorten_pull_backoff
+from quorumfl.protocol.pull_backoff import BACKOFF_CAP_S, INITIAL_BACKOFF_S, shorten_pull_backoff
 
 
 @pytest.fixture

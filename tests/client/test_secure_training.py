@@ -17,16 +17,16 @@ import pytest
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
 from quorumfl.aggregation.ckks import CkksParams
-from quorumfl.aggregation.errors import SecureAggregationError
 from quorumfl.aggregation.secagg import NodeEpoch
 from quorumfl.aggregation.secagg.messages import EpochAnnouncement, MaskingParams, MaskRequest
-from quorumfl.client.ckks_wire import CKKS, TrainRequest, encode_train_request
-from quorumfl.client.data import prepare_partitions
-from quorumfl.client.models import build_model, model_to_arrays
-from quorumfl.client.secure_wire import SECAGG, encode_mask_request
 from quorumfl.client.steps import train_received
-from quorumfl.client.wire import ARRAYS, CONFIG, TrainConfig, to_array_record
+from quorumfl.core.data import prepare_partitions
+from quorumfl.core.models import build_model, model_to_arrays
+from quorumfl.errors import SecureAggregationError
 from quorumfl.privacy.contributions import CONTRIBUTIONS_FILE
+from quorumfl.protocol.ckks_wire import CKKS, TrainRequest, encode_train_request
+from quorumfl.protocol.secure_wire import SECAGG, encode_mask_request
+from quorumfl.protocol.wire import ARRAYS, CONFIG, TrainConfig, to_array_record
 
 from ..server.test_rounds import task_identity  # noqa: F401  (an autouse fixture)
 

@@ -9,14 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from quorumfl.client.launch_gate import SUPEREXEC, write_superexec
+from quorumfl.deploy.launch_gate import SUPEREXEC, write_superexec
 
 # Starts apps the way Flower's SubprocessExecutor does (handle dropped), keeps one long-running
 # child and one it waits for, then reports its children's states from /proc.
 LAUNCHER = """
 import json, os, subprocess, sys, threading, time
 from pathlib import Path
-from quorumfl.client.launch_gate import reap_children
+from quorumfl.deploy.launch_gate import reap_children
 stop = threading.Event()
 if sys.argv[1] == "reap":
     threading.Thread(target=reap_children, args=(stop, 0.05), daemon=True).start()

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from flwr.supernode import start_client_internal
 
-from quorumfl.client import task_wake
-from quorumfl.client.supernode import wake_after_store
-from quorumfl.client.task_wake import WAKE_ENV, WakeableSleep, Waker, new_wake_name
+from quorumfl.deploy import task_wake
+from quorumfl.deploy.supernode import wake_after_store
+from quorumfl.deploy.task_wake import WAKE_ENV, WakeableSleep, Waker, new_wake_name
 
 
 @pytest.fixture

@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from quorumfl.aggregation.errors import ConfigError, ModelError
-from quorumfl.client.data.datasets import Dataset, load_dataset
-from quorumfl.client.models import arrays_to_model, build_model, model_to_arrays
-from quorumfl.client.training import evaluate, proximal_term, train
+from quorumfl.core.data.datasets import Dataset, load_dataset
+from quorumfl.core.models import arrays_to_model, build_model, model_to_arrays
+from quorumfl.errors import ConfigError, ModelError
+from quorumfl.training.local import evaluate, proximal_term, train
 
 
 def test_fedprox_gradient_matches_written_out_loss() -> None:

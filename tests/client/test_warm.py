@@ -15,18 +15,18 @@ from types import ModuleType
 
 import pytest
 
-from quorumfl.client.launch_gate import ADMIN_KEYS_ENV, GATE_REAL_ENV, WARM_ENV
-from quorumfl.client.supernode import (
+from quorumfl.deploy.launch_gate import ADMIN_KEYS_ENV, GATE_REAL_ENV, WARM_ENV
+from quorumfl.deploy.processes import _process_table
+from quorumfl.deploy.supernode import (
     DEFAULT_POLL_S,
     LOCAL_WAIT_S,
     POLL_ENV,
     patch_waits,
     poll_interval,
 )
-from quorumfl.client.warm import run_warm, warm_env
-from quorumfl.server.processes import _process_table
+from quorumfl.deploy.warm import run_warm, warm_env
 
-GATE = [sys.executable, "-c", "import sys; from quorumfl.client.launch_gate import main; sys.exit(main())"]
+GATE = [sys.executable, "-c", "import sys; from quorumfl.deploy.launch_gate import main; sys.exit(main())"]
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -43,7 +43,7 @@ def _server_pids(tmp_path: Path) -> set[int]:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"quorumfl.client.warm" in cmdline and str(tmp_path).encode() in b" ".join(cmdline):
+        if b"quorumfl.deploy.warm" in cmdline and str(tmp_path).encode() in b" ".join(cmdline):
             found.add(int(entry.name))
     return found
 
@@ -89,7 +89,7 @@ def test_a_request_cannot_drop_the_servers_admin_guard(tmp_path: Path, servers: 
     guarded = subprocess.run([*GATE, "--help"], env=env, capture_output=True, text=True, timeout=120)
     assert guarded.returncode == 78 and "refusing to run any app" in guarded.stderr
     [server] = _server_pids(tmp_path)
-    probe = "import os; from quorumfl.client.warm import run_warm; print(run_warm(['--help'], os.environ))"
+    probe = "import os; from quorumfl.deploy.warm import run_warm; print(run_warm(['--help'], os.environ))"
     for changed in ({k: v for k, v in env.items() if k != ADMIN_KEYS_ENV}, {**env, ADMIN_KEYS_ENV: "/other/admin.pub"}):
         result = subprocess.run([sys.executable, "-c", probe], env=changed, capture_output=True, text=True, timeout=120)
         assert result.stdout.strip() == "None", result.stderr  # refused before anything was forked
@@ -186,7 +186,7 @@ def test_another_user_is_not_served_even_through_an_open_socket(tmp_path: Path, 
         (open_dir / "warm.sock").chmod(0o666)
         before = _tasks_of(servers_now)
         # Imports first (the interpreter lives under root's home), then become nobody and ask.
-        probe = ("import os; from quorumfl.client.warm import run_warm; os.setgid(65534); os.setuid(65534); "
+        probe = ("import os; from quorumfl.deploy.warm import run_warm; os.setgid(65534); os.setuid(65534); "
                  f"print(run_warm(['--help'], {{'QUORUMFL_CLIENTAPP_WARM': {str(open_dir / 'warm.sock')!r}}}))")
         result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
         assert result.stdout.strip() == "None", result.stderr  # refused: that caller would go cold, as itself

@@ -12,14 +12,14 @@ from flwr.supercore.constant import TaskType
 from flwr.supercore.superexec.executor import subprocess_executor
 from flwr.supercore.superexec.executor.types import ExecutionSpec
 
-from quorumfl.client.launch_gate import (
+from quorumfl.deploy.launch_gate import (
     GATE_WAIT_ENV,
     SLOTS_DIR_ENV,
     SLOTS_ENV,
     WARM_ENV,
     acquire_slot,
 )
-from quorumfl.client.warm import _launch_in_thread, _task_argv, install_warm_launch
+from quorumfl.deploy.warm import _launch_in_thread, _task_argv, install_warm_launch
 
 
 def _spec(**changes: Any) -> ExecutionSpec:

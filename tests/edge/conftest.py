@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from quorumfl.client.data.datasets import holdout_split
-from quorumfl.client.models import architecture_key, build_model, model_to_arrays
+from quorumfl.core.data.datasets import holdout_split
+from quorumfl.core.models import architecture_key, build_model, model_to_arrays
 from quorumfl.edge.export import ArtifactFormat
 from quorumfl.edge.manifest import Channel
 from quorumfl.edge.promotion import promote_to_edge

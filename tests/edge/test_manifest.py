@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from quorumfl.aggregation.errors import ArtifactError, ConfigError
 from quorumfl.edge.export import ArtifactFormat
 from quorumfl.edge.manifest import Channel, Manifest, check_newer, check_payload
 from quorumfl.edge.signing import (
@@ -20,6 +19,7 @@ from quorumfl.edge.signing import (
     sign,
     verify,
 )
+from quorumfl.errors import ArtifactError, ConfigError
 
 PAYLOAD = bytes(range(256)) * 40
 

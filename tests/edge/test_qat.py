@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from quorumfl.aggregation.errors import ConfigError, EdgeError
-from quorumfl.client.data.datasets import holdout_split
+from quorumfl.core.data.datasets import holdout_split
 from quorumfl.edge.export import ArtifactFormat, onnx_bytes, pte_bytes
 from quorumfl.edge.qat import QatSettings, accuracy, quantize_aware
 from quorumfl.edge.runtime import load_model
+from quorumfl.errors import ConfigError, EdgeError
 
 from .conftest import train_digits_mlp
 

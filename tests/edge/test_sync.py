@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from sqlalchemy import update
 
-from quorumfl.aggregation.errors import ArtifactError, ConfigError
 from quorumfl.edge.export import ArtifactFormat
 from quorumfl.edge.manifest import Channel
 from quorumfl.edge.service import SyncServer, SyncService, start_server
 from quorumfl.edge.sync import installed, load_current, rollback, sync
+from quorumfl.errors import ArtifactError, ConfigError
 from quorumfl.server.state.artifacts import ArtifactRecords
 from quorumfl.server.state.orm import EdgeArtifact
 

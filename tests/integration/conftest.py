@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from quorumfl.client.data import prepare_partitions
-from quorumfl.server.local import LocalFederation, local_federation
+from quorumfl.core.data import prepare_partitions
+from quorumfl.deploy.local import LocalFederation, local_federation
 from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository
 

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from quorumfl.server.processes import free_port
+from quorumfl.deploy.processes import free_port
 
 
 async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rate: float | None) -> None:

@@ -32,11 +32,11 @@ from flwr.proto.control_pb2 import (
 )
 from flwr.supercore.version import package_version
 
-from quorumfl.aggregation.errors import CredentialError
+from quorumfl.deploy.certs import Credentials, add_node_key, init_credentials, node_public_key
+from quorumfl.deploy.control import Control, build_fab
+from quorumfl.deploy.processes import flower_env, free_port, superlink_command, wait_for_port
+from quorumfl.errors import CredentialError
 from quorumfl.privacy.admin import federation_id, issue_token, load_admin_private
-from quorumfl.server.certs import Credentials, add_node_key, init_credentials, node_public_key
-from quorumfl.server.control import Control, build_fab
-from quorumfl.server.processes import flower_env, free_port, superlink_command, wait_for_port
 
 LINK_HOST = "127.0.0.2"
 ATTACKER_HOST = "127.0.0.3"

@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from quorumfl.client.data import prepare_partitions
+from quorumfl.core.data import prepare_partitions
+from quorumfl.deploy.local import LocalFederation, local_federation
 from quorumfl.privacy.keystore import KeyStore
-from quorumfl.server.local import LocalFederation, local_federation
 from quorumfl.server.model_store import ModelStore
 from quorumfl.server.services import follow_run
 from quorumfl.server.state.database import connect

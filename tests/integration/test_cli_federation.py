@@ -11,11 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-from quorumfl.server.processes import free_port, wait_for_port
+from quorumfl.deploy.processes import free_port, wait_for_port
 
 
 def _cli(home: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "quorumfl.server.cli", "--home", str(home), *args]
+    return [sys.executable, "-m", "quorumfl.cli", "--home", str(home), *args]
 
 
 def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:

@@ -15,10 +15,10 @@ import pytest
 from typer.testing import CliRunner
 
 from quorumfl.aggregation.clustering import cluster_purity
-from quorumfl.client.data import prepare_partitions
-from quorumfl.client.data.planted import plant_partitions
-from quorumfl.server.cli.main import app as cli
-from quorumfl.server.local import local_federation
+from quorumfl.cli.main import app as cli
+from quorumfl.core.data import prepare_partitions
+from quorumfl.core.data.planted import plant_partitions
+from quorumfl.deploy.local import local_federation
 from quorumfl.server.services import follow_run
 from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository, RoundStatus, RunStatus

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from quorumfl.client.data import prepare_partitions
-from quorumfl.server.local import local_federation
+from quorumfl.core.data import prepare_partitions
+from quorumfl.deploy.local import local_federation
 from quorumfl.server.services import follow_run
 from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository, RoundStatus, RunStatus
@@ -27,7 +27,7 @@ from .conftest import DEPARTMENTS
 def _clientapps(supernodes: set[int]) -> list[int]:
     """ClientApp task processes below the given SuperNodes, via /proc: warm tasks (SuperNode →
     SuperExec → warm server → a forked child named ``flwr-clientapp``) and cold ones (a
-    ``flwr-clientapp`` process, which runs as ``python -m quorumfl.client.app_guard`` behind the
+    ``flwr-clientapp`` process, which runs as ``python -m quorumfl.deploy.app_guard`` behind the
     admin-signature check)."""
     parents: dict[int, int] = {}
     cmdlines: dict[int, bytes] = {}
@@ -43,7 +43,7 @@ def _clientapps(supernodes: set[int]) -> list[int]:
     while frontier:
         frontier = {pid for pid, ppid in parents.items() if ppid in frontier and pid not in below}
         below |= frontier
-    marks = (b"flwr-clientapp", b"quorumfl.client.app_guard")
+    marks = (b"flwr-clientapp", b"quorumfl.deploy.app_guard")
     return sorted(pid for pid in below
                   if names.get(pid) == "flwr-clientapp" or any(m in cmdlines.get(pid, b"") for m in marks))
 

@@ -32,7 +32,7 @@ def _processes_of(home: Path) -> list[int]:
 def test_interrupted_demo_leaves_no_process(tmp_path: Path, sig: signal.Signals) -> None:
     home = tmp_path / "demo-home"
     demo = subprocess.Popen(
-        [sys.executable, "-m", "quorumfl.server.cli", "--home", str(home), "demo", "--departments", "2", "--rounds", "2"],
+        [sys.executable, "-m", "quorumfl.cli", "--home", str(home), "demo", "--departments", "2", "--rounds", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         # As in a terminal: a test runner started in the background (`cmd &`) ignores SIGINT, and a
         # child would inherit that; Python only turns SIGINT into KeyboardInterrupt if it is not ignored.

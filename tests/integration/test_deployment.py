@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from quorumfl.server.processes import _below, _process_table
+from quorumfl.deploy.processes import _below, _process_table
 from quorumfl.server.services import follow_run
 from quorumfl.server.state.repository import RoundStatus, RunStatus
 
@@ -108,7 +108,7 @@ def test_runs_stop_through_the_cli(deployment: Deployment) -> None:
         assert time.monotonic() < deadline, d.federation.logs()
         time.sleep(0.5)
     result = subprocess.run(
-        [sys.executable, "-m", "quorumfl.server.cli", "--db", d.db_url, "runs", "stop", str(flower_run_id),
+        [sys.executable, "-m", "quorumfl.cli", "--db", d.db_url, "runs", "stop", str(flower_run_id),
          "--superlink", d.federation.address],
         capture_output=True, text=True, timeout=120,
     )

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from quorumfl.deploy.processes import free_port, wait_for_port
 from quorumfl.edge.sync import installed
-from quorumfl.server.processes import free_port, wait_for_port
 from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository
 
@@ -23,7 +23,7 @@ from ..edge.conftest import store_version, train_digits_mlp
 
 def _cli(home: Path | None, *args: str) -> list[str]:
     root = ["--home", str(home)] if home is not None else []
-    return [sys.executable, "-m", "quorumfl.server.cli", *root, *args]
+    return [sys.executable, "-m", "quorumfl.cli", *root, *args]
 
 
 def _wait_for(predicate: Callable[[], bool], timeout: float, what: Callable[[], str]) -> None:

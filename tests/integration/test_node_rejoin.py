@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from quorumfl.client.data import prepare_partitions
-from quorumfl.server.local import local_federation
-from quorumfl.server.processes import REJOIN_GRACE_S, activated, activation_refused
+from quorumfl.core.data import prepare_partitions
+from quorumfl.deploy.local import local_federation
+from quorumfl.deploy.processes import REJOIN_GRACE_S, activated, activation_refused
 
 
 @pytest.mark.slow  # it waits out Flower's heartbeat window (about a minute)

@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 import torch
 
-from quorumfl.client.data import prepare_partitions, read_partition
-from quorumfl.client.models import arrays_to_model, build_model, model_to_arrays
-from quorumfl.client.training import train
-from quorumfl.server.local import LocalFederation, local_federation
+from quorumfl.core.data import prepare_partitions, read_partition
+from quorumfl.core.models import arrays_to_model, build_model, model_to_arrays
+from quorumfl.deploy.local import LocalFederation, local_federation
 from quorumfl.server.model_store import ModelStore
 from quorumfl.server.services import follow_run
 from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository, RoundStatus, RunStatus
+from quorumfl.training.local import train
 
 DEPARTMENTS = [f"dept-{i:02d}" for i in range(10)]
 EPOCHS = 15

@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from quorumfl.client.data import prepare_partitions
-from quorumfl.server.local import local_federation
+from quorumfl.core.data import prepare_partitions
+from quorumfl.deploy.local import local_federation
 from quorumfl.server.services import follow_run
 from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository, RoundStatus, RunStatus

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from quorumfl.server.processes import ProcessGroup, _descendants, free_port, wait_for_port
+from quorumfl.deploy.processes import ProcessGroup, _descendants, free_port, wait_for_port
 from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository, RoundStatus, RunStatus
 
@@ -25,7 +25,7 @@ DEPARTMENTS = ["tax-office", "parks", "housing"]
 
 
 def _cli(home: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "quorumfl.server.cli", "--home", str(home), *args]
+    return [sys.executable, "-m", "quorumfl.cli", "--home", str(home), *args]
 
 
 def _cmdline(pid: int) -> bytes:

@@ -21,11 +21,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from flwr.common.serde import fab_to_proto, user_config_to_proto
 from flwr.proto.control_pb2 import StartRunRequest
 
-from quorumfl.client.data import prepare_partitions
+from quorumfl.core.data import prepare_partitions
+from quorumfl.deploy.control import app_pyproject, build_fab
+from quorumfl.deploy.local import LocalFederation, local_federation
 from quorumfl.privacy.admin import SIGNATURE_FILE, load_admin_private, sign_app
 from quorumfl.server.config import DEFAULTS
-from quorumfl.server.control import app_pyproject, build_fab
-from quorumfl.server.local import LocalFederation, local_federation
 from quorumfl.server.services import follow_run
 from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository, RoundStatus, RunStatus

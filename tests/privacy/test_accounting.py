@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from opacus.accountants import PRVAccountant, RDPAccountant
 
-from quorumfl.aggregation.errors import ConfigError
+from quorumfl.errors import ConfigError
 from quorumfl.privacy.accounting import epsilon, noise_for_target
 
 

@@ -13,8 +13,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quorumfl.aggregation.errors import CredentialError
-from quorumfl.client.app_guard import check_run
+from quorumfl.deploy.app_guard import check_run
+from quorumfl.deploy.control import app_pyproject, build_fab
+from quorumfl.errors import CredentialError
 from quorumfl.privacy.admin import (
     SIGNATURE_FILE,
     generate_admin_key,
@@ -26,7 +27,6 @@ from quorumfl.privacy.admin import (
     verify_token,
 )
 from quorumfl.server.config import DEFAULTS
-from quorumfl.server.control import app_pyproject, build_fab
 
 ADMIN_PEM, ADMIN_PUB = generate_admin_key()
 ADMIN = load_admin_private(ADMIN_PEM, source="admin.key")

@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from quorumfl.aggregation.errors import ConfigError
-from quorumfl.client.data import prepare_partitions
+from quorumfl.core.data import prepare_partitions
+from quorumfl.errors import ConfigError
 from quorumfl.privacy.accounting import epsilon
 from quorumfl.privacy.distributed import clip_update, noisy_share
 from quorumfl.privacy.ledger import Ledger

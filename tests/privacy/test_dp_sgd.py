@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from quorumfl.aggregation.errors import ConfigError
-from quorumfl.client.data.datasets import Dataset
-from quorumfl.client.engine import TrainJob
-from quorumfl.client.models import build_model
+from quorumfl.core.data.datasets import Dataset
+from quorumfl.core.models import build_model
+from quorumfl.errors import ConfigError
 from quorumfl.privacy.accounting import epsilon
-from quorumfl.privacy.dp_sgd import plan_round, train_private
+from quorumfl.training.dp_sgd import plan_round, train_private
+from quorumfl.training.engine import TrainJob
 
 
 def _data(n: int = 300) -> Dataset:
@@ -45,7 +45,7 @@ def test_training_is_clipped_per_example_and_matches_the_plan() -> None:
     assert 0 < moved < plan.steps * 0.1 * 1e-4 * 6  # 3× the expected batch, plus noise of 0.5·C
     # Without DP the same job moves weights far more.
     free = build_model("mlp", (1, 8, 8), 10, seed=1)
-    from quorumfl.client.training import train
+    from quorumfl.training.local import train
     train(free, data, epochs=1, batch_size=30, learning_rate=0.1, momentum=0.0)
     assert max(float((p.detach() - b).abs().max()) for p, b in zip(free.parameters(), before, strict=True)) > 100 * moved
 
@@ -74,8 +74,8 @@ def test_noise_and_sampling_are_secret_from_the_run_seed() -> None:
 
 
 def test_two_gloo_workers_add_the_same_noise_as_one_process() -> None:
-    from quorumfl.client.engine import DevicePlan
-    from quorumfl.privacy.dp_ddp import train_private_ddp
+    from quorumfl.training.dp_ddp import train_private_ddp
+    from quorumfl.training.engine import DevicePlan
 
     # Noise-only regime (C tiny, σ huge): each weight moves by a sum of `steps` draws of N(0, (lr·σC/B)²).
     rng = np.random.default_rng(0)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from quorumfl.aggregation.ckks import Announcement, CkksParams, KeyParty
-from quorumfl.aggregation.errors import NotFoundError, SecureAggregationError
+from quorumfl.errors import NotFoundError, SecureAggregationError
 from quorumfl.privacy.keystore import KeyStore, StoredKey
 
 from ..aggregation.test_ckks import run_ceremony

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from quorumfl.aggregation.errors import ConfigError, PrivacyBudgetError
+from quorumfl.errors import ConfigError, PrivacyBudgetError
 from quorumfl.privacy import accounting
 from quorumfl.privacy.accounting import epsilon
 from quorumfl.privacy.ledger import LEDGER_FILE, Ledger

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from quorumfl.client.data import prepare_partitions
+from quorumfl.core.data import prepare_partitions
 
 
 @pytest.fixture

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from quorumfl.aggregation.errors import NotFoundError, StateError
+from quorumfl.errors import NotFoundError, StateError
 from quorumfl.server.state.artifacts import ArtifactRecords, NewArtifact
 from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository

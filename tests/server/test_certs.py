@@ -12,8 +12,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from quorumfl.aggregation.errors import ConfigError, CredentialError
-from quorumfl.server.certs import (
+from quorumfl.deploy.certs import (
     Credentials,
     add_node_key,
     check_node_key,
@@ -24,6 +23,7 @@ from quorumfl.server.certs import (
     retire_node_key,
     server_hosts,
 )
+from quorumfl.errors import ConfigError, CredentialError
 
 
 @pytest.fixture
@@ -112,7 +112,7 @@ def test_broken_credentials_are_refused_by_name(creds: Credentials, tmp_path: Pa
 def test_expired_server_certificate_is_refused(creds: Credentials, monkeypatch: pytest.MonkeyPatch) -> None:
     import datetime as dt
 
-    import quorumfl.server.certs as certs
+    import quorumfl.deploy.certs as certs
 
     cert = x509.load_pem_x509_certificate(creds.server_cert.read_bytes())
     later = cert.not_valid_after_utc + dt.timedelta(days=1)
@@ -130,7 +130,7 @@ def test_bad_hosts_and_days(tmp_path: Path) -> None:
 
 
 def test_init_makes_the_admin_key_and_rotation_retires_the_old_one(creds: Credentials) -> None:
-    from quorumfl.server.certs import add_admin_key, check_admin_key
+    from quorumfl.deploy.certs import add_admin_key, check_admin_key
 
     check_admin_key(creds)
     assert oct(creds.admin_key.stat().st_mode & 0o777) == "0o600"
@@ -151,7 +151,7 @@ def test_the_roster_lists_current_node_keys_only(creds: Credentials) -> None:
     import json
 
     from quorumfl.aggregation.secagg.identity import Roster
-    from quorumfl.server.certs import roster_json
+    from quorumfl.deploy.certs import roster_json
 
     roster = json.loads(roster_json(creds))
     assert sorted(roster) == ["parks", "tax-office"]

@@ -14,10 +14,11 @@ import pytest
 from flwr.app import Context, Message, RecordDict
 
 from quorumfl.aggregation.ckks import CkksParams, ceremony_in_one_process
-from quorumfl.aggregation.errors import SecureAggregationError
 from quorumfl.client.app import app
-from quorumfl.client.ckks_wire import CKKS as CKKS_RECORD
-from quorumfl.client.ckks_wire import (
+from quorumfl.errors import SecureAggregationError
+from quorumfl.privacy.keystore import KeyStore
+from quorumfl.protocol.ckks_wire import CKKS as CKKS_RECORD
+from quorumfl.protocol.ckks_wire import (
     COMMIT,
     DECRYPT,
     FINISH,
@@ -25,8 +26,7 @@ from quorumfl.client.ckks_wire import (
     decode_train_request,
     encode_train_request,
 )
-from quorumfl.client.wire import ARRAYS
-from quorumfl.privacy.keystore import KeyStore
+from quorumfl.protocol.wire import ARRAYS
 from quorumfl.server.state.repository import RoundStatus, RunStatus
 
 from .test_rounds import (

@@ -16,7 +16,7 @@ from quorumfl.server.state.repository import Repository, RoundStatus, RunStatus
 
 
 def quorumfl(*args: str, db: str | None = None) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "quorumfl.server.cli", *(["--db", db] if db else []), *args]
+    cmd = [sys.executable, "-m", "quorumfl.cli", *(["--db", db] if db else []), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
@@ -199,7 +199,7 @@ def test_interrupt_exits_130_under_python_m(tmp_path: Path, source: str) -> None
     otherwise end the process by SIGINT (-2) after ``sys.exit(130)``."""
     (tmp_path / "interrupted_cli.py").write_text(
         "import sys\n"
-        "from quorumfl.server.cli import main as cli\n"
+        "from quorumfl.cli import main as cli\n"
         f"cli.app.command('interrupt-me')(lambda: exec({source!r}))\n"
         "sys.argv = ['quorumfl', 'interrupt-me']\n"
         "cli.main()\n"

@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from quorumfl.aggregation.errors import FederationError, ModelStoreError
-from quorumfl.server.cli.errors import exit_code
-from quorumfl.server.cli.main import main
+from quorumfl.cli.errors import exit_code
+from quorumfl.cli.main import main
+from quorumfl.errors import FederationError, ModelStoreError
 from quorumfl.server.model_store import ModelStore
 from quorumfl.server.services import run_outcome_error
 from quorumfl.server.state.database import connect
@@ -145,7 +145,7 @@ def test_server_start_on_a_busy_port_says_so_before_starting_anything(
 
 
 def test_the_readmes_exit_code_table_has_every_code_of_the_cli() -> None:
-    from quorumfl.server.cli.errors import EXIT_CODES
+    from quorumfl.cli.errors import EXIT_CODES
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     table = readme.split("## CLI exit codes", 1)[1].split("\n## ", 1)[0]
@@ -171,7 +171,7 @@ def test_an_aborted_round_does_not_show_its_redos_accuracy(tmp_path: Path) -> No
 def test_a_node_given_another_departments_partition_is_refused_naming_both(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from quorumfl.client.data import prepare_partitions
+    from quorumfl.core.data import prepare_partitions
 
     parts = prepare_partitions(tmp_path / "parts", ["tax-office", "parks"], seed=0, method="iid")
     code, out, err = cli(monkeypatch, capsys, "--home", str(tmp_path / "home"), "node", "start", "--insecure",
@@ -185,15 +185,15 @@ def test_a_node_that_gets_no_answer_says_so_and_stops_on_ctrl_c(tmp_path: Path) 
     import subprocess
     import time
 
-    from quorumfl.client.data import prepare_partitions
-    from quorumfl.server.processes import free_port
+    from quorumfl.core.data import prepare_partitions
+    from quorumfl.deploy.processes import free_port
 
     parts = prepare_partitions(tmp_path / "parts", ["parks"], seed=0, method="iid")
     closed = free_port()  # nothing listens there: a mistyped --superlink port
     out_file, err_file = tmp_path / "out.txt", tmp_path / "err.txt"
     with open(out_file, "w") as out_f, open(err_file, "w") as err_f:
         node = subprocess.Popen(
-            [sys.executable, "-m", "quorumfl.server.cli", "--home", str(tmp_path / "home"), "node", "start", "--insecure",
+            [sys.executable, "-m", "quorumfl.cli", "--home", str(tmp_path / "home"), "node", "start", "--insecure",
              "--department", "parks", "--data", str(parts["parks"]), "--superlink", f"127.0.0.1:{closed}",
              "--warn-after", "2"],
             stdout=out_f, stderr=err_f, env={**os.environ, "COLUMNS": "200"},
@@ -219,7 +219,7 @@ def test_list_tables_fit_80_columns_one_line_per_row(
     seeded: tuple[str, Repository, Path], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]  # noqa: F811
 ) -> None:
     url, repo, _ = seeded
-    from quorumfl.server.cli import output
+    from quorumfl.cli import output
 
     repo.touch_node(2**64 - 5, department="urban-planning")  # a real Flower node id: 20 digits
     # The console's width, as COLUMNS=80 sets it when the command starts (Rich reads COLUMNS once).
@@ -252,7 +252,7 @@ def _modules_after(args: list[str], env: dict[str, str]) -> set[str]:
 
     probe = (
         "import sys\n"
-        "from quorumfl.server.cli.main import main\n"
+        "from quorumfl.cli.main import main\n"
         f"sys.argv = ['quorumfl', *{args!r}]\n"
         "try:\n    main()\nexcept SystemExit:\n    pass\n"
         "print('MODULES', ' '.join(sorted({m.split('.')[0] for m in sys.modules})))\n"
@@ -280,8 +280,8 @@ def test_every_command_loads_with_the_help_line_the_root_lists() -> None:
     """The root lists placeholders from COMMANDS; each loads to a real command with that help."""
     import click
 
-    from quorumfl.server.cli.cmd_federation import demo
-    from quorumfl.server.cli.main import COMMANDS, app, load_command
+    from quorumfl.cli.cmd_federation import demo
+    from quorumfl.cli.main import COMMANDS, app, load_command
 
     for name, (_where, help_line) in COMMANDS.items():
         command = load_command(name)

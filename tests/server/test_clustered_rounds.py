@@ -14,12 +14,12 @@ import pytest
 from flwr.app import Context, RecordDict
 
 from quorumfl.aggregation.personal import personal_names
-from quorumfl.client.data import prepare_partitions
-from quorumfl.client.data.planted import plant_partitions
-from quorumfl.client.models import build_model, model_to_arrays
 from quorumfl.client.personal_store import PersonalStore
-from quorumfl.client.secure_wire import MASKED
-from quorumfl.client.wire import ARRAYS, METRICS, from_array_record
+from quorumfl.core.data import prepare_partitions
+from quorumfl.core.data.planted import plant_partitions
+from quorumfl.core.models import build_model, model_to_arrays
+from quorumfl.protocol.secure_wire import MASKED
+from quorumfl.protocol.wire import ARRAYS, METRICS, from_array_record
 from quorumfl.server.model_store import ModelStore
 from quorumfl.server.rounds import IFCA_PICK
 from quorumfl.server.state.repository import RoundStatus, RunStatus

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from flwr.app import Context, RecordDict
 
-from quorumfl.aggregation.errors import ConfigError
-from quorumfl.client.data import prepare_partitions
 from quorumfl.client.personal_store import PersonalStore
-from quorumfl.client.wire import ARRAYS, COMPRESSION, METRICS, UPDATE
+from quorumfl.core.data import prepare_partitions
+from quorumfl.errors import ConfigError
+from quorumfl.protocol.wire import ARRAYS, COMPRESSION, METRICS, UPDATE
 from quorumfl.server.config import RunConfig
 from quorumfl.server.model_store import ModelStore
 from quorumfl.server.state.repository import RunStatus
@@ -133,7 +133,7 @@ def test_shared_randk_under_masking_equals_the_plaintext_run(tmp_path: Path) -> 
     assert masked_repo.get_run(masked_run).status == RunStatus.COMPLETED
     masked_models = _round_models(masked_repo, masked_run)
     # The masked vectors carry only the shared coordinates: 2 header values + 10 % of the model.
-    from quorumfl.client.secure_wire import MASKED
+    from quorumfl.protocol.secure_wire import MASKED
     masked_replies = [r for r in masked_grid.replies if MASKED in r.content.array_records]
     sizes = {sum(int(np.prod(a.shape)) for a in r.content.array_records[MASKED].values()) for r in masked_replies}
     model_size = sum(v.size for v in plain_models[1].values())
@@ -152,6 +152,6 @@ def test_shared_randk_under_masking_equals_the_plaintext_run(tmp_path: Path) -> 
 
 
 def _initial(repo: object) -> dict[str, np.ndarray]:
-    from quorumfl.client.models import build_model, model_to_arrays
+    from quorumfl.core.models import build_model, model_to_arrays
 
     return model_to_arrays(build_model("mlp", (1, 8, 8), 10, seed=0))

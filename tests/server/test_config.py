@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from quorumfl.aggregation.errors import ConfigError
+from quorumfl.deploy.control import app_pyproject
+from quorumfl.errors import ConfigError
 from quorumfl.server.config import DEFAULTS, RunConfig, StrategyName, load_run_config_file
-from quorumfl.server.control import app_pyproject
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,8 +15,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-from quorumfl.client.data import prepare_partitions
-from quorumfl.client.wire import NODE
+from quorumfl.core.data import prepare_partitions
+from quorumfl.protocol.wire import NODE
 
 from .test_rounds import (
     LoopbackGrid,

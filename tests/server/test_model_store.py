@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from quorumfl.aggregation.errors import ModelStoreError
+from quorumfl.errors import ModelStoreError
 from quorumfl.server.model_store import ModelStore
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from flwr.app import Context, RecordDict
 
-from quorumfl.aggregation.errors import ConfigError
-from quorumfl.client.data import prepare_partitions
+from quorumfl.core.data import prepare_partitions
+from quorumfl.errors import ConfigError
 from quorumfl.privacy.accounting import epsilon
 from quorumfl.privacy.ledger import Ledger
 from quorumfl.server.config import RunConfig
@@ -62,7 +62,7 @@ def test_dp_rounds_charge_the_ledgers_and_a_node_over_budget_refuses(tmp_path: P
     assert refused.spends() == [] and [r.round for r in refused.refusals()] == [1, 2]
 
     # The admin's view of one department's ledger.
-    out = subprocess.run([sys.executable, "-m", "quorumfl.server.cli", "node", "budget", "--data",
+    out = subprocess.run([sys.executable, "-m", "quorumfl.cli", "node", "budget", "--data",
                           str(contexts[1000].node_config["data-path"]), "--budget", "10", "--format", "json"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

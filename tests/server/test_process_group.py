@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from quorumfl.server.processes import ProcessGroup
+from quorumfl.deploy.processes import ProcessGroup
 
 # On SIGTERM: start a detached process (new session, survives its parent) that writes its pid, wait
 # until it did, and exit.
@@ -60,8 +60,8 @@ def test_node_presence_locks_one_node_per_key_and_times_the_rejoin(tmp_path: Pat
     is worth retrying only within the SuperLink's grace after this key was last connected here."""
     import pytest
 
-    from quorumfl.aggregation.errors import CredentialError
-    from quorumfl.server.processes import REJOIN_GRACE_S, NodePresence
+    from quorumfl.deploy.processes import REJOIN_GRACE_S, NodePresence
+    from quorumfl.errors import CredentialError
 
     first = NodePresence(tmp_path / "run", b"key-a")
     first.acquire("a node with --department parks")

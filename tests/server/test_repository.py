@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import inspect
 
-from quorumfl.aggregation.errors import NotFoundError, RunStoppedError, StateError
+from quorumfl.errors import NotFoundError, RunStoppedError, StateError
 from quorumfl.server.state.database import connect, create, require_current
 from quorumfl.server.state.repository import Repository, RoundStatus, RunStatus
 

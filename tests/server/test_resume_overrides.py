@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
-from quorumfl.server.resume import resume_overrides, resume_run
+from quorumfl.deploy.resume import resume_overrides, resume_run
 from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import INTERRUPTED, Repository, RoundStatus, RunStatus
 

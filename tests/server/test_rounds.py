@@ -15,10 +15,10 @@ from flwr.app import Array, ArrayRecord, Context, Error, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
-from quorumfl.aggregation.errors import ModelStoreError
 from quorumfl.client.app import app
-from quorumfl.client.data import prepare_partitions
-from quorumfl.client.wire import ARRAYS, METRICS, from_array_record
+from quorumfl.core.data import prepare_partitions
+from quorumfl.errors import ModelStoreError
+from quorumfl.protocol.wire import ARRAYS, METRICS, from_array_record
 from quorumfl.server.config import RunConfig
 from quorumfl.server.model_store import ModelStore
 from quorumfl.server.rounds import Federation

@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 from flwr.app import Message, RecordDict
 
-from quorumfl.aggregation.errors import FederationError, SecureAggregationError
 from quorumfl.aggregation.secagg.messages import UnmaskRequest
 from quorumfl.client.app import app
-from quorumfl.client.secure_wire import (
+from quorumfl.errors import FederationError, SecureAggregationError
+from quorumfl.privacy.contributions import ContributionLedger, slot_key
+from quorumfl.protocol.secure_wire import (
     CONFIRM,
     SECAGG,
     UNMASK,
     decode_mask_request,
     encode_unmask_request,
 )
-from quorumfl.privacy.contributions import ContributionLedger, slot_key
 from quorumfl.server.state.repository import RoundStatus
 
 from .test_department_names import signed_nodes

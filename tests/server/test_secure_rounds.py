@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, Message, RecordDict
 
-from quorumfl.aggregation.errors import FederationError
-from quorumfl.client.secure_wire import ADVERTISE, MASKED, SHARE, UNMASK
-from quorumfl.client.wire import ARRAYS
+from quorumfl.errors import FederationError
+from quorumfl.protocol.secure_wire import ADVERTISE, MASKED, SHARE, UNMASK
+from quorumfl.protocol.wire import ARRAYS
 from quorumfl.server.model_store import ModelStore
 from quorumfl.server.state.repository import RoundStatus, RunStatus
 
@@ -187,8 +187,8 @@ def test_one_nodes_garbage_masked_input_is_refused_by_range_and_the_model_stays(
 
 
 def test_the_range_check_passes_every_honest_sum_and_names_each_broken_bound() -> None:
-    from quorumfl.aggregation.errors import SecureAggregationError
     from quorumfl.aggregation.secagg import read_payload, weighted_payload
+    from quorumfl.errors import SecureAggregationError
 
     rng = np.random.default_rng(3)
     honest = sum(weighted_payload(rng.normal(0, 3, 50), examples=float(rng.integers(1, 500)), loss=float(rng.uniform()),

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quorumfl.aggregation.errors import ConfigError, SelectionError
+from quorumfl.errors import ConfigError, SelectionError
 from quorumfl.server.config import SELECTORS as CONFIG_SELECTORS
 from quorumfl.server.config import RunConfig
 from quorumfl.server.selection import (

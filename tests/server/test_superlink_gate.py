@@ -18,7 +18,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from quorumfl.server.admin_access import PathGated, gate_middleware
+from quorumfl.deploy.admin_access import PathGated, gate_middleware
 
 SEEN: list[str] = []
 

@@ -1,0 +1,246 @@
+"""``quorumfl models promote``, and ``quorumfl edge …``: signing keys, the artifact registry, the
+sync server, and the device side (sync, predict, rollback)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+import typer
+
+from quorumfl.cli.context import settings
+from quorumfl.cli.output import Format, console, err_console, print_json, table
+from quorumfl.errors import ArtifactError, ConfigError, DataError
+
+edge_app = typer.Typer(help="Edge devices: signed INT8 artifacts and model sync.", no_args_is_help=True)
+artifacts_app = typer.Typer(help="Signed INT8 artifacts published for edge devices.", no_args_is_help=True)
+edge_keys_app = typer.Typer(help="The Ed25519 key that signs edge artifacts.", no_args_is_help=True)
+edge_app.add_typer(artifacts_app, name="artifacts")
+edge_app.add_typer(edge_keys_app, name="keys")
+
+FormatOpt = Annotated[Format, typer.Option("--format", help="Output format.")]
+ChannelOpt = Annotated[str, typer.Option(help="Release channel: stable or canary.")]
+ArtifactFormatOpt = Annotated[str, typer.Option("--artifact-format", help="Artifact format: onnx or pte.")]
+
+
+def promote(
+    ctx: typer.Context,
+    version: Annotated[int, typer.Argument(help="Model version id.")],
+    edge: Annotated[bool, typer.Option(help="Also run QAT, convert to INT8, export ONNX and ExecuTorch, sign "
+                                             "and publish the artifacts for edge devices.")] = False,
+    channel: ChannelOpt = "stable",
+    partition: Annotated[Path | None, typer.Option(help="QAT on this department partition folder (a node's "
+                                                         "data) instead of half the server's held-out set.")] = None,
+    qat_epochs: Annotated[int, typer.Option(help="QAT fine-tuning epochs.")] = 2,
+    qat_lr: Annotated[float, typer.Option(help="QAT learning rate.")] = 0.005,
+    key: Annotated[Path | None, typer.Option(help="Ed25519 signing key (default HOME/edge/signing-key.pem, "
+                                                   "created on first use).")] = None,
+) -> None:
+    """Mark a model version as promoted; with --edge, publish it as signed INT8 artifacts."""
+    from quorumfl.edge.manifest import parse_channel
+    from quorumfl.edge.promotion import promote_to_edge
+    from quorumfl.edge.qat import QatSettings
+
+    opts = settings(ctx)
+    repo = opts.repository()
+    if not edge:
+        repo.get_model_version(version)
+        repo.add_tag(version, "promoted")
+        console.print(f"model version {version} promoted (add --edge to publish it to edge devices)")
+        return
+    chosen = parse_channel(channel)
+    qat = QatSettings(epochs=qat_epochs, learning_rate=qat_lr)
+    with console.status(f"QAT and INT8 export of model version {version}…"):
+        rows, calibration, created = promote_to_edge(repo, version, home=opts.home, channel=chosen,
+                                                     partition=partition, key_path=key, settings=qat)
+    if created:
+        console.print(f"created the edge signing key {opts.home / 'edge' / 'signing-key.pem'}; give edge devices "
+                      f"its public key {opts.home / 'edge' / 'signing-key.pub.pem'}")
+    manifest = json.loads(rows[0].manifest)
+    console.print(f"QAT data: {calibration.source}")
+    console.print(f"accuracy fp32 {manifest['fp32_accuracy']}, INT8 (onnxruntime) {manifest['int8_accuracy']}")
+    for row in rows:
+        console.print(f"artifact v{row.version} {row.format} ({row.channel}): {row.size_bytes} bytes, "
+                      f"sha256 {row.sha256[:12]}…")
+
+
+@edge_keys_app.command("init")
+def keys_init(
+    ctx: typer.Context,
+    key: Annotated[Path | None, typer.Option(help="Where to create the key (default HOME/edge/signing-key.pem).")] = None,
+) -> None:
+    """Create the Ed25519 signing key (refuses to overwrite one)."""
+    from quorumfl.edge.promotion import default_key_path
+    from quorumfl.edge.signing import create_signing_key, public_key_path
+
+    path = key or default_key_path(settings(ctx).home)
+    create_signing_key(path)
+    console.print(f"signing key {path} (0600); public key for edge devices: {public_key_path(path)}")
+
+
+@edge_keys_app.command("show")
+def keys_show(
+    ctx: typer.Context,
+    key: Annotated[Path | None, typer.Option(help="The signing key (default HOME/edge/signing-key.pem).")] = None,
+) -> None:
+    """Print the public key that edge devices verify artifacts with."""
+    from quorumfl.edge.promotion import default_key_path
+    from quorumfl.edge.signing import load_private_key, public_key_path
+
+    path = key or default_key_path(settings(ctx).home)
+    load_private_key(path)
+    print(public_key_path(path).read_text(), end="")
+
+
+@artifacts_app.command("list")
+def artifacts_list(
+    ctx: typer.Context,
+    channel: Annotated[str | None, typer.Option(help="Only this channel.")] = None,
+    fmt: FormatOpt = Format.TABLE,
+) -> None:
+    """Published artifacts: version, channel, format, size, SHA-256, parent model version, accuracy."""
+    from quorumfl.server.state.artifacts import ArtifactRecords
+
+    rows: list[dict[str, Any]] = []
+    for row in ArtifactRecords(settings(ctx).repository().sessions).list(channel=channel):
+        manifest = json.loads(row.manifest)
+        rows.append({"version": row.version, "channel": row.channel, "format": row.format, "size": row.size_bytes,
+                     "sha256": row.sha256, "parent_model_version": row.model_version_id,
+                     "architecture": manifest["architecture"], "int8_accuracy": manifest["int8_accuracy"],
+                     "fp32_accuracy": manifest["fp32_accuracy"], "created_at": manifest["created_at"]})
+    if fmt is Format.JSON:
+        print_json(rows)
+        return
+    for view in rows:
+        view["sha"] = view["sha256"][:12]
+    console.print(table("Edge artifacts", rows, ["version", "channel", "format", "size", "parent_model_version",
+                                                 "int8_accuracy", "fp32_accuracy", "sha"]))
+
+
+@edge_app.command("serve")
+def serve(
+    ctx: typer.Context,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 9095,
+    tls_cert: Annotated[Path | None, typer.Option(help="TLS certificate (PEM); with --tls-key.")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="TLS private key (PEM).")] = None,
+) -> None:
+    """Serve the artifact registry to edge devices until interrupted."""
+    from quorumfl.edge.service import start_server
+    from quorumfl.server.state.artifacts import ArtifactRecords
+
+    records = ArtifactRecords(settings(ctx).repository().sessions)
+    server = start_server(records, host=host, port=port, tls_cert=tls_cert, tls_key=tls_key)
+    console.print(f"edge sync serving on {host}:{server.port} ({'TLS' if tls_cert else 'no TLS'})")
+    try:
+        server.server.wait_for_termination()
+    finally:
+        server.stop()
+
+
+def _device_opts(channel: str, artifact_format: str) -> tuple[Any, Any]:
+    from quorumfl.edge.export import ArtifactFormat
+    from quorumfl.edge.manifest import parse_channel
+
+    try:
+        fmt = ArtifactFormat(artifact_format)
+    except ValueError:
+        raise ConfigError(f"--artifact-format must be onnx or pte, got {artifact_format!r}") from None
+    return parse_channel(channel), fmt
+
+
+@edge_app.command("sync")
+def sync(
+    server: Annotated[str, typer.Option(help="Sync server HOST:PORT.")],
+    directory: Annotated[Path, typer.Option("--dir", help="The device's model folder.")],
+    public_key: Annotated[Path, typer.Option(help="The server's edge public key (PEM).")],
+    channel: ChannelOpt = "stable",
+    artifact_format: ArtifactFormatOpt = "onnx",
+    ca_cert: Annotated[Path | None, typer.Option(help="CA certificate for TLS (default: no TLS).")] = None,
+    every: Annotated[float, typer.Option(help="Keep syncing every SECONDS (0 = once).")] = 0.0,
+    timeout: Annotated[float, typer.Option(help="Seconds per request.")] = 60.0,
+    fmt: FormatOpt = Format.TABLE,
+) -> None:
+    """Download the channel's newest artifact when newer, verify it, swap it in (previous kept)."""
+    from quorumfl.edge.sync import sync as run_sync
+
+    chosen, artifact = _device_opts(channel, artifact_format)
+    while True:
+        try:
+            result = run_sync(server, directory, channel=chosen, fmt=artifact, public_key=public_key,
+                              ca_cert=ca_cert, timeout=timeout)
+        except ArtifactError as exc:
+            if every <= 0:
+                raise
+            # keep watching: the installed model is unchanged, and a broken download resumes next time
+            err_console.print(f"[red]sync failed: {exc}[/red]", highlight=False, soft_wrap=True)
+            time.sleep(every)
+            continue
+        if fmt is Format.JSON:
+            print_json(result.__dict__)
+        elif result.status == "updated":
+            resumed = f", resumed at byte {result.resumed_from}" if result.resumed_from else ""
+            console.print(f"installed v{result.version} (previous v{result.previous or '-'}; "
+                          f"{result.downloaded_bytes} bytes downloaded{resumed})")
+        elif result.status == "up-to-date":
+            console.print(f"up to date at v{result.version}")
+        else:
+            console.print(f"the {channel} channel has no {artifact_format} artifact yet")
+        if every <= 0:
+            return
+        time.sleep(every)
+
+
+@edge_app.command("predict")
+def predict(
+    directory: Annotated[Path, typer.Option("--dir", help="The device's model folder.")],
+    input_file: Annotated[Path | None, typer.Option("--input", help=".npy of shape (N, C, H, W), float32; "
+                                                                     "default: samples of the model's dataset.")] = None,
+    samples: Annotated[int, typer.Option(help="How many dataset samples when no --input.")] = 8,
+    public_key: Annotated[Path | None, typer.Option(help="Also check the installed manifest's signature.")] = None,
+    fmt: FormatOpt = Format.TABLE,
+) -> None:
+    """Run the installed INT8 model on sample input and print its predictions."""
+    from quorumfl.edge.sync import load_current
+
+    manifest, model = load_current(directory, public_key=public_key)
+    labels = None
+    if input_file is not None:
+        try:
+            x = np.load(input_file, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise DataError(f"--input {input_file} is not a readable .npy array ({exc})") from exc
+    else:
+        from quorumfl.core.data.datasets import holdout_split
+
+        if samples < 1:
+            raise ConfigError(f"--samples must be >= 1, got {samples}")
+        _, held_out = holdout_split(manifest.dataset, seed=0)
+        x, labels = held_out.x[:samples], held_out.y[:samples]
+    start = time.perf_counter()
+    logits = model(x)
+    elapsed = time.perf_counter() - start
+    predicted = logits.argmax(1).tolist()
+    view: dict[str, Any] = {"version": manifest.version, "format": manifest.format.value, "samples": len(predicted),
+                            "predicted": predicted, "seconds": round(elapsed, 6)}
+    if labels is not None:
+        view["labels"] = labels.tolist()
+        view["accuracy"] = float(np.mean(np.asarray(predicted) == labels))
+    if fmt is Format.JSON:
+        print_json(view)
+        return
+    for key, value in view.items():
+        console.print(f"[bold]{key}[/bold]: {value}")
+
+
+@edge_app.command("rollback")
+def rollback(directory: Annotated[Path, typer.Option("--dir", help="The device's model folder.")]) -> None:
+    """Swap back to the previously installed artifact."""
+    from quorumfl.edge.sync import rollback as run_rollback
+
+    state = run_rollback(directory)
+    assert state.current is not None and state.previous is not None
+    err_console.print(f"now at v{state.current.manifest.version} (v{state.previous.manifest.version} kept as previous)")

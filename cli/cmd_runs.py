@@ -1,0 +1,242 @@
+"""``quorumfl runs …`` and ``quorumfl rounds …``."""
+
+from __future__ import annotations
+
+import time
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from quorumfl.cli.context import DEFAULT_SUPERLINK, settings
+from quorumfl.cli.output import Format, console, err_console, print_json, short_time, table
+from quorumfl.errors import ConfigError, NotFoundError, StateError
+from quorumfl.server.services import (
+    follow_run,
+    progress_line,
+    round_view,
+    run_closing,
+    run_outcome_error,
+    run_summary,
+    run_view,
+)
+from quorumfl.server.state.orm import Round, Run
+from quorumfl.server.state.repository import Repository, RunStatus
+
+runs_app = typer.Typer(help="Start, follow, inspect and stop federated training runs.", no_args_is_help=True)
+rounds_app = typer.Typer(help="Inspect the rounds of a run.", no_args_is_help=True)
+
+FormatOpt = Annotated[Format, typer.Option("--format", help="Output format.")]
+SuperlinkOpt = Annotated[str, typer.Option("--superlink", help="SuperLink address HOST:PORT (Control API).")]
+InsecureOpt = Annotated[bool, typer.Option("--insecure", help="The SuperLink runs without TLS (warns).")]
+CaCertOpt = Annotated[Path | None, typer.Option("--ca-cert", help="Federation CA certificate (default HOME/certs/ca.crt).")]
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' must look like key=value (e.g. -c num-rounds=10)")
+    key, raw = item.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word is a string
+    return key.strip(), value
+
+
+def round_progress(total: int) -> tuple[Progress, Any]:
+    progress = Progress(
+        # The stage line last, so that on a narrow terminal it is what gets cut, not the count or time.
+        TextColumn("[bold]rounds"), BarColumn(bar_width=12), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), TextColumn("{task.description}"), console=console,
+    )
+    task = progress.add_task("", total=total)
+    return progress, task
+
+
+def round_reporter(repo: Repository, progress: Progress, task: Any) -> Callable[[Run, Round], None]:
+    """A ``follow_run`` callback that prints each finished round as a line and advances the bar."""
+
+    def on_round(run: Run, rnd: Round) -> None:
+        accuracy = next(
+            (m.value for m in repo.metrics(run.id, name="accuracy") if m.round == rnd.number and m.node_id is None),
+            None,
+        )
+        acc = f"accuracy {accuracy:.3f}" if accuracy is not None else rnd.status
+        failed = f", {len(rnd.failures)} node failure(s)" if rnd.failures else ""
+        took = f" in {(rnd.finished_at - rnd.started_at).total_seconds():.0f} s" if rnd.finished_at else ""
+        progress.console.print(f"round {rnd.number}: {acc}, {len(rnd.participants)} nodes{failed}{took}", highlight=False)
+        progress.update(task, advance=1, description="")
+
+    return on_round
+
+
+def stage_reporter(progress: Progress, task: Any) -> Callable[[Run, Round], None]:
+    """A ``follow_run`` ``on_progress`` callback: the running round's stage and nodes beside the bar."""
+
+    def on_progress(_run: Run, rnd: Round) -> None:
+        progress.update(task, description=progress_line(rnd))
+
+    return on_progress
+
+
+@runs_app.command("start")
+def start(
+    ctx: typer.Context,
+    config: Annotated[Path, typer.Argument(help="Run config TOML (keys of [tool.flwr.app.config], top level or [run]).")],
+    override: Annotated[list[str] | None, typer.Option("-c", "--config-override", help="key=value, repeatable.")] = None,
+    superlink: SuperlinkOpt = DEFAULT_SUPERLINK,
+    follow: Annotated[bool, typer.Option(help="Show progress until the run ends.")] = False,
+    timeout: Annotated[float, typer.Option(help="With --follow: give up after this many seconds.")] = 3600.0,
+    insecure: InsecureOpt = False,
+    ca_cert: CaCertOpt = None,
+) -> None:
+    """Submit a run of the QuorumFL app to the SuperLink (as `flwr run` does)."""
+    from quorumfl.server.config import RunConfig, load_run_config_file
+
+    values = load_run_config_file(config)
+    values.update(dict(_parse_override(o) for o in override or []))
+    resolved = RunConfig.from_mapping(values)
+    control = settings(ctx).control(superlink, insecure=insecure, ca_cert=ca_cert)
+    flower_run_id = control.start_run(values)
+    recorded = _recorded_run(ctx, flower_run_id)
+    shown = f"run {recorded} (Flower run {flower_run_id})" if recorded else f"Flower run {flower_run_id}"
+    console.print(f"[green]started {shown}[/green] ({resolved.strategy}, {resolved.num_rounds} rounds); "
+                  "'runs show' and 'runs stop' take either id", highlight=False)
+    if follow:
+        repo = settings(ctx).repository()
+        progress, task = round_progress(resolved.num_rounds)
+        began = time.monotonic()
+        try:
+            with progress:
+                run = follow_run(
+                    repo, flower_run_id, timeout=timeout, on_round=round_reporter(repo, progress, task),
+                    alive=lambda: not control.run_finished(flower_run_id),
+                    on_progress=stage_reporter(progress, task),
+                )
+        except KeyboardInterrupt:  # only the following stops: say so, and how to stop the run itself
+            err_console.print(f"stopped following; run {flower_run_id} goes on at the SuperLink: "
+                              f"'quorumfl runs show {flower_run_id}' shows it, "
+                              f"'quorumfl runs stop {flower_run_id}' stops it")
+            raise
+        console.print(run_closing(repo, run, time.monotonic() - began), highlight=False)
+        failure = run_outcome_error(run)
+        if failure is not None:  # a script must tell a failed run from a completed one
+            raise failure
+
+
+def _recorded_run(ctx: typer.Context, flower_run_id: int, wait: float = 20.0) -> int | None:
+    """QuorumFL's id of a just-started run, once its ServerApp has recorded it in the state DB (None
+    when this machine has no state DB, or the run is not recorded within ``wait`` seconds)."""
+    try:
+        repo = settings(ctx).repository()
+    except StateError:
+        return None  # the admin's machine need not hold the server's state DB
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return repo.get_run(flower_run_id).id
+        except NotFoundError:
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.25)
+
+
+@runs_app.command("resume")
+def resume(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (QuorumFL or Flower).")],
+           superlink: SuperlinkOpt = DEFAULT_SUPERLINK, insecure: InsecureOpt = False, ca_cert: CaCertOpt = None) -> None:
+    """Continue an interrupted run from its last completed round (its unfinished round is redone)."""
+    state = settings(ctx)
+    from quorumfl.deploy.resume import resume_run
+
+    flower_run_id = resume_run(state.repository(), state.control(superlink, insecure=insecure, ca_cert=ca_cert), run)
+    console.print(f"[green]run {run} resumed as Flower run {flower_run_id}[/green]; follow it with "
+                  f"'quorumfl runs show {run}'")
+
+
+@runs_app.command("list")
+def list_runs(ctx: typer.Context, fmt: FormatOpt = Format.TABLE) -> None:
+    """All runs with status and final global accuracy."""
+    repo = settings(ctx).repository()
+    rows = [run_summary(repo, r) for r in repo.list_runs()]
+    if fmt is Format.JSON:
+        print_json(rows)
+        return
+    for row in rows:
+        row["rounds"] = f"{row['rounds_completed']}/{row['rounds_planned']}"
+        row["accuracy"] = row["final_accuracy"]
+        row["started"] = short_time(row["started_at"])
+    console.print(table("Runs", rows, ["id", "status", "strategy", "dataset", "rounds", "accuracy", "started",
+                                       "flower_run_id"], optional=["dataset", "flower_run_id"]))
+
+
+@runs_app.command("show")
+def show(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (QuorumFL or Flower).")], fmt: FormatOpt = Format.TABLE) -> None:
+    """One run: config, rounds with global accuracy, per-department accuracy of the final model."""
+    view = run_view(settings(ctx).repository(), run)
+    if fmt is Format.JSON:
+        print_json(view)
+        return
+    console.print(f"[bold]Run {view['id']}[/bold] (Flower {view['flower_run_id']}): {view['status']}, "
+                  f"{view['strategy']} on {view['dataset']} with {view['model']}")
+    if view["error"]:
+        console.print(f"[red]{view['error']}[/red]")
+    rows = [
+        {"round": r["round"], "status": r["status"], "accuracy": r["metrics"].get("accuracy"),
+         "loss": r["metrics"].get("loss"), "nodes": len(r["participants"]), "failures": len(r["failures"]),
+         "seconds": sum(v for k, v in r["timings_s"].items() if k != "local_train_max")}
+        for r in view["rounds"]
+    ]
+    console.print(table("Global model per round", rows, ["round", "status", "accuracy", "loss", "nodes", "failures", "seconds"]))
+    if view["departments"]:
+        extra = [c for c in ("personal-accuracy", "cluster") if any(c in d for d in view["departments"])]
+        console.print(table("Final models per department (own test split): the federation's model (global, or "
+                            "its cluster's) and the personal one", view["departments"],
+                            ["department", "accuracy", *extra, "loss", "num-examples"]))
+
+
+@runs_app.command("stop")
+def stop(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (QuorumFL or Flower).")],
+         superlink: SuperlinkOpt = DEFAULT_SUPERLINK, insecure: InsecureOpt = False, ca_cert: CaCertOpt = None) -> None:
+    """Stop a running run at the SuperLink and record it as stopped."""
+    repo = settings(ctx).repository()
+    record = repo.get_run(run)
+    if record.status != RunStatus.RUNNING:  # nothing to stop: what the admin wanted already holds
+        console.print(f"run {record.id} is not running (it is {record.status}); nothing to stop")
+        return
+    if record.flower_run_id is None:
+        raise ConfigError(f"run {record.id} has no Flower run id to stop")
+    settings(ctx).control(superlink, insecure=insecure, ca_cert=ca_cert).stop_run(record.flower_run_id)
+    # Stopped first: a ServerApp still between rounds then starts no new one (RunStoppedError), and
+    # the sweep after it catches a round it started before.
+    repo.finish_run(record.id, RunStatus.STOPPED, error="stopped by the admin")
+    repo.abort_running_rounds(record.id, "run stopped by the admin")
+    console.print(f"run {record.id} stopped")
+
+
+@rounds_app.command("list")
+def list_rounds(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (QuorumFL or Flower).")], fmt: FormatOpt = Format.TABLE) -> None:
+    """Rounds of a run: status, participants, phase timings, node failures with reasons."""
+    repo = settings(ctx).repository()
+    departments = {n.node_id: n.department for n in repo.list_nodes()}
+    rows = [round_view(r, departments) for r in repo.list_rounds(run)]
+    if fmt is Format.JSON:
+        print_json(rows)
+        return
+    flat = []
+    for r in rows:
+        stages = {k: v for k, v in r["timings_s"].items() if k != "local_train_max"}
+        slowest = max(stages, key=stages.__getitem__, default=None)
+        flat.append({**r, "nodes": f"{len(r['participants'])}/{r['selected']}", "seconds": f"{sum(stages.values()):.1f}",
+                     "slowest_stage": f"{slowest} {stages[slowest]:.1f}s" if slowest else None,
+                     "failures": len(r["failures"]), "participants": ", ".join(r["participants"])})
+    console.print(table(f"Rounds of run {run}", flat, ["round", "attempt", "status", "nodes", "seconds", "slowest_stage",
+                                                       "failures", "participants"],
+                        optional=["attempt", "slowest_stage", "participants"]))
+    for r in rows:  # the reasons, one line each, after the table (every stage's time: --format json)
+        for f in r["failures"]:
+            console.print(f"round {r['round']}: {f['node']} ({f['stage']}): {f['reason']}", highlight=False)
+        if r["error"]:
+            console.print(f"round {r['round']}: {r['error']}", highlight=False)

@@ -1,0 +1,1 @@
+"""Shared by every role: atomic files and home folders, models, departments' data."""

@@ -1,0 +1,111 @@
+"""Flower's ``flower-supernode`` with shorter waits between its polls.
+
+Flower 1.42's SuperNode loop (``flwr/supernode/start_client_internal.py``) sleeps a fixed 3 s after
+every pull from the SuperLink that brought no message, and 0.5 s at a time while it waits for the
+ClientApp's reply to appear in its own local state; neither is configurable. Every message of a
+round (train, each secure-aggregation stage, evaluate) waits on average 1.5 s, and up to 3.5 s, in
+those sleeps alone: in a masked round of four departments the consistency and unmask stages took
+3.3-3.9 s each for messages of a few hundred bytes.
+
+``python -m quorumfl.deploy.supernode <flower-supernode arguments>`` runs Flower's SuperNode
+unchanged except for those two waits in that module: the pull from the SuperLink is repeated every
+``QUORUMFL_SUPERNODE_POLL_S`` seconds (0.5 by default; a larger value costs latency, a smaller one
+more requests on the SuperLink: one small RPC per idle node per interval), and the local wait for
+a reply checks every 0.05 s (no network); its pulls of a message's objects retry after 0.05 s
+instead of 1 s (``pull_backoff``); and once a message from the SuperLink is stored, it wakes the
+SuperExec it started (``task_wake``), which otherwise asks for new tasks only every second. Nothing
+else of Flower's behaviour changes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from types import ModuleType
+from typing import Any
+
+from quorumfl.deploy.task_wake import WAKE_ENV, Waker, new_wake_name
+from quorumfl.protocol.pull_backoff import shorten_pull_backoff
+
+__all__ = ["POLL_ENV", "main", "patch_waits", "poll_interval", "wake_after_store"]
+
+POLL_ENV = "QUORUMFL_SUPERNODE_POLL_S"
+DEFAULT_POLL_S = 0.5
+LOCAL_WAIT_S = 0.05
+_FLOWER_IDLE_SLEEP_S = 3  # the one sleep in Flower's loop that follows an empty pull from the SuperLink
+
+
+def poll_interval(env: dict[str, str] | os._Environ[str] = os.environ) -> float:
+    """The SuperLink poll interval from ``QUORUMFL_SUPERNODE_POLL_S``; raises ValueError naming it."""
+    raw = env.get(POLL_ENV, "").strip()
+    if not raw:
+        return DEFAULT_POLL_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{POLL_ENV}={raw!r} must be a number of seconds between 0.05 and 3") from None
+    if not 0.05 <= value <= 3:
+        raise ValueError(f"{POLL_ENV}={raw!r} must be a number of seconds between 0.05 and 3")
+    return value
+
+
+class _Waits:
+    """Stands in for the ``time`` module inside Flower's SuperNode loop: only ``sleep`` differs."""
+
+    def __init__(self, poll: float) -> None:
+        self.poll = poll
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(self.poll if seconds >= _FLOWER_IDLE_SLEEP_S else min(seconds, LOCAL_WAIT_S))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def patch_waits(module: ModuleType, poll: float) -> None:
+    """Make ``module``'s sleeps (Flower's SuperNode loop) wait ``poll`` after an empty pull and
+    ``LOCAL_WAIT_S`` in its local waits."""
+    if getattr(module, "time", None) is not time:
+        raise RuntimeError(f"{module.__name__} no longer uses the time module as Flower 1.42 did; "
+                           "run Flower's flower-supernode directly")
+    module.time = _Waits(poll)  # type: ignore[attr-defined]
+
+
+def wake_after_store(module: ModuleType, waker: Waker) -> None:
+    """Make ``module``'s ``_pull_and_store_message`` (Flower's SuperNode loop) wake the SuperExec
+    after each message it has stored."""
+    pull_and_store = getattr(module, "_pull_and_store_message", None)
+    if pull_and_store is None:
+        raise RuntimeError(f"{module.__name__} no longer has _pull_and_store_message as Flower 1.42 did; "
+                           "run Flower's flower-supernode directly")
+
+    def pull_store_and_wake(*args: Any, **kwargs: Any) -> Any:
+        run_id = pull_and_store(*args, **kwargs)
+        if run_id is not None:
+            waker.wake()
+        return run_id
+
+    module._pull_and_store_message = pull_store_and_wake  # type: ignore[attr-defined]
+
+
+def main() -> None:
+    try:
+        poll = poll_interval()
+    except ValueError as exc:
+        print(f"quorumfl supernode: {exc}", file=sys.stderr)
+        sys.exit(78)
+    from flwr.supernode import start_client_internal
+    from flwr.supernode.cli import flower_supernode
+
+    patch_waits(start_client_internal, poll)
+    shorten_pull_backoff()
+    wake_name = new_wake_name()
+    os.environ[WAKE_ENV] = wake_name  # for the SuperExec that Flower's SuperNode starts
+    wake_after_store(start_client_internal, Waker(wake_name))
+    sys.argv = ["flower-supernode", *sys.argv[1:]]
+    flower_supernode()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Threshold-CKKS messages as Flower records (both ends use this codec).
+
+Message types: ``query.ckks_commit``, ``query.ckks_reveal``, ``query.ckks_finish`` (the key
+ceremony, one round trip each), ``train`` carrying a ``ckks`` ConfigRecord (the reply carries the
+encrypted payload in the ``encrypted`` ArrayRecord instead of ``arrays``), and
+``query.ckks_decrypt`` (manifest + c1 of the aggregate; the reply carries the partial decryption).
+Node ids travel as 8-byte big-endian strings. Every decoder checks types and shapes and raises
+``SecureAggregationError``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord
+from numpy.typing import NDArray
+
+from quorumfl.aggregation.ckks import (
+    Announcement,
+    CkksParams,
+    Commitment,
+    Contribution,
+    Manifest,
+    Reveal,
+    pack_residues,
+    unpack_residues,
+)
+from quorumfl.errors import ConfigError, SecureAggregationError
+from quorumfl.protocol.secure_wire import _get, _ids, _read_ids
+
+__all__ = [
+    "CKKS",
+    "COMMIT",
+    "DECRYPT",
+    "ENCRYPTED",
+    "FINISH",
+    "REVEAL",
+    "TrainRequest",
+    "decode_announcement",
+    "decode_commitment",
+    "decode_decrypt_request",
+    "decode_directory",
+    "decode_encrypted",
+    "decode_finish",
+    "decode_partial",
+    "decode_reveal",
+    "decode_train_request",
+    "encode_announcement",
+    "encode_commitment",
+    "encode_decrypt_request",
+    "encode_directory",
+    "encode_encrypted",
+    "encode_finish",
+    "encode_partial",
+    "encode_reveal",
+    "encode_train_request",
+]
+
+CKKS = "ckks"
+ARRAYS = "ckks-arrays"
+ENCRYPTED = "encrypted"
+COMMIT = "query.ckks_commit"
+REVEAL = "query.ckks_reveal"
+FINISH = "query.ckks_finish"
+DECRYPT = "query.ckks_decrypt"
+U64 = NDArray[np.uint64]
+
+
+def _array(record: ArrayRecord, key: str, dtype: type[np.generic], ndim: int) -> NDArray[np.generic]:
+    if key not in record:
+        raise SecureAggregationError(f"threshold-CKKS record has no array '{key}'")
+    try:
+        values: NDArray[np.generic] = record[key].numpy()
+    except Exception as exc:  # a malformed array from a remote party
+        raise SecureAggregationError(f"array '{key}' cannot be decoded ({exc})") from exc
+    if values.dtype != dtype or values.ndim != ndim:
+        raise SecureAggregationError(f"array '{key}' must be {ndim}-D {np.dtype(dtype)}, got {values.ndim}-D {values.dtype}")
+    return np.ascontiguousarray(values)
+
+
+def _u64(record: ArrayRecord, key: str, ndim: int) -> U64:
+    return _array(record, key, np.uint64, ndim)  # type: ignore[return-value]
+
+
+def _packed(residues: U64) -> Array:
+    """The large residue arrays (ciphertexts, c1, partial decryptions) travel at 60 bits per residue."""
+    return Array(pack_residues(residues))
+
+
+def _unpacked(record: ArrayRecord, key: str, ndim: int) -> U64:
+    return unpack_residues(_array(record, key, np.uint8, ndim))  # type: ignore[arg-type]
+
+
+def _strings(record: ConfigRecord, key: str) -> list[str]:
+    if key not in record:
+        raise SecureAggregationError(f"threshold-CKKS record is missing '{key}'")
+    value = record[key]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SecureAggregationError(f"threshold-CKKS '{key}' must be a list of strings")
+    return [str(v) for v in value]
+
+
+# ---- ceremony ---------------------------------------------------------------------------------------
+def encode_announcement(a: Announcement, *, run_id: int) -> ConfigRecord:
+    return ConfigRecord({"ceremony": a.ceremony, "members": _ids(a.members), "threshold": a.threshold,
+                         "params": json.dumps(a.params.to_dict()), "seed": a.seed, "run": run_id})
+
+
+def decode_announcement(record: ConfigRecord) -> tuple[Announcement, int]:
+    try:
+        params = CkksParams.from_dict(json.loads(_get(record, "params", str)))
+        ann = Announcement(_get(record, "ceremony", bytes), _read_ids(record, "members"), _get(record, "threshold", int),
+                           params, _get(record, "seed", bytes))
+    except (ConfigError, ValueError) as exc:
+        raise SecureAggregationError(f"key ceremony announcement is invalid: {exc}") from exc
+    return ann, _get(record, "run", int)
+
+
+def encode_commitment(c: Commitment, ceremony: bytes) -> ConfigRecord:
+    return ConfigRecord({"ceremony": ceremony, "digest": c.digest, "transport": c.transport_key,
+                         "department": c.department, "signature": c.signature})
+
+
+def decode_commitment(record: ConfigRecord, *, node: int, ceremony: bytes) -> Commitment:
+    if _get(record, "ceremony", bytes) != ceremony:
+        raise SecureAggregationError("commitment is for another ceremony")
+    return Commitment(node, _get(record, "digest", bytes), _get(record, "transport", bytes),
+                      _get(record, "department", str), _get(record, "signature", bytes))
+
+
+def encode_directory(ceremony: bytes, commitments: Mapping[int, Commitment]) -> ConfigRecord:
+    nodes = sorted(commitments)
+    return ConfigRecord({"ceremony": ceremony, "nodes": _ids(nodes),
+                         "digests": [commitments[n].digest for n in nodes],
+                         "transports": [commitments[n].transport_key for n in nodes],
+                         "departments": [commitments[n].department for n in nodes],
+                         "signatures": [commitments[n].signature for n in nodes]})
+
+
+def decode_directory(record: ConfigRecord) -> tuple[bytes, dict[int, Commitment]]:
+    nodes = _read_ids(record, "nodes")
+    digests, transports = _get(record, "digests", list), _get(record, "transports", list)
+    departments, signatures = _strings(record, "departments"), _get(record, "signatures", list)
+    if not len(nodes) == len(digests) == len(transports) == len(departments) == len(signatures):
+        raise SecureAggregationError("commitment directory lists differ in length")
+    return _get(record, "ceremony", bytes), {
+        n: Commitment(n, d, k, dep, sig)
+        for n, d, k, dep, sig in zip(nodes, digests, transports, departments, signatures, strict=True)
+    }
+
+
+def encode_reveal(r: Reveal, ceremony: bytes) -> tuple[ConfigRecord, ArrayRecord]:
+    recipients = sorted(r.bundles)
+    config = ConfigRecord({"ceremony": ceremony, "recipients": _ids(recipients),
+                           "bundles": [r.bundles[n] for n in recipients]})
+    return config, ArrayRecord({"b": Array(np.ascontiguousarray(r.b))})
+
+
+def decode_reveal(record: ConfigRecord, arrays: ArrayRecord, *, node: int, ceremony: bytes) -> Reveal:
+    if _get(record, "ceremony", bytes) != ceremony:
+        raise SecureAggregationError("reveal is for another ceremony")
+    recipients = _read_ids(record, "recipients")
+    bundles = _get(record, "bundles", list)
+    if len(recipients) != len(bundles):
+        raise SecureAggregationError("reveal lists differ in length")
+    return Reveal(node, _u64(arrays, "b", 2), dict(zip(recipients, bundles, strict=True)))
+
+
+def encode_finish(ceremony: bytes, reveals: Mapping[int, U64], inbox: Mapping[int, bytes]) -> tuple[ConfigRecord, ArrayRecord]:
+    senders = sorted(inbox)
+    config = ConfigRecord({"ceremony": ceremony, "revealers": _ids(sorted(reveals)), "senders": _ids(senders),
+                           "bundles": [inbox[n] for n in senders]})
+    return config, ArrayRecord({f"b-{n}": Array(np.ascontiguousarray(reveals[n])) for n in sorted(reveals)})
+
+
+def decode_finish(record: ConfigRecord, arrays: ArrayRecord) -> tuple[bytes, dict[int, U64], dict[int, bytes]]:
+    revealers = _read_ids(record, "revealers")
+    senders = _read_ids(record, "senders")
+    bundles = _get(record, "bundles", list)
+    if len(senders) != len(bundles):
+        raise SecureAggregationError("finish request lists differ in length")
+    reveals = {n: _u64(arrays, f"b-{n}", 2) for n in revealers}
+    return _get(record, "ceremony", bytes), reveals, dict(zip(senders, bundles, strict=True))
+
+
+# ---- rounds -------------------------------------------------------------------------------------------
+class TrainRequest:
+    """What a node needs to encrypt its update: the key (public key included), level, clip, weight cap,
+    and who the round's participants are (for the node's contribution ledger)."""
+
+    def __init__(self, *, key_id: str, public_key: bytes, params: CkksParams, primes: int, clip: float,
+                 max_weight: float, round_number: int, participants: tuple[int, ...], group: int = 0) -> None:
+        self.key_id, self.public_key, self.params = key_id, public_key, params
+        self.primes, self.clip, self.max_weight, self.round_number = primes, clip, max_weight, round_number
+        self.participants, self.group = participants, group
+
+
+def encode_train_request(r: TrainRequest) -> ConfigRecord:
+    return ConfigRecord({"key_id": r.key_id, "public_key": r.public_key, "params": json.dumps(r.params.to_dict()),
+                         "primes": r.primes, "clip": r.clip, "max_weight": r.max_weight, "round": r.round_number,
+                         "group": r.group, "participants": _ids(r.participants)})
+
+
+def decode_train_request(record: ConfigRecord) -> TrainRequest:
+    try:
+        params = CkksParams.from_dict(json.loads(_get(record, "params", str)))
+    except (ConfigError, ValueError) as exc:
+        raise SecureAggregationError(f"CKKS parameters in the train request are invalid: {exc}") from exc
+    clip, max_weight = _get(record, "clip", float), _get(record, "max_weight", float)
+    if not (clip > 0 and max_weight > 0):
+        raise SecureAggregationError("clip and max_weight must be positive")
+    return TrainRequest(key_id=_get(record, "key_id", str), public_key=_get(record, "public_key", bytes), params=params,
+                        primes=_get(record, "primes", int), clip=clip, max_weight=max_weight,
+                        round_number=_get(record, "round", int), participants=_read_ids(record, "participants"),
+                        group=_get(record, "group", int))
+
+
+def encode_encrypted(polys: U64, contribution: Contribution, *, key_id: str,
+                     round_number: int) -> tuple[ArrayRecord, ConfigRecord]:
+    return ArrayRecord({"ct": _packed(polys)}), ConfigRecord({
+        "key_id": key_id, "round": round_number, "department": contribution.department,
+        "sealed": contribution.sealed, "signature": contribution.signature})
+
+
+def decode_encrypted(arrays: ArrayRecord, record: ConfigRecord, *, node: int) -> tuple[U64, Contribution, str, int]:
+    contribution = Contribution(node, _get(record, "department", str), _get(record, "sealed", bytes),
+                                _get(record, "signature", bytes))
+    return _unpacked(arrays, "ct", 4), contribution, _get(record, "key_id", str), _get(record, "round", int)
+
+
+def encode_decrypt_request(manifest: Manifest, c1: U64,
+                           contributions: Mapping[int, Contribution]) -> tuple[ConfigRecord, ArrayRecord]:
+    nodes = sorted(contributions)
+    return ConfigRecord({
+        "manifest": json.dumps(manifest.to_dict()), "tag-nodes": _ids(nodes),
+        "tag-departments": [contributions[n].department for n in nodes],
+        "tags": [contributions[n].sealed for n in nodes], "tag-signatures": [contributions[n].signature for n in nodes],
+    }), ArrayRecord({"c1": _packed(c1)})
+
+
+def decode_decrypt_request(record: ConfigRecord, arrays: ArrayRecord) -> tuple[Manifest, U64, list[Contribution]]:
+    try:
+        data = json.loads(_get(record, "manifest", str))
+    except ValueError as exc:
+        raise SecureAggregationError("decryption manifest is not JSON") from exc
+    if not isinstance(data, dict):
+        raise SecureAggregationError("decryption manifest must be an object")
+    nodes = _read_ids(record, "tag-nodes")
+    departments, tags = _strings(record, "tag-departments"), _get(record, "tags", list)
+    signatures = _get(record, "tag-signatures", list)
+    if not len(nodes) == len(departments) == len(tags) == len(signatures):
+        raise SecureAggregationError("decryption request's tag lists differ in length")
+    contributions = [Contribution(n, d, t, g) for n, d, t, g in zip(nodes, departments, tags, signatures, strict=True)]
+    return Manifest.from_dict(data), _unpacked(arrays, "c1", 3), contributions
+
+
+def encode_partial(d: U64, manifest: Manifest) -> tuple[ConfigRecord, ArrayRecord]:
+    return (ConfigRecord({"key_id": manifest.key_id, "round": manifest.round, "group": manifest.group}),
+            ArrayRecord({"d": _packed(d)}))
+
+
+def decode_partial(record: ConfigRecord, arrays: ArrayRecord, manifest: Manifest) -> U64:
+    if (_get(record, "key_id", str), _get(record, "round", int), _get(record, "group", int)) != (
+        manifest.key_id, manifest.round, manifest.group
+    ):
+        raise SecureAggregationError("partial decryption answers another request")
+    return _unpacked(arrays, "d", 3)
