@@ -1,25 +1,46 @@
 """Run configuration: Flower run config / TOML → one frozen, validated ``RunConfig``.
 
-Every problem is collected and reported at once, each naming the key and what to write instead.
-Keys are Flower's kebab-case run-config keys; defaults live in ``DEFAULTS`` (mirrored in the
-``[tool.flwr.app.config]`` table of ``pyproject.toml`` so plain ``flwr run`` gets the same run).
+Each run-config key is declared once, as a ``RunConfig`` field made by ``key(default, help, …)``: its
+kebab-case name, type, default, range, meaning and where it applies. Everything else is derived from
+those declarations: parsing with every problem reported at once (each naming the key and what to
+write instead), ``DEFAULTS`` (the Flower app's ``[tool.flwr.app.config]``, written into every app
+bundle and checked against the repository's ``pyproject.toml``), the README's run-config table and
+the part of the node's train config that is a setting as is (``node=True``).
+``python -m quorumfl.server.config --write`` rewrites the README table and the ``pyproject.toml``
+defaults from the declarations; the tests fail when either is out of date.
+
+Rules across keys (``RunConfig.problems``) are written out after the declarations.
 """
 
 from __future__ import annotations
 
 import difflib
 import os
+import re
+import sys
 import tomllib
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Self, get_type_hints
 
 from quorumfl.aggregation.ckks import MAX_DECRYPTIONS, CkksParams
 from quorumfl.errors import ConfigError
 
-__all__ = ["DEFAULTS", "Compression", "DpMode", "RunConfig", "SecureMode", "StartFrom", "StrategyName", "load_run_config_file"]
+__all__ = [
+    "DEFAULTS",
+    "Compression",
+    "DpMode",
+    "Key",
+    "RunConfig",
+    "SecureMode",
+    "StartFrom",
+    "StrategyName",
+    "key",
+    "load_run_config_file",
+    "markdown_table",
+]
 
 
 class StrategyName(StrEnum):
@@ -50,73 +71,55 @@ class DpMode(StrEnum):
     DISTRIBUTED = "distributed"  # under masking: each node clips its update and adds a share of the noise
 
 
-SELECTORS = ("random", "oort", "rl")  # quorumfl.server.selection.build_selector's names
-
-
 class StartFrom(StrEnum):
     HEAD = "head"  # the architecture's head model version (see 'quorumfl models rollback')
     FRESH = "fresh"  # new weights from the seed
 
 
-DEFAULTS: dict[str, Any] = {
-    "strategy": "fedprox",
-    "proximal-mu": 0.1,
-    "num-rounds": 5,
-    "dataset": "digits",
-    "data-dir": "",
-    "model": "mlp",
-    "local-epochs": 5,
-    "batch-size": 32,
-    "learning-rate": 0.05,
-    "fraction-train": 1.0,
-    "min-nodes": 2,
-    "round-timeout": 300.0,
-    "train-retries": 1,
-    "node-wait-timeout": 120.0,
-    "seed": 0,
-    "state-url": "",
-    "model-dir": "",
-    "start-from": "head",
-    "secure-aggregation": "none",
-    "secagg-threshold": 0.6,
-    "secagg-clip": 8.0,
-    "secagg-max-weight": 10000.0,
-    "secagg-modulus-bits": 32,
-    "secagg-epoch-rounds": 10,
-    "secagg-stage-timeout": 120.0,
-    "secagg-unmask-spare": 1,
-    "ckks-poly-degree": 8192,
-    "ckks-max-decryptions": MAX_DECRYPTIONS,  # partial decryptions one key answers; then a new ceremony
-    "clusters": 2,
-    "ifca-merge-distance": 0.01,
-    "ifca-reseed-noise": 0.1,
-    "personal-layers": "head",
-    "ditto-lambda": 0.1,
-    "secagg-min-group": 0,
-    "secagg-colluding-fraction": 0.2,
-    "secagg-dropout-fraction": 0.1,
-    "clip-norm": 0.0,
-    "warmup-steps": 0,
-    "lr-reference-batch": 0,
-    "compression": "none",
-    "compression-fraction": 0.01,
-    "compression-sync-every": 0,
-    "compression-warmup-rounds": 0,
-    "dp": "none",
-    "dp-epsilon": 3.0,
-    "dp-noise-multiplier": 0.0,
-    "dp-clip": 1.0,
-    "dp-delta": 1e-5,
-    "selector": "random",
-    "selection-epochs": "",
-    "selection-key": "",
-    "round-deadline": 0.0,
-    "over-selection": 0.0,
-    "max-reply-mb": 1024.0,
-    "resume-run": 0,
-    "node-state-key": "",
-    "roster": "",
-}
+@dataclass(frozen=True)
+class Key:
+    """What a run-config key is, said once: its default, what it means, its range, where it applies.
+
+    The key's name is its ``RunConfig`` field's in kebab case; its type is the field's annotation
+    (``int``, ``float``, ``str``, a ``StrEnum``). Parsing and range checks, ``DEFAULTS`` (so the
+    Flower app's ``[tool.flwr.app.config]``), the README's table and the node's train config are all
+    derived from these declarations (``declared``)."""
+
+    default: Any
+    help: str
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False  # the low bound itself is not allowed
+    choices: tuple[str, ...] = ()  # a ``str`` key's allowed values (a StrEnum's are its members)
+    applies: str = "all"  # which strategies, modes or features read it
+    node: bool = False  # the node's train config carries it as is (a ``TrainConfig`` field of that name)
+    parse: Callable[[str, list[str]], Any] | None = None  # a ``str`` setting read into another type
+    show: Callable[[Any], Any] | None = None  # the field's value back as the setting (for ``parse``)
+
+
+def key(default: Any, help: str, **spec: Any) -> Any:
+    """A ``RunConfig`` field declaring one run-config key (see ``Key``)."""
+    declaration = Key(default=default, help=help, **spec)
+    return field(default=default, metadata={"key": declaration})
+
+
+def _epoch_list(value: str, problems: list[str]) -> tuple[int, ...]:
+    value = value.replace(" ", "")
+    if not value:
+        return ()
+    try:
+        epochs = tuple(sorted({int(v) for v in value.split(",")}))
+    except ValueError:
+        epochs = ()
+    if not epochs or epochs[0] < 1 or epochs[-1] > 1000:
+        problems.append(f"selection-epochs must be local-epoch counts in 1..1000 separated by commas, such "
+                        f"as '1,2,4'; got {value!r}")
+        return ()
+    return epochs
+
+
+def _epoch_text(epochs: tuple[int, ...]) -> str:
+    return ",".join(str(e) for e in epochs)
 
 
 def _roster_problems(text: str) -> list[str]:
@@ -131,194 +134,217 @@ def _roster_problems(text: str) -> list[str]:
     return []
 
 
+def _setting(spec: Key, value: Any) -> Any:
+    """A field's value as a run-config value (what Flower's config and the stored run hold)."""
+    if spec.show is not None:
+        return spec.show(value)
+    return value.value if isinstance(value, StrEnum) else value
+
+
+def _read(name: str, kind: Any, spec: Key, value: Any, problems: list[str]) -> Any:
+    """One key's value checked against its declaration; on a problem, noted, the default."""
+    if isinstance(kind, type) and issubclass(kind, StrEnum):
+        try:
+            return kind(value)
+        except ValueError:
+            problems.append(f"{name} must be one of {[e.value for e in kind]}, got {value!r}")
+            return spec.default
+    if kind is str or spec.parse is not None:
+        if not isinstance(value, str):
+            problems.append(f"{name} must be a string, got {value!r}")
+            return spec.default
+        if spec.choices and value not in spec.choices:
+            problems.append(f"{name} must be one of {list(spec.choices)}, got {value!r}")
+            return spec.default
+        return spec.parse(value, problems) if spec.parse is not None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        problems.append(f"{name} must be a number, got {value!r}")
+        return spec.default
+    if kind is int and not float(value).is_integer():
+        problems.append(f"{name} must be a whole number, got {value!r}")
+        return spec.default
+    low, high = spec.low, spec.high
+    too_low = low is not None and (value <= low if spec.open_low else value < low)
+    if too_low or (high is not None and value > high):
+        bounds = [f"{'>' if spec.open_low else '>='} {low}"] if low is not None else []
+        bounds += [f"<= {high}"] if high is not None else []
+        problems.append(f"{name} must be {' and '.join(bounds)}, got {value!r}")
+        return spec.default
+    return kind(value)
+
+
 @dataclass(frozen=True)
 class RunConfig:
-    strategy: StrategyName
-    proximal_mu: float
-    num_rounds: int
-    dataset: str
-    data_dir: str
-    model: str
-    local_epochs: int
-    batch_size: int
-    learning_rate: float
-    fraction_train: float
-    min_nodes: int
-    round_timeout: float
-    train_retries: int
-    node_wait_timeout: float
-    seed: int
-    state_url: str
-    model_dir: str
-    start_from: StartFrom
-    secure_aggregation: SecureMode
-    secagg_threshold: float
-    secagg_clip: float
-    secagg_max_weight: float
-    secagg_modulus_bits: int
-    secagg_epoch_rounds: int
-    secagg_stage_timeout: float
-    secagg_unmask_spare: int
-    ckks_poly_degree: int
-    ckks_max_decryptions: int
-    clusters: int
-    ifca_merge_distance: float
-    ifca_reseed_noise: float
-    personal_layers: str
-    ditto_lambda: float
-    secagg_min_group: int
-    secagg_colluding_fraction: float
-    secagg_dropout_fraction: float
-    clip_norm: float
-    warmup_steps: int
-    lr_reference_batch: int
-    compression: Compression
-    compression_fraction: float
-    compression_sync_every: int
-    compression_warmup_rounds: int
-    dp: DpMode
-    dp_epsilon: float
-    dp_noise_multiplier: float
-    dp_clip: float
-    dp_delta: float
-    selector: str
-    selection_epochs: tuple[int, ...]
-    selection_key: str
-    round_deadline: float
-    over_selection: float
-    max_reply_mb: float
-    resume_run: int
-    node_state_key: str
-    roster: str
+    """One run's settings. Each field is a run-config key, declared here once (``key``)."""
+
+    # ---- strategy
+    strategy: StrategyName = key(
+        StrategyName.FEDPROX, "`fedavg`, `fedprox`, `ifca` (clustered), `fedper` or `ditto` (personalised); see below")
+    proximal_mu: float = key(
+        0.1, "FedProx μ: nodes minimise `loss + μ/2·‖w − w_global‖²` (ignored by `fedavg`; `ifca`, `fedper` and "
+        "`ditto` use it too, 0 turns it off)", low=0.0,
+        applies="fedprox, ifca, fedper, ditto")
+    clusters: int = key(2, "IFCA: K cluster models", low=1, high=64, applies="ifca")
+    ifca_merge_distance: float = key(
+        0.01, "IFCA repair: a cluster within this relative L2 distance of a larger one, or with no nodes, is "
+        "re-seeded as the largest cluster's model plus noise (`ifca-reseed-noise`)", low=0.0, applies="ifca")
+    ifca_reseed_noise: float = key(
+        0.1, "IFCA repair: the noise of a re-seeded cluster, in per-tensor standard deviations", low=0.0, applies="ifca")
+    personal_layers: str = key(
+        "head", "FedPer: layers that never leave the node — comma-separated prefixes of the model's array names "
+        "(`7,9`), or `head` for the last layer", applies="fedper")
+    ditto_lambda: float = key(0.1, "Ditto: λ of the personal model's pull `λ/2·‖v − w_global‖²`", low=0.0,
+                              applies="ditto")
+    # ---- rounds and training
+    num_rounds: int = key(5, "training rounds", low=1, high=10_000, node=True)
+    dataset: str = key("digits", "`digits` (embedded) or `fashion-mnist` (IDX files; Debian "
+                       "`dataset-fashion-mnist`) for the server's held-out evaluation")
+    data_dir: str = key("", "the dataset's folder (empty: `/usr/share/datasets/fashion-mnist` for `fashion-mnist`)")
+    model: str = key("mlp", "`mlp`, `mlp-tanh` (the same with tanh; the one to pick with `dp = \"local\"`), "
+                     "`mlp-wide` (~1.1M params on 8×8), `cnn`", node=True)
+    local_epochs: int = key(5, "local SGD epochs per round (momentum 0.9)", low=1, high=1000, node=True)
+    batch_size: int = key(32, "local SGD batch size", low=1, node=True)
+    learning_rate: float = key(0.05, "local SGD learning rate", low=0.0, open_low=True, node=True)
+    clip_norm: float = key(0.0, "per-step gradient clipping (0 = off)", low=0.0, node=True)
+    warmup_steps: int = key(0, "linear learning-rate warm-up, in steps (0 = off)", low=0, node=True)
+    lr_reference_batch: int = key(
+        0, "linear scaling rule `lr × batch-size / lr-reference-batch` (0 = off)", low=0, node=True)
+    fraction_train: float = key(1.0, "share of enabled nodes sampled per round", low=0.0, high=1.0, open_low=True)
+    min_nodes: int = key(2, "fewest valid updates for a round to count", low=1)
+    round_timeout: float = key(300.0, "seconds to wait for replies", low=0.0, open_low=True)
+    node_wait_timeout: float = key(120.0, "seconds to wait for enough nodes to connect", low=0.0, open_low=True)
+    train_retries: int = key(
+        1, "times a node whose ClientApp crashed mid-training (Flower error 8) is asked again within the round's "
+        "deadline (plaintext rounds); it resumes from its checkpoint", low=0, high=10)
+    seed: int = key(0, "seed of the initial weights, sampling and the nodes' plaintext training", low=0, node=True)
+    # ---- client selection
+    selector: str = key(
+        "random", "who trains each round: `random` (seeded uniform), `oort` (Oort's utility heuristic) or `rl` (a "
+        "learned policy with an Oort fallback); see Client selection", choices=("random", "oort", "rl"))
+    selection_epochs: tuple[int, ...] = key(
+        (), "the local epochs the agent may give a node, e.g. `\"1,2,4\"` (must include `local-epochs`); empty = "
+        "`local-epochs` only", applies="rl", parse=_epoch_list, show=_epoch_text)
+    selection_key: str = key(
+        "", "where the selector's learned state is kept in the state DB (default `SELECTOR:DATASET:MODEL`); a new "
+        "run under the same key continues from it")
+    round_deadline: float = key(
+        0.0, "seconds the train stage waits (0 = `round-timeout`); a node that misses it is recorded late (stage "
+        "`deadline`) and, under masking, is a dropout", low=0.0)
+    over_selection: float = key(
+        0.0, "β: ask K·(1+β) nodes and aggregate the first K replies; the rest are recorded late (stage `late`)",
+        low=0.0, high=10.0)
+    # ---- state
+    start_from: StartFrom = key(
+        StartFrom.HEAD, "`head`: continue from the architecture's head model version; `fresh`: new weights from `seed`")
+    state_url: str = key("", "the state DB URL (default: `$QUORUMFL_DB_URL` or `~/.quorumfl/quorumfl.db`)")
+    model_dir: str = key("", "the model folder (default: `$QUORUMFL_MODEL_DIR` or `~/.quorumfl/models`)")
+    resume_run: int = key(0, "set by `quorumfl runs resume`: the stopped run this one continues", low=0)
+    max_reply_mb: float = key(1024.0, "largest reply the server accepts from one node, in MB (0 = no limit)",
+                              low=0.0)
+    # ---- secure aggregation
+    secure_aggregation: SecureMode = key(
+        SecureMode.NONE, "`masking`: the server learns only the sum of a quorum's updates; `ckks`: it adds "
+        "ciphertexts and any t key holders decrypt the sum (both below)")
+    secagg_threshold: float = key(
+        0.6, "t: a fraction in (0.5, 1) of the round's (masking) or the ceremony's (ckks) nodes, or a whole number "
+        "of nodes (a majority, ≥ 2)", low=0.5, open_low=True, applies="masking, ckks")
+    secagg_epoch_rounds: int = key(10, "rounds served by one key set-up (each round uses its own pre-shared keys)",
+                                   low=1, high=10_000, applies="masking")
+    secagg_clip: float = key(8.0, "fixed-point encoding: updates clipped to ±clip", low=0.0, open_low=True,
+                             applies="masking, ckks")
+    secagg_max_weight: float = key(
+        10000.0, "the example count a node claims is capped at this in every mode (plaintext too), so no node "
+        "outweighs the others by its word alone", low=0.0, open_low=True)
+    secagg_modulus_bits: int = key(32, "masked sums are taken mod 2^32 or 2^64", low=32, high=64, applies="masking")
+    secagg_min_group: int = key(
+        0, "fewest nodes whose sum is revealed (0 = the threshold t); with IFCA each cluster is a group, and a "
+        "smaller cluster sits the round out", low=0, high=10_000, applies="masking")
+    secagg_colluding_fraction: float = key(
+        0.2, "cohorts over 100: the colluders the sparse graph must withstand; its degree and local threshold "
+        "follow (exposure ≤ 2⁻⁴⁰), or the complete graph where no sparse one does", low=0.0, high=0.49,
+        applies="masking")
+    secagg_dropout_fraction: float = key(0.1, "cohorts over 100: the dropouts the sparse graph must withstand",
+                                         low=0.0, high=0.49, applies="masking")
+    secagg_stage_timeout: float = key(120.0, "deadline of each key/unmask/ceremony/decrypt stage, in seconds",
+                                      low=0.0, open_low=True, applies="masking, ckks")
+    secagg_unmask_spare: int = key(1, "survivors asked to unmask beyond t before asking the rest", low=0,
+                                   high=10_000, applies="masking")
+    roster: str = key(
+        "", "the admin's roster of departments (JSON name → node public key); `quorumfl runs start` fills it from "
+        "`HOME/certs/nodes` and signs it with the run; nodes check peers' keys against it")
+    node_state_key: str = key("", "set by `quorumfl runs resume`: the Flower run id whose node state (personal "
+                              "layers, residuals) the nodes continue from")
+    ckks_poly_degree: int = key(
+        8192, "CKKS ring dimension N (8192, 16384, 32768); N values per ciphertext (two per complex slot). "
+        "`secagg-clip` and `secagg-max-weight` apply to ckks too", low=8192, high=32768, applies="ckks")
+    ckks_max_decryptions: int = key(
+        MAX_DECRYPTIONS, "partial decryptions each key share answers (its holders refuse more); the server runs a "
+        "new key ceremony first. Each published decryption leaks at most 2^−κ of the key, so the cap bounds the "
+        "total", low=1, high=1_000_000, applies="ckks")
+    # ---- compression
+    compression: Compression = key(
+        Compression.NONE, "the update a node sends: `topk`, `sign`, `int8`, `randk` (below); `randk` composes "
+        "with masking", node=True)
+    compression_fraction: float = key(0.01, "top-k / random-k share of entries", low=0.0, high=1.0,
+                                      open_low=True, applies="topk, randk", node=True)
+    compression_sync_every: int = key(0, "every M-th round a full-precision sync (0 = never)", low=0,
+                                      applies="compression")
+    compression_warmup_rounds: int = key(
+        0, "rounds 1…W keep 25 %, 6.25 %, … (never below `compression-fraction`) before settling at it (Deep "
+        "Gradient Compression's warm-up)", low=0, applies="topk")
+    # ---- differential privacy
+    dp: DpMode = key(
+        DpMode.NONE, "`local`: DP-SGD on every node, each round charged to the department's ε ledger; "
+        "`distributed`: under masking each node adds a share of the noise (below)", node=True)
+    dp_epsilon: float = key(3.0, "DP target ε of the whole run per department (exactly one of this and "
+                            "`dp-noise-multiplier` > 0)", low=0.0, applies="dp", node=True)
+    dp_noise_multiplier: float = key(0.0, "a fixed noise multiplier σ instead of a target ε", low=0.0,
+                                     applies="dp")
+    dp_clip: float = key(1.0, "per-example gradient norm bound C", low=0.0, open_low=True, applies="dp", node=True)
+    dp_delta: float = key(1e-5, "δ of the accounting", low=0.0, high=0.1, open_low=True, applies="dp", node=True)
 
     @classmethod
-    def from_mapping(cls, values: Mapping[str, Any]) -> RunConfig:
+    def declared(cls) -> dict[str, tuple[str, type, Key]]:
+        """Every run-config key: its kebab-case name → (field name, field type, declaration)."""
+        hints = get_type_hints(cls)
+        return {f.name.replace("_", "-"): (f.name, hints[f.name], f.metadata["key"]) for f in fields(cls)}
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Every key's default as a run-config value (what Flower's app config holds)."""
+        return {name: _setting(spec, spec.default) for name, (_, _, spec) in cls.declared().items()}
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> Self:
         problems: list[str] = []
-        for key in sorted(set(values) - set(DEFAULTS)):
-            close = difflib.get_close_matches(key, list(DEFAULTS), n=1, cutoff=0.6)
+        declared = cls.declared()
+        for name in sorted(set(values) - set(declared)):
+            close = difflib.get_close_matches(name, list(declared), n=1, cutoff=0.6)
             hint = f"did you mean '{close[0]}'?" if close else "the README's run-config table lists every key"
-            problems.append(f"unknown key '{key}': {hint}")
-        merged = {**DEFAULTS, **{k: v for k, v in values.items() if k in DEFAULTS}}
+            problems.append(f"unknown key '{name}': {hint}")
+        settings = {name: _read(name, kind, spec, values[name], problems) if name in values else spec.default
+                    for name, (_, kind, spec) in declared.items()}
+        config = cls(**{declared[name][0]: value for name, value in settings.items()})
+        problems.extend(config.problems())
+        if problems:
+            raise ConfigError(problems)
+        return config
 
-        def number(key: str, kind: type, *, low: float, high: float | None = None, open_low: bool = False) -> Any:
-            value = merged[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                problems.append(f"{key} must be a number, got {value!r}")
-                return DEFAULTS[key]
-            if kind is int and not float(value).is_integer():
-                problems.append(f"{key} must be a whole number, got {value!r}")
-                return DEFAULTS[key]
-            ok = value > low if open_low else value >= low
-            if not ok or (high is not None and value > high):
-                bound = f"> {low}" if open_low else f">= {low}"
-                rng = f"{bound}" + (f" and <= {high}" if high is not None else "")
-                problems.append(f"{key} must be {rng}, got {value!r}")
-                return DEFAULTS[key]
-            return kind(value)
-
-        def choice(key: str, enum: type[StrEnum]) -> Any:
-            value = merged[key]
-            try:
-                return enum(value)
-            except ValueError:
-                problems.append(f"{key} must be one of {[e.value for e in enum]}, got {value!r}")
-                return enum(DEFAULTS[key])
-
-        def text(key: str) -> str:
-            value = merged[key]
-            if not isinstance(value, str):
-                problems.append(f"{key} must be a string, got {value!r}")
-                return str(DEFAULTS[key])
-            return value
-
-        def epoch_list() -> tuple[int, ...]:
-            value = text("selection-epochs").replace(" ", "")
-            if not value:
-                return ()
-            try:
-                epochs = tuple(sorted({int(v) for v in value.split(",")}))
-            except ValueError:
-                epochs = ()
-            if not epochs or epochs[0] < 1 or epochs[-1] > 1000:
-                problems.append(f"selection-epochs must be local-epoch counts in 1..1000 separated by commas, such "
-                                f"as '1,2,4'; got {value!r}")
-                return ()
-            return epochs
-
+    def problems(self) -> list[str]:
+        """What is wrong across keys (each key's own type and range are checked by ``from_mapping``)."""
         from quorumfl.core.data.datasets import DATASETS
         from quorumfl.core.models import MODELS
 
-        dataset = text("dataset")
-        if dataset not in DATASETS:
-            problems.append(f"dataset must be one of {sorted(DATASETS)}, got {dataset!r}")
-        model = text("model")
-        if model not in MODELS:
-            problems.append(f"model must be one of {sorted(MODELS)}, got {model!r}")
-        config = cls(
-            strategy=choice("strategy", StrategyName),
-            proximal_mu=number("proximal-mu", float, low=0.0),
-            num_rounds=number("num-rounds", int, low=1, high=10_000),
-            dataset=dataset,
-            data_dir=text("data-dir"),
-            model=model,
-            local_epochs=number("local-epochs", int, low=1, high=1000),
-            batch_size=number("batch-size", int, low=1),
-            learning_rate=number("learning-rate", float, low=0.0, open_low=True),
-            fraction_train=number("fraction-train", float, low=0.0, high=1.0, open_low=True),
-            min_nodes=number("min-nodes", int, low=1),
-            round_timeout=number("round-timeout", float, low=0.0, open_low=True),
-            train_retries=number("train-retries", int, low=0, high=10),
-            node_wait_timeout=number("node-wait-timeout", float, low=0.0, open_low=True),
-            seed=number("seed", int, low=0),
-            state_url=text("state-url"),
-            model_dir=text("model-dir"),
-            start_from=choice("start-from", StartFrom),
-            secure_aggregation=choice("secure-aggregation", SecureMode),
-            secagg_threshold=number("secagg-threshold", float, low=0.5, open_low=True),
-            secagg_clip=number("secagg-clip", float, low=0.0, open_low=True),
-            secagg_max_weight=number("secagg-max-weight", float, low=0.0, open_low=True),
-            secagg_modulus_bits=number("secagg-modulus-bits", int, low=32, high=64),
-            secagg_epoch_rounds=number("secagg-epoch-rounds", int, low=1, high=10_000),
-            secagg_stage_timeout=number("secagg-stage-timeout", float, low=0.0, open_low=True),
-            secagg_unmask_spare=number("secagg-unmask-spare", int, low=0, high=10_000),
-            ckks_poly_degree=number("ckks-poly-degree", int, low=8192, high=32768),
-            ckks_max_decryptions=number("ckks-max-decryptions", int, low=1, high=1_000_000),
-            clusters=number("clusters", int, low=1, high=64),
-            ifca_merge_distance=number("ifca-merge-distance", float, low=0.0),
-            ifca_reseed_noise=number("ifca-reseed-noise", float, low=0.0),
-            personal_layers=text("personal-layers"),
-            ditto_lambda=number("ditto-lambda", float, low=0.0),
-            secagg_min_group=number("secagg-min-group", int, low=0, high=10_000),
-            secagg_colluding_fraction=number("secagg-colluding-fraction", float, low=0.0, high=0.49),
-            secagg_dropout_fraction=number("secagg-dropout-fraction", float, low=0.0, high=0.49),
-            clip_norm=number("clip-norm", float, low=0.0),
-            warmup_steps=number("warmup-steps", int, low=0),
-            lr_reference_batch=number("lr-reference-batch", int, low=0),
-            compression=choice("compression", Compression),
-            compression_fraction=number("compression-fraction", float, low=0.0, high=1.0, open_low=True),
-            compression_sync_every=number("compression-sync-every", int, low=0),
-            compression_warmup_rounds=number("compression-warmup-rounds", int, low=0),
-            dp=choice("dp", DpMode),
-            dp_epsilon=number("dp-epsilon", float, low=0.0),
-            dp_noise_multiplier=number("dp-noise-multiplier", float, low=0.0),
-            dp_clip=number("dp-clip", float, low=0.0, open_low=True),
-            dp_delta=number("dp-delta", float, low=0.0, high=0.1, open_low=True),
-            selector=text("selector"),
-            selection_epochs=epoch_list(),
-            selection_key=text("selection-key"),
-            round_deadline=number("round-deadline", float, low=0.0),
-            over_selection=number("over-selection", float, low=0.0, high=10.0),
-            max_reply_mb=number("max-reply-mb", float, low=0.0),
-            resume_run=number("resume-run", int, low=0),
-            node_state_key=text("node-state-key"),
-            roster=text("roster"),
-        )
+        problems: list[str] = []
+        config = self
+        if config.dataset not in DATASETS:
+            problems.append(f"dataset must be one of {sorted(DATASETS)}, got {config.dataset!r}")
+        if config.model not in MODELS:
+            problems.append(f"model must be one of {sorted(MODELS)}, got {config.model!r}")
         if config.roster:
             problems.extend(_roster_problems(config.roster))
         if config.node_state_key and not (config.node_state_key.isdigit() and len(config.node_state_key) <= 20):
             problems.append(f"node-state-key must be a Flower run id (digits), got {config.node_state_key!r}")
-        if config.selector not in SELECTORS:
-            problems.append(f"selector must be one of {list(SELECTORS)}, got {config.selector!r}")
         if config.selection_epochs and config.local_epochs not in config.selection_epochs:
             problems.append(f"selection-epochs {list(config.selection_epochs)} must include local-epochs "
                             f"{config.local_epochs} (what the heuristic fallback gives)")
@@ -364,15 +390,15 @@ class RunConfig:
                             f"'{config.compression.value}'); set it to 0")
         if config.dp is DpMode.DISTRIBUTED and config.compression is not Compression.NONE:
             problems.append("dp 'distributed' with compression is not supported; set compression = 'none'")
-        if problems:
-            raise ConfigError(problems)
-        return config
+        return problems
 
     def resolved(self) -> dict[str, Any]:
         """Kebab-case mapping of every setting, as stored with the run."""
-        values = {k.replace("_", "-"): (v.value if isinstance(v, StrEnum) else v) for k, v in asdict(self).items()}
-        values["selection-epochs"] = ",".join(str(e) for e in self.selection_epochs)
-        return values
+        return {name: _setting(spec, getattr(self, attr)) for name, (attr, _, spec) in self.declared().items()}
+
+    def node_settings(self) -> dict[str, Any]:
+        """The settings the node's train config carries as they are (declared ``node=True``), by field name."""
+        return {attr: _setting(spec, getattr(self, attr)) for attr, _, spec in self.declared().values() if spec.node}
 
     def ckks_params(self) -> CkksParams:
         """The threshold-CKKS parameter set: N from the config, a (60, 60, 60)-bit chain, Δ = 2^100."""
@@ -407,6 +433,42 @@ class RunConfig:
         return Path(os.environ.get("QUORUMFL_MODEL_DIR") or default_home() / "models")
 
 
+DEFAULTS: dict[str, Any] = RunConfig.defaults()
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return f"`{value}`" if value != "" else '`""`'
+
+
+def markdown_table(config: type[RunConfig] = RunConfig) -> str:
+    """The README's run-config table, one row per declared key."""
+    rows = ["| key | default | applies to | meaning |", "|---|---|---|---|"]
+    for name, (_, _, spec) in config.declared().items():
+        rows.append(f"| `{name}` | {_shown(_setting(spec, spec.default))} | {spec.applies} | {spec.help} |")
+    return "\n".join(rows) + "\n"
+
+
+TABLE_START = "<!-- run-config table: generated from server/config.py by `python -m quorumfl.server.config --write` -->\n"
+TABLE_END = "<!-- end of the run-config table -->\n"
+APP_CONFIG = re.compile(r"(?ms)^\[tool\.flwr\.app\.config\]\n.*?\n(?=\[)")
+
+
+def derived_files(root: Path, config: type[RunConfig] = RunConfig) -> dict[Path, str]:
+    """The README and ``pyproject.toml`` under ``root`` as the declarations say they should read."""
+    import tomli_w
+
+    readme, pyproject = root / "README.md", root / "pyproject.toml"
+    text = readme.read_text()
+    start, end = text.index(TABLE_START) + len(TABLE_START), text.index(TABLE_END)
+    new_readme = text[:start] + markdown_table(config) + text[end:]
+    table = tomli_w.dumps({"tool": {"flwr": {"app": {"config": config.defaults()}}}}).split("\n", 1)[1]
+    new_pyproject = APP_CONFIG.sub(lambda _: "[tool.flwr.app.config]\n" + table.lstrip("\n") + "\n",
+                                   pyproject.read_text(), count=1)
+    return {readme: new_readme, pyproject: new_pyproject}
+
+
 MAX_CONFIG_BYTES = 2**20
 
 
@@ -432,3 +494,13 @@ def load_run_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: [run] must be a table of run-config keys")
     RunConfig.from_mapping(values)  # report every problem before anything is submitted
     return values
+
+
+if __name__ == "__main__":  # python -m quorumfl.server.config --write (from the repository root)
+    if sys.argv[1:] != ["--write"]:
+        print("usage: python -m quorumfl.server.config --write  (run in the repository root)", file=sys.stderr)
+        sys.exit(64)
+    for path, text in derived_files(Path.cwd()).items():
+        if path.read_text() != text:
+            path.write_text(text)
+            print(f"rewrote {path}")

@@ -128,25 +128,11 @@ class Federation:
             MaskingSession(config, self._exchange, clock=clock) if config.secure_aggregation is SecureMode.MASKING else None
         )
         self.dp_noise = distributed_noise(config)  # distributed DP: σ on each revealed sum, else None
+        # the settings a node takes as they are (declared node=True in server/config.py), plus what the
+        # server decides: the round, μ (the strategy's, per node) and distributed DP's σ
         self._base = TrainConfig(
-            server_round=0,
-            model=config.model,
-            local_epochs=config.local_epochs,
-            batch_size=config.batch_size,
-            learning_rate=config.learning_rate,
-            proximal_mu=0.0,
-            seed=config.seed,
-            clip_norm=config.clip_norm,
-            warmup_steps=config.warmup_steps,
-            lr_reference_batch=config.lr_reference_batch,
-            compression=config.compression.value,
-            compression_fraction=config.compression_fraction,
-            dp=config.dp.value,
-            dp_epsilon=config.dp_epsilon,
-            dp_noise_multiplier=self.dp_noise or config.dp_noise_multiplier,
-            dp_clip=config.dp_clip,
-            dp_delta=config.dp_delta,
-            num_rounds=config.num_rounds,
+            server_round=0, proximal_mu=0.0, dp_noise_multiplier=self.dp_noise or config.dp_noise_multiplier,
+            **config.node_settings(),
         )
         self._last_round_id: int | None = None
         self._progress_written = -math.inf  # clock of the last progress write

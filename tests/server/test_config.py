@@ -1,15 +1,27 @@
-"""Run config: defaults, every problem reported at once, TOML files, pyproject defaults in sync."""
+"""Run config: defaults, every problem reported at once, TOML files, and each key declared once (the
+README table, the Flower app defaults and the node's train config derived from the declaration)."""
 
 from __future__ import annotations
 
+import shutil
 import tomllib
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pytest
 
 from quorumfl.deploy.control import app_pyproject
 from quorumfl.errors import ConfigError
-from quorumfl.server.config import DEFAULTS, RunConfig, StrategyName, load_run_config_file
+from quorumfl.protocol.wire import TrainConfig
+from quorumfl.server.config import (
+    DEFAULTS,
+    RunConfig,
+    StrategyName,
+    derived_files,
+    key,
+    load_run_config_file,
+    markdown_table,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,3 +73,46 @@ def test_pyproject_app_config_matches_defaults() -> None:
     assert repo_defaults == DEFAULTS
     fab_defaults = tomllib.loads(app_pyproject().decode())["tool"]["flwr"]["app"]["config"]
     assert fab_defaults == DEFAULTS
+
+
+def test_readme_table_and_pyproject_defaults_are_the_declarations() -> None:
+    """Both are generated (`python -m quorumfl.server.config --write`); an edit by hand fails here."""
+    for path, text in derived_files(ROOT).items():
+        assert path.read_text() == text, f"{path.name} is out of date: run `python -m quorumfl.server.config --write`"
+
+
+def test_a_key_declared_once_is_parsed_validated_defaulted_and_documented(tmp_path: Path) -> None:
+    @dataclass(frozen=True)
+    class Extended(RunConfig):
+        patience: int = key(3, "rounds without a better loss before the run stops", low=1, high=100,
+                            applies="fedavg, fedprox")
+
+    assert Extended.from_mapping({}).patience == 3
+    assert Extended.from_mapping({"patience": 7, "num-rounds": 2}).patience == 7
+    with pytest.raises(ConfigError) as info:
+        Extended.from_mapping({"patience": 0, "num-rounds": 0})
+    assert str(info.value) == "num-rounds must be >= 1 and <= 10000, got 0; patience must be >= 1 and <= 100, got 0"
+    with pytest.raises(ConfigError, match="patience must be a whole number, got 2.5"):
+        Extended.from_mapping({"patience": 2.5})
+    with pytest.raises(ConfigError, match="unknown key 'patience'"):
+        RunConfig.from_mapping({"patience": 3})  # the base declaration does not have it
+    assert Extended.from_mapping({"patience": 5}).resolved()["patience"] == 5  # stored with the run
+
+    manifest = tomllib.loads(app_pyproject(Extended.defaults()).decode())  # the Flower app bundle
+    assert manifest["tool"]["flwr"]["app"]["config"]["patience"] == 3
+    assert "| `patience` | `3` | fedavg, fedprox | rounds without a better loss before the run stops |" in (
+        markdown_table(Extended))
+    for name in ("README.md", "pyproject.toml"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    derived = {path.name: text for path, text in derived_files(tmp_path, Extended).items()}
+    assert "| `patience` | `3` |" in derived["README.md"]
+    assert tomllib.loads(derived["pyproject.toml"])["tool"]["flwr"]["app"]["config"] == Extended.defaults()
+
+
+def test_node_settings_are_train_config_fields() -> None:
+    """What the node's train config takes from the run config is derived from the declarations."""
+    config = RunConfig.from_mapping({"compression": "randk", "dp": "local", "local-epochs": 2})
+    settings = config.node_settings()
+    assert set(settings) <= {f.name for f in fields(TrainConfig)}
+    train = TrainConfig(server_round=1, proximal_mu=0.0, **settings)
+    assert (train.local_epochs, train.compression, train.dp, train.model) == (2, "randk", "local", "mlp")
