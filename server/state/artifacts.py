@@ -49,7 +49,7 @@ class ArtifactRecords:
             s.flush()
             return rows
 
-        return write(self._sessions, op)  # type: ignore[no-any-return]
+        return write(self._sessions, op)
 
     def list(self, *, channel: str | None = None) -> list[EdgeArtifact]:
         def op(s: Session) -> list[EdgeArtifact]:
@@ -58,7 +58,7 @@ class ArtifactRecords:
                 q = q.where(EdgeArtifact.channel == channel)
             return list(s.scalars(q.order_by(EdgeArtifact.version, EdgeArtifact.format)))
 
-        return read(self._sessions, op)  # type: ignore[no-any-return]
+        return read(self._sessions, op)
 
     def latest(self, channel: str, fmt: str) -> EdgeArtifact | None:
         def op(s: Session) -> EdgeArtifact | None:
@@ -66,7 +66,7 @@ class ArtifactRecords:
                  .order_by(EdgeArtifact.version.desc()).limit(1))
             return s.scalars(q).first()
 
-        return read(self._sessions, op)  # type: ignore[no-any-return]
+        return read(self._sessions, op)
 
     def get(self, version: int, fmt: str) -> EdgeArtifact:
         def op(s: Session) -> EdgeArtifact | None:
@@ -76,4 +76,4 @@ class ArtifactRecords:
         row = read(self._sessions, op)
         if row is None:
             raise NotFoundError(f"edge artifact v{version} ({fmt}) does not exist; 'quorumfl edge artifacts list' shows them")
-        return row  # type: ignore[no-any-return]
+        return row

@@ -1,0 +1,118 @@
+"""State records, one aggregate: Rounds of a run: start (refused once the run was stopped), progress, finish or abort, failures per node.
+
+Part of ``Repository`` (``repository.py``); every method is one transaction (``access.write``/``read``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from quorumfl.errors import NotFoundError, RunStoppedError
+from quorumfl.server.state.access import (
+    RoundStatus,
+    RunStatus,
+    utcnow,
+)
+from quorumfl.server.state.orm import (
+    Round,
+    RoundFailure,
+    Run,
+)
+from quorumfl.server.state.runs import RunRecords
+
+__all__ = ["RoundRecords"]
+
+
+class RoundRecords(RunRecords):
+    def start_round(self, run_id: int, number: int, selected: Iterable[int]) -> Round:
+        """Record round ``number`` as running; ``RunStoppedError`` (nothing written) when the run is no
+        longer running, e.g. an admin's ``runs stop`` landed while the ServerApp was between rounds."""
+
+        def op(s: Session) -> Round:
+            run = s.get(Run, run_id)
+            if run is None:
+                raise NotFoundError(f"run {run_id} does not exist")
+            if run.status != RunStatus.RUNNING:
+                raise RunStoppedError(f"run {run_id} is {run.status}; round {number} is not started")
+            # Earlier attempts of this round (a crashed or stopped server) stay recorded as aborted.
+            earlier = list(s.scalars(select(Round).where(Round.run_id == run_id, Round.number == number)))
+            for old in earlier:
+                if old.status == RoundStatus.RUNNING:
+                    old.status = RoundStatus.ABORTED
+                    old.error = old.error or "interrupted; the round was started again"
+                    old.finished_at = utcnow()
+            rnd = Round(
+                run_id=run_id,
+                number=number,
+                attempt=len(earlier) + 1,
+                status=RoundStatus.RUNNING,
+                selected=list(selected),
+                participants=[],
+                started_at=utcnow(),
+                timings={},
+            )
+            s.add(rnd)
+            s.flush()
+            return rnd
+
+        return self._write(op)
+
+    def finish_round(
+        self,
+        round_id: int,
+        status: RoundStatus,
+        *,
+        participants: Iterable[int],
+        timings: Mapping[str, float],
+        error: str | None = None,
+    ) -> None:
+        def op(s: Session) -> None:
+            rnd = s.get(Round, round_id)
+            if rnd is None:
+                raise NotFoundError(f"round {round_id} does not exist")
+            rnd.status = status
+            rnd.participants = list(participants)
+            rnd.timings = {k: round(float(v), 4) for k, v in timings.items()}
+            rnd.error = error
+            rnd.finished_at = utcnow()
+
+        self._write(op)
+
+    def set_round_progress(self, round_id: int, progress: Mapping[str, Any]) -> None:
+        """Record the stage a running round is in (``stage``, ``asked``, ``replied``, ``failed``,
+        ``waiting``, ``started``: UNIX seconds); ignored once the round has finished."""
+
+        def op(s: Session) -> None:
+            rnd = s.get(Round, round_id)
+            if rnd is not None and rnd.status == RoundStatus.RUNNING:
+                rnd.progress = dict(progress)
+
+        self._write(op)
+
+    def abort_running_rounds(self, run_id: int, reason: str) -> int:
+        """Mark rounds of ``run_id`` still 'running' as aborted (server stopped or crashed)."""
+
+        def op(s: Session) -> int:
+            rounds = list(s.scalars(select(Round).where(Round.run_id == run_id, Round.status == RoundStatus.RUNNING)))
+            for rnd in rounds:
+                rnd.status = RoundStatus.ABORTED
+                rnd.error = reason
+                rnd.finished_at = utcnow()
+            return len(rounds)
+
+        return self._write(op)
+
+    def add_failure(self, round_id: int, node_id: int, *, stage: str, reason: str) -> None:
+        self._write(
+            lambda s: s.add(
+                RoundFailure(
+                    round_id=round_id, node_id=node_id, stage=stage, reason=reason[:4000], created_at=utcnow()
+                )
+            )
+        )
+
+    def list_rounds(self, run_ref: int) -> list[Round]:
+        return list(self.get_run(run_ref).rounds)
