@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -10,14 +12,29 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from quorumfl.cli.main import main
 from quorumfl.server.model_store import ModelStore
 from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository, RoundStatus, RunStatus
 
 
 def quorumfl(*args: str, db: str | None = None) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "quorumfl.cli", *(["--db", db] if db else []), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    """The ``quorumfl`` command in this process: the console script's own ``main`` with this argv,
+    its standard streams captured (test_cli_truth runs it in fresh processes where that matters)."""
+    argv = ["quorumfl", *(["--db", db] if db else []), *args]
+    out, err = io.StringIO(), io.StringIO()
+    saved = sys.argv
+    sys.argv = argv
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    finally:
+        sys.argv = saved
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture
