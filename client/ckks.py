@@ -53,6 +53,7 @@ from quorumfl.protocol.ckks_wire import (
 from quorumfl.protocol.wire import METRICS, NODE
 
 MAX_DECRYPTIONS_KEY = "ckks-max-decryptions"  # run-config key (declared in the server's config defaults)
+MIN_GROUP_KEY = "secagg-min-group"  # run-config key: the fewest contributors a decrypted sum may have
 
 if TYPE_CHECKING:
     from quorumfl.client.steps import LocalTraining
@@ -155,11 +156,22 @@ def decrypt(msg: Message, context: Context) -> RecordDict:
     stored = store.load_key(manifest.key_id)
     asked = set(stored.asked)
     roster, binding, cap = identity(context).roster, _binding(context), _max_decryptions(context)
-    check_request(stored.share, manifest, c1, asked, contributions, roster=roster, binding=binding, max_decryptions=cap)
+    check_request(stored.share, manifest, c1, asked, contributions, roster=roster, binding=binding, max_decryptions=cap,
+                  min_contributors=_min_contributors(context))
     store.record_asked(manifest.key_id, manifest.round, manifest.group)
     partial = answer_checked(stored.share, manifest, c1)  # checked above, before the ledger entry
     config, arrays = encode_partial(partial, manifest)
     return RecordDict({CKKS: config, ARRAYS: arrays})
+
+
+def _min_contributors(context: Context) -> int | None:
+    """The run's ``secagg-min-group`` (admin-signed run config): the fewest contributors a decrypted
+    sum may have; None (0 or unset): the key's threshold t."""
+    value = context.run_config.get(MIN_GROUP_KEY, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value == 1:
+        raise SecureAggregationError(f"run config {MIN_GROUP_KEY}={value!r} must be 0 (the threshold) or a whole "
+                                     "number >= 2")
+    return value or None
 
 
 def _max_decryptions(context: Context) -> int:

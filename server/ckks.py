@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,7 +39,13 @@ from quorumfl.aggregation.ckks import (
     DecryptionSum,
 )
 from quorumfl.aggregation.ckks.threshold import contribution_message
-from quorumfl.aggregation.secagg import flatten, read_payload, resolve_threshold, unflatten
+from quorumfl.aggregation.secagg import (
+    SecureMean,
+    flatten,
+    read_payload,
+    resolve_threshold,
+    unflatten,
+)
 from quorumfl.aggregation.secagg.identity import Roster
 from quorumfl.errors import (
     EmptyAggregationError,
@@ -210,10 +216,10 @@ class CkksSession:
             or self.decryptions >= self.config.ckks_max_decryptions
         )
 
-    def _check_tag(self, tag: Contribution, key_id: str, number: int) -> None:
+    def _check_tag(self, tag: Contribution, key_id: str, number: int, group: int) -> None:
         if self.roster is not None:
             self.roster.check(tag.department, contribution_message(
-                binding=self.binding, key_id=key_id, round_number=number, group=0, node=tag.node,
+                binding=self.binding, key_id=key_id, round_number=number, group=group, node=tag.node,
                 department=tag.department, sealed=tag.sealed), tag.signature, node=tag.node)
 
     # ---- one round ----------------------------------------------------------------------------------------
@@ -221,51 +227,86 @@ class CkksSession:
         self,
         number: int,
         available: Sequence[int],
-        arrays: Arrays,
+        models: Sequence[Arrays],
         configs: dict[int, TrainConfig],
         failures: Failures,
         timings: dict[str, float],
+        *,
+        cluster_of: Mapping[int, int] | None = None,
     ) -> TrainPhase:
+        """One CKKS round for the selected nodes (the keys of ``configs``) on the global model
+        (``models`` holds one) or, with ``cluster_of``, on IFCA's cluster models: each cluster is
+        one group, encrypted, summed and decrypted on its own; a cluster with fewer nodes than the
+        group minimum (``secagg-min-group``, else t) sits the round out."""
         try:
             start = self.clock()
             key = self.key
             if key is None or self._needs_ceremony(available):
                 key = self.ceremony(available, failures)
             timings["ckks-ceremony"] = self.clock() - start
-            return self._round(key, number, arrays, configs, failures, timings)
+            choice = dict(cluster_of) if cluster_of is not None else {n: 0 for n in configs}
+            return self._round(key, number, list(models), choice, configs, failures, timings,
+                               clustered=cluster_of is not None)
         except QuorumError as exc:
             log.warning("threshold CKKS: %s", exc)
             return TrainPhase(arrays=None, error=f"secure aggregation: {exc}")
+
+    def _groups(self, key: CkksKey, cluster_of: Mapping[int, int], configs: Mapping[int, TrainConfig],
+                failures: Failures, *, clustered: bool) -> dict[int, list[int]]:
+        """Each group's members: the selected key holders, by cluster. A cluster below the group minimum
+        sits out (its nodes recorded): its sum would reveal too few updates, and its members would
+        refuse to decrypt it."""
+        members: dict[int, list[int]] = {}
+        for n in sorted(configs):
+            if n in key.holders and n in cluster_of:
+                members.setdefault(cluster_of[n], []).append(n)
+        if clustered:
+            fewest = self.config.secagg_min_group or key.threshold
+            for k, nodes in list(members.items()):
+                if len(nodes) < fewest:
+                    for n in nodes:
+                        failures[n] = ("secagg-group", f"cluster {k} has {len(nodes)} node(s), below the group minimum "
+                                                       f"{fewest}; its sum would expose too few updates")
+                    del members[k]
+            if not members:
+                raise QuorumNotMetError(f"no cluster has the group minimum of {fewest} nodes")
+        return members
 
     def _round(
         self,
         key: CkksKey,
         number: int,
-        arrays: Arrays,
+        models: list[Arrays],
+        cluster_of: Mapping[int, int],
         configs: dict[int, TrainConfig],
         failures: Failures,
         timings: dict[str, float],
+        *,
+        clustered: bool,
     ) -> TrainPhase:
         config = self.config
-        participants = sorted(n for n in configs if n in key.holders)
-        base = flatten(arrays)
-        length = 2 + base.shape[0]
+        groups = self._groups(key, cluster_of, configs, failures, clustered=clustered)
+        group_of = {n: k for k, nodes in groups.items() for n in nodes}
+        participants = sorted(group_of)
+        bases = {k: flatten(models[k]) for k in groups}
+        length = 2 + next(iter(bases.values())).shape[0]
         primes = self.params.send_primes(key.threshold, max(len(key.members), len(participants)), config.secagg_clip)
-        request = encode_train_request(TrainRequest(
+        records = {k: to_array_record(models[k]) for k in groups}
+        requests = {k: encode_train_request(TrainRequest(
             key_id=key.key_id, public_key=key.public_key, params=self.params, primes=primes, clip=config.secagg_clip,
-            max_weight=config.secagg_max_weight, round_number=number, participants=tuple(participants),
-        ))
-        model_record = to_array_record(arrays)
+            max_weight=config.secagg_max_weight, round_number=number, participants=tuple(groups[k]), group=k,
+        )) for k in groups}
         messages = [
-            Message(content=RecordDict({ARRAYS: model_record, CONFIG: configs[n].to_record(), CKKS: request}),
+            Message(content=RecordDict({ARRAYS: records[group_of[n]], CONFIG: configs[n].to_record(),
+                                        CKKS: requests[group_of[n]]}),
                     dst_node_id=n, message_type=MessageType.TRAIN)
             for n in participants
         ]
-        total = CiphertextSum(self.params, length=length, primes=primes)
+        totals = {k: CiphertextSum(self.params, length=length, primes=primes) for k in groups}
         tags: dict[int, Contribution] = {}
         result = TrainPhase(arrays=None)
 
-        def add(node: int, reply: Message) -> None:  # each reply joins the running sum as it arrives
+        def add(node: int, reply: Message) -> None:  # each reply joins its group's running sum as it arrives
             try:
                 content = reply.content
                 if ENCRYPTED not in content.array_records:
@@ -274,8 +315,8 @@ class CkksSession:
                                                                     _reply_config(reply), node=node)
                 if key_id != key.key_id or round_number != number:
                     raise SecureAggregationError(f"ciphertext is for key {key_id} round {round_number}")
-                self._check_tag(tag, key_id, number)
-                total.add(node, polys)
+                self._check_tag(tag, key_id, number, group_of[node])
+                totals[group_of[node]].add(node, polys)
             except SecureAggregationError as exc:
                 failures[node] = ("train", str(exc))
                 return
@@ -289,17 +330,56 @@ class CkksSession:
         timings["train"] = self.clock() - start
 
         start = self.clock()
+        alive = sorted(n for total in totals.values() for n in total.contributors)
+        new_models = [dict(m) for m in models]
+        weight, loss_sum, errors = 0.0, 0.0, []
+        for k in sorted(groups):
+            try:
+                mean, contributors = self._decrypt(key, number, k, totals[k], tags, alive, failures)
+            except (QuorumError, EmptyAggregationError) as exc:
+                errors.append(f"cluster {k}: {exc}" if clustered else str(exc))
+                continue
+            new_models[k] = unflatten(bases[k] + mean.update, models[k])
+            result.accepted.extend(contributors)
+            result.assignments.update({n: k for n in contributors})
+            weight += mean.total_weight
+            loss_sum += mean.train_loss * mean.total_weight
+        timings["ckks-decrypt"] = self.clock() - start
+        if not result.accepted:
+            raise SecureAggregationError("; ".join(errors))
+        if errors:
+            log.warning("threshold CKKS: %s", "; ".join(errors))
+        result.accepted.sort()
+        if clustered:
+            result.models = new_models
+        else:
+            result.arrays = new_models[0]
+            result.assignments = {}
+        result.total_examples = weight * config.secagg_max_weight
+        result.train_loss = loss_sum / weight
+        log.info("threshold CKKS: round %s summed %s encrypted updates in %s group(s) (t=%s, %s holders)",
+                 number, len(result.accepted), len(groups), key.threshold, len(key.holders))
+        return result
+
+    def _decrypt(self, key: CkksKey, number: int, group: int, total: CiphertextSum, tags: Mapping[int, Contribution],
+                 alive: Sequence[int], failures: Failures) -> tuple[SecureMean, list[int]]:
+        """The decryption round trip of one group's sum: t key holders among the round's contributors
+        (its own first, rotating with the round), the manifest, every contributor's tag."""
+        config = self.config
         contributors = sorted(total.contributors)
-        if len(contributors) < key.threshold:
-            raise QuorumNotMetError(
-                f"{len(contributors)} encrypted update(s), fewer than t={key.threshold}; nothing is decrypted"
-            )
-        candidates = [n for n in contributors if n in key.holders]
+        fewest = config.secagg_min_group or key.threshold
+        if len(contributors) < fewest:
+            raise QuorumNotMetError(f"{len(contributors)} encrypted update(s), fewer than "
+                                    f"{'t=' if fewest == key.threshold else 'the group minimum '}{fewest}; "
+                                    "nothing is decrypted")
+        own = [n for n in contributors if n in key.holders]
+        others = [n for n in alive if n in key.holders and n not in own]
+        turn = (number + group) % len(own) if own else 0
+        candidates = own[turn:] + own[:turn] + others
         if len(candidates) < key.threshold:
             raise QuorumNotMetError(f"only {len(candidates)} key holder(s) among the contributors; t is {key.threshold}")
-        turn = number % len(candidates)
-        subset = sorted((candidates[turn:] + candidates[:turn])[: key.threshold])
-        manifest = total.manifest(key_id=key.key_id, round=number, group=0, subset=subset)
+        subset = sorted(candidates[: key.threshold])
+        manifest = total.manifest(key_id=key.key_id, round=number, group=group, subset=subset)
         audit_id = self.audit.decryption_started(key_id=key.key_id, contributors=contributors, decryptors=subset)
         config_record, c1_record = encode_decrypt_request(manifest, total.c1, {n: tags[n] for n in contributors})
         self.decryptions += 1
@@ -325,11 +405,4 @@ class CkksSession:
             self.audit.decryption_finished(audit_id, error=str(exc))
             raise SecureAggregationError(f"round {number}: {exc}") from exc
         self.audit.decryption_finished(audit_id, error=None)
-        timings["ckks-decrypt"] = self.clock() - start
-        result.arrays = unflatten(base + mean.update, arrays)
-        result.accepted = contributors
-        result.total_examples = mean.total_weight * config.secagg_max_weight
-        result.train_loss = mean.train_loss
-        log.info("threshold CKKS: round %s summed %s encrypted updates, decrypted by %s of %s holders",
-                 number, len(contributors), len(subset), len(key.holders))
-        return result
+        return mean, contributors

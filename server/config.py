@@ -258,7 +258,8 @@ class RunConfig:
     secagg_modulus_bits: int = key(32, "masked sums are taken mod 2^32 or 2^64", low=32, high=64, applies="masking")
     secagg_min_group: int = key(
         0, "fewest nodes whose sum is revealed (0 = the threshold t); with IFCA each cluster is a group, and a "
-        "smaller cluster sits the round out", low=0, high=10_000, applies="masking")
+        "smaller cluster sits the round out. Under ckks the nodes read it from the signed run config and refuse "
+        "to decrypt a smaller sum", low=0, high=10_000, applies="masking, ckks")
     secagg_colluding_fraction: float = key(
         0.2, "cohorts over 100: the colluders the sparse graph must withstand; its degree and local threshold "
         "follow (exposure ≤ 2⁻⁴⁰), or the complete graph where no sparse one does", low=0.0, high=0.49,
@@ -368,9 +369,6 @@ class RunConfig:
             problems.append("strategy fedper needs personal-layers: layer prefixes such as '7,9', or 'head'")
         if config.secagg_min_group == 1:
             problems.append("secagg-min-group 1 would reveal single updates; write 0 (= the threshold) or >= 2")
-        if config.strategy is StrategyName.IFCA and config.secure_aggregation is SecureMode.CKKS and config.clusters > 1:
-            problems.append("strategy ifca with secure-aggregation ckks is not supported yet; use masking "
-                            "(sums per cluster) or clusters = 1")
         if config.secure_aggregation is SecureMode.MASKING and config.compression not in (Compression.NONE,
                                                                                           Compression.RANDK):
             problems.append(f"compression {config.compression.value} with secure-aggregation masking is not possible: "

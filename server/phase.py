@@ -1,4 +1,5 @@
-"""What the train phase of a round produced, whichever way it was aggregated (plaintext or masked)."""
+"""What the train phase of a round produced, whichever way it was aggregated (plaintext or masked),
+and who failed in the round."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ from numpy.typing import NDArray
 
 from quorumfl.protocol.wire import METRICS, department_of
 
-__all__ = ["TrainPhase"]
+__all__ = ["RoundOutcome", "TrainPhase"]
+
+
+@dataclass
+class RoundOutcome:
+    participants: list[int] = field(default_factory=list)
+    failures: dict[int, tuple[str, str]] = field(default_factory=dict)  # node -> (stage, reason)
 
 
 @dataclass

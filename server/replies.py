@@ -30,7 +30,7 @@ from quorumfl.protocol.wire import (
     from_array_record,
 )
 from quorumfl.server.phase import TrainPhase
-from quorumfl.server.strategies import ClusteredFedAvg, FedAvg
+from quorumfl.server.strategies import Strategy
 
 __all__ = [
     "RefusedError",
@@ -129,7 +129,7 @@ def parse_train_reply(
 
 
 def aggregate_train_replies(
-    strategy: FedAvg, number: int, models: list[Arrays], replies: Sequence[tuple[int, Message]],
+    strategy: Strategy, number: int, models: list[Arrays], replies: Sequence[tuple[int, Message]],
     failures: dict[int, tuple[str, str]], retried: dict[int, int] | None = None, *, max_reply_mb: float = 0.0,
     max_weight: float = 0.0,
 ) -> TrainPhase:
@@ -148,7 +148,7 @@ def aggregate_train_replies(
             continue
         parsed.append(item)
     phase = TrainPhase(arrays=None)
-    if isinstance(strategy, ClusteredFedAvg) and len(models) > 1:
+    if len(models) > 1:
         clustered = strategy.aggregate_clusters(number, models, ((clusters[p.node_id], p.update) for p in parsed))
         rejected, accepted_ids = clustered.rejected, clustered.accepted
         if accepted_ids:

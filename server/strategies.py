@@ -7,13 +7,19 @@ on the server (μ = 0 makes them FedAvg) and tell nodes how to personalise (``cl
 FedPer's server model holds only the shared layers. ``ClusteredFedAvg`` (IFCA) keeps K models: nodes
 report which one fits them and each cluster is averaged on its own, then empty or collapsed
 clusters are re-seeded (``aggregation.clustering``).
+
+Every strategy answers the ``Strategy`` protocol, so the round loop, the round modes and the reply
+parser ask the strategy instead of checking its class: which arrays the server holds and evaluates,
+the model-version lineages, what each node is told, and how updates (per cluster) combine.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -25,7 +31,8 @@ from quorumfl.protocol.wire import TrainConfig
 from quorumfl.server.config import RunConfig, StrategyName
 
 __all__ = [
-    "AggregateResult", "ClusteredFedAvg", "ClusteredResult", "Ditto", "FedAvg", "FedPer", "FedProx", "build_strategy",
+    "AggregateResult", "ClusteredFedAvg", "ClusteredResult", "Ditto", "FedAvg", "FedPer", "FedProx", "Strategy",
+    "build_strategy",
 ]
 
 Arrays = dict[str, NDArray[np.generic]]
@@ -39,6 +46,60 @@ class AggregateResult:
     accepted: list[int] = field(default_factory=list)
     rejected: dict[int, str] = field(default_factory=dict)
     total_examples: float = 0.0
+
+
+@dataclass
+class ClusteredResult:
+    """The K cluster models after a round, who went where, and what was repaired."""
+
+    models: list[Arrays]
+    members: list[list[int]]
+    accepted: list[int] = field(default_factory=list)
+    rejected: dict[int, str] = field(default_factory=dict)
+    updated: list[int] = field(default_factory=list)  # clusters that received updates this round
+    repairs: list[Repair] = field(default_factory=list)
+    total_examples: float = 0.0
+
+
+class Strategy(Protocol):
+    """What the federation loop asks of a strategy (FedAvg, FedProx, FedPer, Ditto, IFCA)."""
+
+    name: StrategyName
+    clusters: int  # server models: 1, or IFCA's K
+
+    def count(self, available: int) -> int:
+        """How many nodes a round aggregates."""
+        ...
+
+    def server_arrays(self, full: Arrays) -> Arrays:
+        """The part of a full model that the server holds and sends."""
+        ...
+
+    def lineages(self, architecture: str) -> list[str]:
+        """The model-version lineage of each server model (one per cluster)."""
+        ...
+
+    def evaluates_on_server(self) -> bool:
+        """Whether the server's models can be evaluated on the server's held-out set."""
+        ...
+
+    def configure_train(self, server_round: int, nodes: Iterable[int], base: TrainConfig) -> dict[int, TrainConfig]:
+        """What each selected node is told for this round."""
+        ...
+
+    def aggregate_train(self, template: Arrays, updates: Iterable[NodeUpdate]) -> AggregateResult:
+        """One server model: the combination of the valid updates."""
+        ...
+
+    def aggregate_clusters(
+        self, server_round: int, models: Sequence[Arrays], updates: Iterable[tuple[int, NodeUpdate]]
+    ) -> ClusteredResult:
+        """Several server models: each combined from the updates of the nodes that chose it."""
+        ...
+
+    def repair(self, server_round: int, result: ClusteredResult) -> ClusteredResult:
+        """After a round's per-cluster sums: re-seed clusters that emptied or collapsed."""
+        ...
 
 
 class FedAvg:
@@ -65,6 +126,13 @@ class FedAvg:
         """How many nodes a round aggregates: ``fraction_train`` of the available, at least ``min_nodes``."""
         return min(available, max(self.min_nodes, math.ceil(self.fraction_train * available)))
 
+    def lineages(self, architecture: str) -> list[str]:
+        """The architecture itself: heads and rollbacks then never mix incompatible arrays."""
+        return [architecture]
+
+    def evaluates_on_server(self) -> bool:
+        return True
+
     def configure_train(self, server_round: int, nodes: Iterable[int], base: TrainConfig) -> dict[int, TrainConfig]:
         config = replace(base, server_round=server_round, proximal_mu=0.0)
         return {node: config for node in nodes}
@@ -83,6 +151,34 @@ class FedAvg:
         if result.accepted:
             result.arrays = mean.result()
             result.total_examples = mean.total_weight
+        return result
+
+    def aggregate_clusters(
+        self, server_round: int, models: Sequence[Arrays], updates: Iterable[tuple[int, NodeUpdate]]
+    ) -> ClusteredResult:
+        """Per-cluster weighted means of the valid updates; a cluster without updates keeps its model;
+        then empty and collapsed clusters are re-seeded from the largest one."""
+        if len(models) != self.clusters:
+            raise AggregationError(f"{len(models)} cluster models, the strategy has {self.clusters}")
+        mean = ClusteredMean(models)
+        result = ClusteredResult(models=[dict(m) for m in models], members=[[] for _ in models])
+        for cluster, update in updates:
+            try:
+                mean.add(cluster, update)
+            except AggregationError as exc:
+                result.rejected[int(update.node)] = str(exc)
+            else:
+                result.accepted.append(int(update.node))
+                result.members[cluster].append(int(update.node))
+        if result.accepted:
+            for k, arrays in mean.results().items():
+                result.models[k] = arrays
+                result.updated.append(k)
+            result.total_examples = mean.total_weight
+        return self.repair(server_round, result)
+
+    def repair(self, server_round: int, result: ClusteredResult) -> ClusteredResult:
+        """Nothing to repair with one model."""
         return result
 
 
@@ -118,6 +214,16 @@ class FedPer(FedProx):
         shared: Arrays = split_arrays(full, personal_names(list(full), self.personal_layers))[0]
         return shared
 
+    def lineages(self, architecture: str) -> list[str]:
+        """Its shared layers' own lineage (the server holds no head)."""
+        layers = self.personal_layers.replace(" ", "")
+        if len(architecture) + len(layers) > 100:  # the DB column holds 128 characters
+            layers = hashlib.sha256(layers.encode()).hexdigest()[:16]
+        return [f"{architecture}|fedper-shared:{layers}"]
+
+    def evaluates_on_server(self) -> bool:
+        return False  # the server's model has no head: the departments evaluate it
+
     def configure_train(self, server_round: int, nodes: Iterable[int], base: TrainConfig) -> dict[int, TrainConfig]:
         config = replace(base, server_round=server_round, proximal_mu=self.proximal_mu, personalisation="fedper",
                          personal_layers=self.personal_layers)
@@ -143,19 +249,6 @@ class Ditto(FedProx):
         return {node: config for node in nodes}
 
 
-@dataclass
-class ClusteredResult:
-    """The K cluster models after a round, who went where, and what was repaired."""
-
-    models: list[Arrays]
-    members: list[list[int]]
-    accepted: list[int] = field(default_factory=list)
-    rejected: dict[int, str] = field(default_factory=dict)
-    updated: list[int] = field(default_factory=list)  # clusters that received updates this round
-    repairs: list[Repair] = field(default_factory=list)
-    total_examples: float = 0.0
-
-
 class ClusteredFedAvg(FedProx):
     """IFCA (Ghosh et al., 2020): K cluster models; each node trains the one with the lowest loss on
     its own data and reports only its index; each cluster is averaged over its own nodes."""
@@ -173,29 +266,10 @@ class ClusteredFedAvg(FedProx):
         self.merge_distance = merge_distance
         self.reseed_noise = reseed_noise
 
-    def aggregate_clusters(
-        self, server_round: int, models: Sequence[Arrays], updates: Iterable[tuple[int, NodeUpdate]]
-    ) -> ClusteredResult:
-        """Per-cluster weighted means of the valid updates; a cluster without updates keeps its model;
-        then empty and collapsed clusters are re-seeded from the largest one."""
-        if len(models) != self.clusters:
-            raise AggregationError(f"{len(models)} cluster models, the strategy has {self.clusters}")
-        mean = ClusteredMean(models)
-        result = ClusteredResult(models=[dict(m) for m in models], members=[[] for _ in models])
-        for cluster, update in updates:
-            try:
-                mean.add(cluster, update)
-            except AggregationError as exc:
-                result.rejected[int(update.node)] = str(exc)
-            else:
-                result.accepted.append(int(update.node))
-                result.members[cluster].append(int(update.node))
-        if result.accepted:
-            for k, arrays in mean.results().items():
-                result.models[k] = arrays
-                result.updated.append(k)
-            result.total_examples = mean.total_weight
-        return self.repair(server_round, result)
+    def lineages(self, architecture: str) -> list[str]:
+        if self.clusters == 1:
+            return [architecture]
+        return [f"{architecture}|ifca-{self.clusters}:cluster-{k}" for k in range(self.clusters)]
 
     def repair(self, server_round: int, result: ClusteredResult) -> ClusteredResult:
         """Re-seed empty and collapsed clusters (only once some cluster has members)."""
@@ -208,7 +282,7 @@ class ClusteredFedAvg(FedProx):
         return result
 
 
-def build_strategy(config: RunConfig) -> FedAvg:
+def build_strategy(config: RunConfig) -> Strategy:
     """The strategy named by the run config, with every hyperparameter visible here."""
     fraction, least, seed, mu = config.fraction_train, config.min_nodes, config.seed, config.proximal_mu
     if config.strategy is StrategyName.FEDPROX:

@@ -11,7 +11,8 @@
   afterwards would blow it up to the size of q).
 - The server combines m = c0 + Σ_{p∈S} d_p = Δ·Σx + small noise and decodes.
 
-A member refuses (fails closed): a manifest for another key, fewer than t contributors, |S| < t,
+A member refuses (fails closed): a manifest for another key, fewer than t contributors (or than the
+run's signed ``secagg-min-group``, at least 2, where the admin set one: IFCA sums each cluster on its own), |S| < t,
 itself not in S, S outside the key's holders, a c1 whose digest differs from the manifest's, any
 second request for the same (round, group) — decrypting one aggregate twice would let the server
 average the flooding away, and decrypting two sums over different contributors of one round would
@@ -245,17 +246,24 @@ class CiphertextSum:
 
 def check_request(share: KeyShare, manifest: Manifest, c1: U64, asked: set[tuple[int, int]],
                   contributions: Sequence[Contribution], *, roster: Roster | None = None, binding: bytes = b"",
-                  max_decryptions: int = MAX_DECRYPTIONS) -> None:
+                  max_decryptions: int = MAX_DECRYPTIONS, min_contributors: int | None = None) -> None:
     """Every refusal rule; raises ``SecureAggregationError`` naming the rule.
 
     ``roster`` (a signed federation): every contribution must be signed by its department's
     registered key, for a distinct department. ``max_decryptions``: the key's cap.
+    ``min_contributors``: the fewest contributors a decrypted sum may have (the run's signed
+    ``secagg-min-group``, at least 2, e.g. for IFCA's per-cluster sums); None: t.
     """
     t = share.threshold
+    if min_contributors is not None and min_contributors < 2:
+        raise SecureAggregationError(f"refusing: a minimum of {min_contributors} contributor(s) would reveal "
+                                     "single updates")
+    fewest = t if min_contributors is None else min_contributors
     if manifest.key_id != share.key_id:
         raise SecureAggregationError(f"manifest is for key {manifest.key_id}, this node holds {share.key_id}")
-    if len(set(manifest.contributors)) < t:
-        raise SecureAggregationError(f"refusing: {len(set(manifest.contributors))} contributor(s), fewer than t={t}")
+    if len(set(manifest.contributors)) < fewest:
+        limit = f"t={t}" if min_contributors is None else f"the run's minimum group of {fewest}"
+        raise SecureAggregationError(f"refusing: {len(set(manifest.contributors))} contributor(s), fewer than {limit}")
     subset = set(manifest.subset)
     if len(subset) < t or len(subset) != len(manifest.subset):
         raise SecureAggregationError(f"refusing: decrypting subset of {len(subset)}, fewer than t={t}")
@@ -317,13 +325,13 @@ def _check_contributions(share: KeyShare, manifest: Manifest, c1: U64, contribut
 
 def partial_decrypt(share: KeyShare, manifest: Manifest, c1: U64, asked: set[tuple[int, int]],
                     contributions: Sequence[Contribution], *, roster: Roster | None = None, binding: bytes = b"",
-                    max_decryptions: int = MAX_DECRYPTIONS) -> U64:
+                    max_decryptions: int = MAX_DECRYPTIONS, min_contributors: int | None = None) -> U64:
     """d_p = λ_p(S)·σ_p·c1 + NTT(flooding noise) after every refusal check.
 
     The caller must record ``(manifest.round, manifest.group)`` as asked *before* sending the result.
     """
     check_request(share, manifest, c1, asked, contributions, roster=roster, binding=binding,
-                  max_decryptions=max_decryptions)
+                  max_decryptions=max_decryptions, min_contributors=min_contributors)
     return answer_checked(share, manifest, c1)
 
 

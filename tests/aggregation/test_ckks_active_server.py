@@ -94,7 +94,7 @@ class SignedRound:
 
 
 def signed_round(public_key: bytes, shares: dict[int, KeyShare], contributors: tuple[int, ...],
-                 round_number: int = 1) -> SignedRound:
+                 round_number: int = 1, group: int = 0) -> SignedRound:
     rng = np.random.default_rng(round_number)
     values = {n: rng.normal(0.0, 0.05, LENGTH) for n in contributors}
     total = CiphertextSum(PARAMS, length=LENGTH, primes=2)
@@ -102,7 +102,7 @@ def signed_round(public_key: bytes, shares: dict[int, KeyShare], contributors: t
     for node in contributors:
         ciphertexts[node] = encrypt_vector(PARAMS, public_key, values[node], primes=2)
         total.add(node, ciphertexts[node])
-        tags[node] = contribute(shares[node], ciphertexts[node][:, 1], round_number=round_number, group=0,
+        tags[node] = contribute(shares[node], ciphertexts[node][:, 1], round_number=round_number, group=group,
                                 signer=_signer(node), department=DEPARTMENT[node], binding=BINDING)
     return SignedRound(values, ciphertexts, total, tags)
 
@@ -210,6 +210,34 @@ def test_each_key_answers_at_most_its_cap_and_never_a_round_twice(keyed: tuple[b
     _decrypt(share, rnd, asked={(10, 0), (11, 0)}, max_decryptions=3)
     with pytest.raises(SecureAggregationError, match="already decrypted"):
         _decrypt(share, rnd, asked={(1, 0)})
+
+
+def test_a_cluster_sum_below_the_signed_group_minimum_is_refused(keyed: tuple[bytes, dict[int, KeyShare]]) -> None:
+    """IFCA under CKKS: each cluster is a group. A sum of 2 contributors (t = 3) is decrypted only when
+    the admin-signed run config sets secagg-min-group to 2; a node never goes below 2, and tags signed
+    for another group do not verify."""
+    public_key, shares = keyed
+    rnd = signed_round(public_key, shares, NODES[3:], group=1)
+    manifest = rnd.total.manifest(key_id=shares[NODES[0]].key_id, round=1, group=1, subset=NODES[:T])
+    tags = list(rnd.tags.values())
+
+    def ask(node: int, *, minimum: int | None, sent: list[Contribution] = tags) -> np.ndarray:
+        return partial_decrypt(shares[node], manifest, rnd.total.c1, set(), sent, roster=ROSTER, binding=BINDING,
+                               min_contributors=minimum)
+
+    with pytest.raises(SecureAggregationError, match="2 contributor.s., fewer than t=3"):
+        ask(NODES[0], minimum=None)
+    with pytest.raises(SecureAggregationError, match="fewer than the run's minimum group of 3"):
+        ask(NODES[0], minimum=3)
+    with pytest.raises(SecureAggregationError, match="would reveal single updates"):
+        ask(NODES[0], minimum=1)
+    elsewhere = signed_round(public_key, shares, NODES[3:], group=0).tags  # the same nodes' tags for group 0
+    with pytest.raises(SecureAggregationError):
+        ask(NODES[0], minimum=2, sent=list(elsewhere.values()))
+    partials = {n: ask(n, minimum=2) for n in manifest.subset}
+    result = combine(PARAMS, rnd.total.c0, partials, manifest)
+    reference = rnd.values[NODES[3]] + rnd.values[NODES[4]]
+    assert np.max(np.abs(result - reference)) <= 6 * PARAMS.error_std(T, len(NODES))  # the key has 5 holders
 
 
 def test_a_contribution_from_outside_the_key_is_refused() -> None:

@@ -1,8 +1,10 @@
-"""IFCA with masking on Flower's deployment engine: SuperLink + 6 SuperNodes, 2 clusters, 3 rounds.
+"""IFCA with masking and with threshold CKKS on Flower's deployment engine: SuperLink + 6 SuperNodes,
+2 clusters, 3 rounds.
 
 The six departments hold IID digits in two planted groups (labels permuted per group). Each round
 the nodes first say which cluster model fits them (``query.ifca_pick``), then each cluster is one
-masking group: the server learns each cluster's sum, never a department's update. The run must
+group (masked, or encrypted and decrypted on its own): the server learns each cluster's sum, never
+a department's update. The run must
 complete all three rounds, store both cluster models per round, record every node's cluster per
 round, and end with the clusters following the planted groups.
 """
@@ -29,7 +31,8 @@ DEPARTMENTS = ["tax-office", "urban-planning", "public-works", "housing", "trans
 @pytest.mark.slow
 @pytest.mark.xdist_group("heavy-federations")  # one at a time (README: Tests)
 @pytest.mark.timeout(900)
-def test_six_nodes_ifca_with_masking(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("mode", "stage"), [("masking", "secagg-unmask"), ("ckks", "ckks-decrypt")])
+def test_six_nodes_ifca_with_secure_aggregation(tmp_path: Path, mode: str, stage: str) -> None:
     home = tmp_path / "home"
     db_url = f"sqlite:///{home / 'quorumfl.db'}"
     repo = Repository(connect(db_url, migrate=True))
@@ -41,7 +44,7 @@ def test_six_nodes_ifca_with_masking(tmp_path: Path) -> None:
         flower_run_id = federation.control.start_run(
             {"strategy": "ifca", "clusters": 2, "proximal-mu": 0.0, "num-rounds": 3, "local-epochs": 5,
              "min-nodes": 2, "seed": 2, "start-from": "fresh", "state-url": db_url, "model-dir": str(home / "models"),
-             "secure-aggregation": "masking", "secagg-threshold": 0.6, "secagg-min-group": 2,
+             "secure-aggregation": mode, "secagg-threshold": 0.6, "secagg-min-group": 2,
              "round-timeout": 240.0, "secagg-stage-timeout": 120.0}
         )
         run = follow_run(repo, flower_run_id, timeout=800, alive=lambda: federation.alive(flower_run_id))
@@ -49,7 +52,7 @@ def test_six_nodes_ifca_with_masking(tmp_path: Path) -> None:
     assert run.status == RunStatus.COMPLETED, f"{run.error}\n{federation.logs()}"
     assert [r.status for r in run.rounds] == [RoundStatus.COMPLETED] * 3
     for rnd in run.rounds:
-        assert "ifca-pick" in rnd.timings and "secagg-unmask" in rnd.timings
+        assert "ifca-pick" in rnd.timings and stage in rnd.timings
     versions = repo.list_model_versions(run_id=run.id)
     assert sorted((v.round, int(v.metrics["cluster"])) for v in versions) == [(r, k) for r in (1, 2, 3) for k in (0, 1)]
     names = {n.node_id: n.department for n in repo.list_nodes()}

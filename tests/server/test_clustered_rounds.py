@@ -21,7 +21,7 @@ from quorumfl.core.models import build_model, model_to_arrays
 from quorumfl.protocol.secure_wire import MASKED
 from quorumfl.protocol.wire import ARRAYS, METRICS, from_array_record
 from quorumfl.server.model_store import ModelStore
-from quorumfl.server.rounds import IFCA_PICK
+from quorumfl.server.modes import IFCA_PICK
 from quorumfl.server.state.repository import RoundStatus, RunStatus
 
 from .test_rounds import (
@@ -34,13 +34,14 @@ from .test_rounds import (
 IFCA = {"strategy": "ifca", "clusters": 2, "proximal-mu": 0.0, "local-epochs": 5}
 
 
-def _contexts(parts: dict[str, Path], state: Path) -> dict[int, Context]:
-    """Nodes that train repeatably (``REPRODUCIBLE``): the tests compare masked with plaintext runs."""
+def _contexts(parts: dict[str, Path], state: Path, run_config: dict[str, int] | None = None) -> dict[int, Context]:
+    """Nodes that train repeatably (``REPRODUCIBLE``): the tests compare masked with plaintext runs.
+    ``run_config``: what Flower hands the nodes of the run config (the admin-signed one)."""
     return {
         1000 + i: Context(run_id=99, node_id=1000 + i,
                           node_config={"data-path": str(p), "department": name, "state-dir": str(state / name),
                                        **REPRODUCIBLE},
-                          state=RecordDict(), run_config={})
+                          state=RecordDict(), run_config=dict(run_config or {}))
         for i, (name, p) in enumerate(parts.items())
     }
 
@@ -115,6 +116,62 @@ def test_ifca_with_masking_equals_plaintext_ifca(tmp_path: Path, planted: tuple[
     assert kinds.count(IFCA_PICK) == 12
     train = [r for r in grid.replies if not r.has_error() and MASKED in r.content.array_records]
     assert len(train) == 12 and all(ARRAYS not in r.content.array_records for r in grid.replies if not r.has_error())
+
+
+def test_ifca_with_ckks_equals_plaintext_ifca(tmp_path: Path, planted: tuple[dict[str, Path], dict[str, int]]) -> None:
+    """Each cluster is one CKKS group: encrypted, summed and decrypted on its own (t = 4 of 6 holders
+    decrypt; a cluster of 3 is revealed because the signed run config's secagg-min-group is 3)."""
+    parts, _ = planted
+    plain, repo = _federation(tmp_path, LoopbackGrid(_contexts(parts, tmp_path / "plain")), **IFCA)
+    plain_run = plain.run()
+
+    grid = LoopbackGrid(_contexts(parts, tmp_path / "ckks", {"secagg-min-group": 3}))
+    ckks = {"secure-aggregation": "ckks", "secagg-threshold": 0.6, "secagg-min-group": 3}
+    encrypted, repo = _federation(tmp_path, grid, **IFCA, **ckks)
+    run_id = encrypted.run()
+
+    assert repo.get_run(run_id).status == RunStatus.COMPLETED, repo.get_run(run_id).error
+    # Round 1: each cluster's decrypted mean equals the plaintext one up to the CKKS error (~1e-8);
+    # round 2 trains five epochs on top of it.
+    for number, tolerance in ((1, 1e-6), (2, 1e-3)):
+        reference = _versions(repo, plain_run, number)
+        for cluster, arrays in _versions(repo, run_id, number).items():
+            for key, value in arrays.items():
+                np.testing.assert_allclose(value, reference[cluster][key], rtol=0, atol=tolerance)
+        picks = [sorted((m.node_id, m.value) for m in repo.metrics(r, name="cluster") if m.round == number)
+                 for r in (plain_run, run_id)]
+        assert picks[0] == picks[1]
+    # One decryption per cluster and round, of exactly that cluster's nodes, by t = 4 key holders.
+    decryptions = repo.decryptions(run_id)
+    split = 0
+    for number in (1, 2):
+        picks = {m.node_id: int(m.value) for m in repo.metrics(run_id, name="cluster") if m.round == number}
+        clusters = sorted(sorted(n for n, c in picks.items() if c == k) for k in set(picks.values()))
+        assert sorted(sorted(d.contributors) for n, d in decryptions if n == number) == clusters
+        assert all(len(d.decryptors) == 4 and d.status == "complete" for n, d in decryptions if n == number)
+        split += len(clusters) == 2
+    assert split  # (round 2 here: every node of the first round picked one model, then they split 3 / 3)
+    # The server saw cluster choices and ciphertexts, never a plaintext update.
+    assert [m.metadata.message_type for m in grid.sent].count(IFCA_PICK) == 12
+    assert all(ARRAYS not in r.content.array_records for r in grid.replies if not r.has_error())
+
+
+def test_ifca_with_ckks_leaves_out_a_cluster_below_the_group_minimum(
+    tmp_path: Path, planted: tuple[dict[str, Path], dict[str, int]]
+) -> None:
+    """Without a group minimum below t (4 of 6), a cluster of 3 is never decrypted: it sits the round out
+    (same data and seeds as above: round 1 is one cluster of 6, round 2 two of 3)."""
+    parts, _ = planted
+    grid = LoopbackGrid(_contexts(parts, tmp_path / "ckks"))
+    encrypted, repo = _federation(tmp_path, grid, **IFCA, **{"secure-aggregation": "ckks", "secagg-threshold": 0.6,
+                                                             "num-rounds": 2})
+    run_id = encrypted.run()
+
+    first, second = repo.get_run(run_id).rounds
+    assert first.status == RoundStatus.COMPLETED and second.status == RoundStatus.FAILED
+    assert {f.stage for f in second.failures} == {"secagg-group"} and len(second.failures) == 6
+    assert "below the group minimum 4" in second.failures[0].reason
+    assert [(n, len(d.contributors)) for n, d in repo.decryptions(run_id)] == [(1, 6)]  # nothing of round 2
 
 
 def test_fedper_personal_layers_never_leave_the_node(tmp_path: Path, six_parts: dict[str, Path]) -> None:

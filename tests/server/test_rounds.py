@@ -309,7 +309,7 @@ def test_a_running_round_records_its_stage_and_nodes(tmp_path: Path, federation_
     ids = list(contexts)
     grid = LoopbackGrid(contexts, {ids[3]: error_reply, ids[4]: silent})
     federation, repo = _federation(tmp_path, grid, **{"num-rounds": 1, "round-timeout": 1.0})
-    federation.progress_interval = 0.0
+    federation.exchange.progress_interval = 0.0
     written: list[dict[str, object]] = []
     record = repo.set_round_progress
 

@@ -70,7 +70,7 @@ def test_rl_selection_with_over_selection_deadline_and_restart(tmp_path: Path, p
     again, _ = _federation(tmp_path, LoopbackGrid(contexts, {quiet: silent}), **{**overrides, "num-rounds": 1})
     again.run()
     assert repo.selector_state("rl:digits:mlp").rounds == 5  # type: ignore[union-attr]
-    assert again.selector.book.rounds == 5
+    assert again.feedback.selector.book.rounds == 5
 
     url = f"sqlite:///{tmp_path / 'state.db'}"
     shown = quorumfl("selection", "show", str(run_id), "--format", "json", db=url)
