@@ -1,6 +1,7 @@
 """Run configuration: Flower run config / TOML → one frozen, validated ``RunConfig``.
 
-Each run-config key is declared once, as a ``RunConfig`` field made by ``key(default, help, …)``: its
+Each run-config key is declared once, as a ``RunConfig`` field made by ``key(default, help, …)``
+(``core/settings.py``): its
 kebab-case name, type, default, range, meaning and where it applies. Everything else is derived from
 those declarations: parsing with every problem reported at once (each naming the key and what to
 write instead), ``DEFAULTS`` (the Flower app's ``[tool.flwr.app.config]``, written into every app
@@ -19,13 +20,14 @@ import os
 import re
 import sys
 import tomllib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Self, get_type_hints
+from typing import Any, Self
 
 from quorumfl.aggregation.ckks import MAX_DECRYPTIONS, CkksParams
+from quorumfl.core.settings import Key, declared, defaults, key, markdown_table, read, setting
 from quorumfl.errors import ConfigError
 
 __all__ = [
@@ -39,7 +41,7 @@ __all__ = [
     "StrategyName",
     "key",
     "load_run_config_file",
-    "markdown_table",
+    "run_config_table",
 ]
 
 
@@ -76,33 +78,6 @@ class StartFrom(StrEnum):
     FRESH = "fresh"  # new weights from the seed
 
 
-@dataclass(frozen=True)
-class Key:
-    """What a run-config key is, said once: its default, what it means, its range, where it applies.
-
-    The key's name is its ``RunConfig`` field's in kebab case; its type is the field's annotation
-    (``int``, ``float``, ``str``, a ``StrEnum``). Parsing and range checks, ``DEFAULTS`` (so the
-    Flower app's ``[tool.flwr.app.config]``), the README's table and the node's train config are all
-    derived from these declarations (``declared``)."""
-
-    default: Any
-    help: str
-    low: float | None = None
-    high: float | None = None
-    open_low: bool = False  # the low bound itself is not allowed
-    choices: tuple[str, ...] = ()  # a ``str`` key's allowed values (a StrEnum's are its members)
-    applies: str = "all"  # which strategies, modes or features read it
-    node: bool = False  # the node's train config carries it as is (a ``TrainConfig`` field of that name)
-    parse: Callable[[str, list[str]], Any] | None = None  # a ``str`` setting read into another type
-    show: Callable[[Any], Any] | None = None  # the field's value back as the setting (for ``parse``)
-
-
-def key(default: Any, help: str, **spec: Any) -> Any:
-    """A ``RunConfig`` field declaring one run-config key (see ``Key``)."""
-    declaration = Key(default=default, help=help, **spec)
-    return field(default=default, metadata={"key": declaration})
-
-
 def _epoch_list(value: str, problems: list[str]) -> tuple[int, ...]:
     value = value.replace(" ", "")
     if not value:
@@ -132,45 +107,6 @@ def _roster_problems(text: str) -> list[str]:
     except SecureAggregationError as exc:
         return [f"roster: {exc}; it is written by the admin's 'quorumfl runs start' from the registered node keys"]
     return []
-
-
-def _setting(spec: Key, value: Any) -> Any:
-    """A field's value as a run-config value (what Flower's config and the stored run hold)."""
-    if spec.show is not None:
-        return spec.show(value)
-    return value.value if isinstance(value, StrEnum) else value
-
-
-def _read(name: str, kind: Any, spec: Key, value: Any, problems: list[str]) -> Any:
-    """One key's value checked against its declaration; on a problem, noted, the default."""
-    if isinstance(kind, type) and issubclass(kind, StrEnum):
-        try:
-            return kind(value)
-        except ValueError:
-            problems.append(f"{name} must be one of {[e.value for e in kind]}, got {value!r}")
-            return spec.default
-    if kind is str or spec.parse is not None:
-        if not isinstance(value, str):
-            problems.append(f"{name} must be a string, got {value!r}")
-            return spec.default
-        if spec.choices and value not in spec.choices:
-            problems.append(f"{name} must be one of {list(spec.choices)}, got {value!r}")
-            return spec.default
-        return spec.parse(value, problems) if spec.parse is not None else value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        problems.append(f"{name} must be a number, got {value!r}")
-        return spec.default
-    if kind is int and not float(value).is_integer():
-        problems.append(f"{name} must be a whole number, got {value!r}")
-        return spec.default
-    low, high = spec.low, spec.high
-    too_low = low is not None and (value <= low if spec.open_low else value < low)
-    if too_low or (high is not None and value > high):
-        bounds = [f"{'>' if spec.open_low else '>='} {low}"] if low is not None else []
-        bounds += [f"<= {high}"] if high is not None else []
-        problems.append(f"{name} must be {' and '.join(bounds)}, got {value!r}")
-        return spec.default
-    return kind(value)
 
 
 @dataclass(frozen=True)
@@ -305,15 +241,14 @@ class RunConfig:
     dp_delta: float = key(1e-5, "δ of the accounting", low=0.0, high=0.1, open_low=True, applies="dp", node=True)
 
     @classmethod
-    def declared(cls) -> dict[str, tuple[str, type, Key]]:
+    def declared(cls) -> dict[str, tuple[str, Any, Key]]:
         """Every run-config key: its kebab-case name → (field name, field type, declaration)."""
-        hints = get_type_hints(cls)
-        return {f.name.replace("_", "-"): (f.name, hints[f.name], f.metadata["key"]) for f in fields(cls)}
+        return declared(cls)
 
     @classmethod
     def defaults(cls) -> dict[str, Any]:
         """Every key's default as a run-config value (what Flower's app config holds)."""
-        return {name: _setting(spec, spec.default) for name, (_, _, spec) in cls.declared().items()}
+        return defaults(cls)
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> Self:
@@ -323,7 +258,7 @@ class RunConfig:
             close = difflib.get_close_matches(name, list(declared), n=1, cutoff=0.6)
             hint = f"did you mean '{close[0]}'?" if close else "the README's run-config table lists every key"
             problems.append(f"unknown key '{name}': {hint}")
-        settings = {name: _read(name, kind, spec, values[name], problems) if name in values else spec.default
+        settings = {name: read(name, kind, spec, values[name], problems) if name in values else spec.default
                     for name, (_, kind, spec) in declared.items()}
         config = cls(**{declared[name][0]: value for name, value in settings.items()})
         problems.extend(config.problems())
@@ -392,11 +327,11 @@ class RunConfig:
 
     def resolved(self) -> dict[str, Any]:
         """Kebab-case mapping of every setting, as stored with the run."""
-        return {name: _setting(spec, getattr(self, attr)) for name, (attr, _, spec) in self.declared().items()}
+        return {name: setting(spec, getattr(self, attr)) for name, (attr, _, spec) in self.declared().items()}
 
     def node_settings(self) -> dict[str, Any]:
         """The settings the node's train config carries as they are (declared ``node=True``), by field name."""
-        return {attr: _setting(spec, getattr(self, attr)) for attr, _, spec in self.declared().values() if spec.node}
+        return {attr: setting(spec, getattr(self, attr)) for attr, _, spec in self.declared().values() if spec.node}
 
     def ckks_params(self) -> CkksParams:
         """The threshold-CKKS parameter set: N from the config, a (60, 60, 60)-bit chain, Δ = 2^100."""
@@ -434,23 +369,14 @@ class RunConfig:
 DEFAULTS: dict[str, Any] = RunConfig.defaults()
 
 
-def _shown(value: Any) -> str:
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    return f"`{value}`" if value != "" else '`""`'
-
-
-def markdown_table(config: type[RunConfig] = RunConfig) -> str:
-    """The README's run-config table, one row per declared key."""
-    rows = ["| key | default | applies to | meaning |", "|---|---|---|---|"]
-    for name, (_, _, spec) in config.declared().items():
-        rows.append(f"| `{name}` | {_shown(_setting(spec, spec.default))} | {spec.applies} | {spec.help} |")
-    return "\n".join(rows) + "\n"
-
-
 TABLE_START = "<!-- run-config table: generated from server/config.py by `python -m quorumfl.server.config --write` -->\n"
 TABLE_END = "<!-- end of the run-config table -->\n"
 APP_CONFIG = re.compile(r"(?ms)^\[tool\.flwr\.app\.config\]\n.*?\n(?=\[)")
+
+
+def run_config_table(config: type[RunConfig] = RunConfig) -> str:
+    """The README's run-config table, one row per declared key."""
+    return markdown_table(config.declared())
 
 
 def derived_files(root: Path, config: type[RunConfig] = RunConfig) -> dict[Path, str]:
@@ -460,7 +386,7 @@ def derived_files(root: Path, config: type[RunConfig] = RunConfig) -> dict[Path,
     readme, pyproject = root / "README.md", root / "pyproject.toml"
     text = readme.read_text()
     start, end = text.index(TABLE_START) + len(TABLE_START), text.index(TABLE_END)
-    new_readme = text[:start] + markdown_table(config) + text[end:]
+    new_readme = text[:start] + run_config_table(config) + text[end:]
     table = tomli_w.dumps({"tool": {"flwr": {"app": {"config": config.defaults()}}}}).split("\n", 1)[1]
     new_pyproject = APP_CONFIG.sub(lambda _: "[tool.flwr.app.config]\n" + table.lstrip("\n") + "\n",
                                    pyproject.read_text(), count=1)

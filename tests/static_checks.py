@@ -1,6 +1,8 @@
-"""The static checks of the README's test command, run before pytest: ruff, mypy strict, and the
-layer rule (import-linter's contracts in ``pyproject.toml``). ``python -m tests.static_checks``
-prints one line per check and exits 1 when any fails, after printing what it found.
+"""The static checks of the README's test command, run before pytest: ruff, mypy strict, the layer
+rule (import-linter's contracts in ``pyproject.toml``) and the packaging build (``pip install .``
+into a folder of its own: a real wheel, not the editable tree, imports, migrates a state DB and
+names the CLI entry point). ``python -m tests.static_checks`` prints one line per check and exits 1
+when any fails, after printing what it found.
 
 mypy and import-linter cannot follow setuptools' ``package-dir`` mapping (the folders install as
 ``quorumfl.*`` but there is no ``quorumfl/`` folder), so both run on a tree of symlinks laid out as
@@ -12,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import tomllib
@@ -49,11 +52,40 @@ def checks(tree: Path, cache: Path) -> list[tuple[str, list[str], dict[str, str]
     ]
 
 
+PACKAGING_PROBE = (
+    "import sys, quorumfl.server, quorumfl.client.app, quorumfl.cli.main, quorumfl.server.app;"
+    "import quorumfl.aggregation.secagg, quorumfl.aggregation.ckks;"
+    "from quorumfl.server.state.database import connect;"
+    "connect('sqlite:///' + sys.argv[1], migrate=True);"
+    "print(quorumfl.server.__file__)"
+)
+
+
+def packaging(base: Path) -> list[tuple[str, list[str], dict[str, str], Path]]:
+    """``pip install .`` into ``base/site`` (no editable tree), then, with ``-S`` (no .pth files, so
+    the editable install cannot fill in what the wheel lacks): import, migrate, and check the entry point."""
+    site = base / "site"
+    env = {"PATH": f"{BIN}:/usr/bin:/bin", "HOME": os.environ.get("HOME", str(base))}
+    probe_env = {**env, "PYTHONPATH": f"{site}:{sysconfig.get_paths()['purelib']}"}
+    check_entry = (f"import pathlib, sys; text = next(pathlib.Path({str(site)!r}).glob('quorumfl-*.dist-info'))"
+                   ".joinpath('entry_points.txt').read_text(); "
+                   "sys.exit(0 if 'quorumfl = quorumfl.cli.main:main' in text else 'entry point missing: ' + text)")
+    return [
+        ("packaging: pip install .", [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                                      "--no-build-isolation", "--target", str(site), str(ROOT)], env, base),
+        ("packaging: the wheel imports and migrates", [sys.executable, "-S", "-c", PACKAGING_PROBE + "; "
+                                                       f"assert quorumfl.server.__file__.startswith({str(site)!r})",
+                                                       str(base / "w.db")], probe_env, base),
+        ("packaging: entry point", [sys.executable, "-c", check_entry], env, base),
+    ]
+
+
 def main() -> int:
     failed = []
     with tempfile.TemporaryDirectory(prefix="quorumfl-static-") as tmp:
         tree = package_tree(Path(tmp))
-        for name, command, env, cwd in checks(tree, Path(tmp)):
+        (Path(tmp) / "wheel").mkdir()
+        for name, command, env, cwd in [*checks(tree, Path(tmp)), *packaging(Path(tmp) / "wheel")]:
             start = time.monotonic()
             result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900, check=False)
             seconds = time.monotonic() - start

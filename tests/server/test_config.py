@@ -20,7 +20,7 @@ from quorumfl.server.config import (
     derived_files,
     key,
     load_run_config_file,
-    markdown_table,
+    run_config_table,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,7 +101,7 @@ def test_a_key_declared_once_is_parsed_validated_defaulted_and_documented(tmp_pa
     manifest = tomllib.loads(app_pyproject(Extended.defaults()).decode())  # the Flower app bundle
     assert manifest["tool"]["flwr"]["app"]["config"]["patience"] == 3
     assert "| `patience` | `3` | fedavg, fedprox | rounds without a better loss before the run stops |" in (
-        markdown_table(Extended))
+        run_config_table(Extended))
     for name in ("README.md", "pyproject.toml"):
         shutil.copy(ROOT / name, tmp_path / name)
     derived = {path.name: text for path, text in derived_files(tmp_path, Extended).items()}
