@@ -79,7 +79,7 @@ from quorumfl.protocol.wire import (
     to_array_record,
 )
 from quorumfl.server.config import RunConfig
-from quorumfl.server.phase import TrainPhase
+from quorumfl.server.phase import TrainPhase, cluster_groups
 
 __all__ = ["AuditTrail", "CkksKey", "CkksSession"]
 
@@ -256,20 +256,13 @@ class CkksSession:
         """Each group's members: the selected key holders, by cluster. A cluster below the group minimum
         sits out (its nodes recorded): its sum would reveal too few updates, and its members would
         refuse to decrypt it."""
-        members: dict[int, list[int]] = {}
-        for n in sorted(configs):
-            if n in key.holders and n in cluster_of:
-                members.setdefault(cluster_of[n], []).append(n)
-        if clustered:
-            fewest = self.config.secagg_min_group or key.threshold
-            for k, nodes in list(members.items()):
-                if len(nodes) < fewest:
-                    for n in nodes:
-                        failures[n] = ("secagg-group", f"cluster {k} has {len(nodes)} node(s), below the group minimum "
-                                                       f"{fewest}; its sum would expose too few updates")
-                    del members[k]
-            if not members:
-                raise QuorumNotMetError(f"no cluster has the group minimum of {fewest} nodes")
+        holders = [n for n in configs if n in key.holders]
+        if not clustered:
+            return {0: sorted(holders)} if holders else {}
+        fewest = self.config.secagg_min_group or key.threshold
+        members = cluster_groups(holders, cluster_of, fewest, failures)
+        if not members:
+            raise QuorumNotMetError(f"no cluster has the group minimum of {fewest} nodes")
         return members
 
     def _round(
@@ -286,6 +279,8 @@ class CkksSession:
     ) -> TrainPhase:
         config = self.config
         groups = self._groups(key, cluster_of, configs, failures, clustered=clustered)
+        if not groups:
+            raise QuorumNotMetError(f"none of the selected nodes holds a share of key {key.key_id}; nothing was sent")
         group_of = {n: k for k, nodes in groups.items() for n in nodes}
         participants = sorted(group_of)
         bases = {k: flatten(models[k]) for k in groups}

@@ -3,6 +3,7 @@ and who failed in the round."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -11,7 +12,7 @@ from numpy.typing import NDArray
 
 from quorumfl.protocol.wire import METRICS, department_of
 
-__all__ = ["RoundOutcome", "TrainPhase"]
+__all__ = ["RoundOutcome", "TrainPhase", "cluster_groups"]
 
 
 @dataclass
@@ -53,3 +54,21 @@ class TrainPhase:
         noted["uplink-bytes"] = float(sum(len(a.data) for record in content.array_records.values()
                                           for a in record.values()))
         self.departments[node] = department_of(content)
+
+
+def cluster_groups(nodes: Iterable[int], cluster_of: Mapping[int, int], fewest: int,
+                   failures: dict[int, tuple[str, str]]) -> dict[int, list[int]]:
+    """Secure rounds with IFCA: ``nodes`` by the cluster each chose, one group each. A cluster of fewer
+    than ``fewest`` nodes sits the round out (its nodes recorded at stage ``secagg-group``): its sum
+    would expose too few updates."""
+    members: dict[int, list[int]] = {}
+    for n in sorted(nodes):
+        if n in cluster_of:
+            members.setdefault(cluster_of[n], []).append(n)
+    for k, group in list(members.items()):
+        if len(group) < fewest:
+            for n in group:
+                failures[n] = ("secagg-group", f"cluster {k} has {len(group)} node(s), below the group minimum "
+                                               f"{fewest}; its sum would expose too few updates")
+            del members[k]
+    return members

@@ -63,7 +63,7 @@ from quorumfl.protocol.wire import (
     to_array_record,
 )
 from quorumfl.server.config import RunConfig
-from quorumfl.server.phase import TrainPhase
+from quorumfl.server.phase import TrainPhase, cluster_groups
 
 __all__ = ["MaskingSession"]
 
@@ -195,16 +195,7 @@ class MaskingSession:
     ) -> TrainPhase:
         config = self.config
         quorum = epoch.params.group_quorum
-        members: dict[int, list[int]] = {}
-        for n in sorted(configs):
-            if n in epoch.ready and n in cluster_of:
-                members.setdefault(cluster_of[n], []).append(n)
-        for k, nodes in list(members.items()):
-            if len(nodes) < quorum:
-                for n in nodes:
-                    failures[n] = ("secagg-group", f"cluster {k} has {len(nodes)} node(s), below the group quorum "
-                                                   f"{quorum}; its sum would expose too few updates")
-                del members[k]
+        members = cluster_groups((n for n in configs if n in epoch.ready), cluster_of, quorum, failures)
         if not members:
             raise QuorumNotMetError(f"no cluster has the group quorum of {quorum} nodes")
         order = sorted(members)  # masking group i sums cluster order[i]

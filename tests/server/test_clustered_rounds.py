@@ -59,6 +59,19 @@ def _versions(repo: object, run_id: int, number: int) -> dict[int, dict[str, np.
     return {int(v.metrics["cluster"]): ModelStore.load(v.path, v.sha256) for v in versions}
 
 
+def _assert_same_clusters_and_models(repo: object, plain_run: int, run_id: int,
+                                     tolerances: tuple[tuple[int, float], ...]) -> None:
+    """Per round: every cluster model within ``tolerance`` of the plaintext run's, and the same picks."""
+    for number, tolerance in tolerances:
+        reference = _versions(repo, plain_run, number)
+        for cluster, arrays in _versions(repo, run_id, number).items():
+            for key, value in arrays.items():
+                np.testing.assert_allclose(value, reference[cluster][key], rtol=0, atol=tolerance)
+        picks = [sorted((m.node_id, m.value) for m in repo.metrics(r, name="cluster") if m.round == number)  # type: ignore[attr-defined]
+                 for r in (plain_run, run_id)]
+        assert picks[0] == picks[1]
+
+
 def test_ifca_averages_each_cluster_over_its_own_nodes(tmp_path: Path, planted: tuple[dict[str, Path], dict[str, int]]) -> None:
     parts, groups = planted
     contexts = _contexts(parts, tmp_path / "state")
@@ -103,14 +116,7 @@ def test_ifca_with_masking_equals_plaintext_ifca(tmp_path: Path, planted: tuple[
     assert repo.get_run(run_id).status == RunStatus.COMPLETED
     # Round 1: the masked per-cluster means equal the plaintext ones up to the fixed-point error.
     # Round 2 trains five epochs on top of that error, which grows it, so only a looser match holds.
-    for number, tolerance in ((1, 1e-5), (2, 1e-3)):
-        reference = _versions(repo, plain_run, number)
-        for cluster, arrays in _versions(repo, run_id, number).items():
-            for key, value in arrays.items():
-                np.testing.assert_allclose(value, reference[cluster][key], rtol=0, atol=tolerance)
-        picks = [sorted((m.node_id, m.value) for m in repo.metrics(r, name="cluster") if m.round == number)
-                 for r in (plain_run, run_id)]
-        assert picks[0] == picks[1]
+    _assert_same_clusters_and_models(repo, plain_run, run_id, ((1, 1e-5), (2, 1e-3)))
     # The server saw cluster choices and masked vectors, never a plaintext update.
     kinds = [m.metadata.message_type for m in grid.sent]
     assert kinds.count(IFCA_PICK) == 12
@@ -133,14 +139,7 @@ def test_ifca_with_ckks_equals_plaintext_ifca(tmp_path: Path, planted: tuple[dic
     assert repo.get_run(run_id).status == RunStatus.COMPLETED, repo.get_run(run_id).error
     # Round 1: each cluster's decrypted mean equals the plaintext one up to the CKKS error (~1e-8);
     # round 2 trains five epochs on top of it.
-    for number, tolerance in ((1, 1e-6), (2, 1e-3)):
-        reference = _versions(repo, plain_run, number)
-        for cluster, arrays in _versions(repo, run_id, number).items():
-            for key, value in arrays.items():
-                np.testing.assert_allclose(value, reference[cluster][key], rtol=0, atol=tolerance)
-        picks = [sorted((m.node_id, m.value) for m in repo.metrics(r, name="cluster") if m.round == number)
-                 for r in (plain_run, run_id)]
-        assert picks[0] == picks[1]
+    _assert_same_clusters_and_models(repo, plain_run, run_id, ((1, 1e-6), (2, 1e-3)))
     # One decryption per cluster and round, of exactly that cluster's nodes, by t = 4 key holders.
     decryptions = repo.decryptions(run_id)
     split = 0
