@@ -44,7 +44,6 @@ from quorumfl.aggregation.secagg import (
     flatten,
     read_payload,
     resolve_threshold,
-    unflatten,
 )
 from quorumfl.aggregation.secagg.identity import Roster
 from quorumfl.errors import (
@@ -326,32 +325,21 @@ class CkksSession:
 
         start = self.clock()
         alive = sorted(n for total in totals.values() for n in total.contributors)
-        new_models = [dict(m) for m in models]
-        weight, loss_sum, errors = 0.0, 0.0, []
+        means: dict[int, tuple[list[int], SecureMean]] = {}
+        errors = []
         for k in sorted(groups):
             try:
                 mean, contributors = self._decrypt(key, number, k, totals[k], tags, alive, failures)
             except (QuorumError, EmptyAggregationError) as exc:
                 errors.append(f"cluster {k}: {exc}" if clustered else str(exc))
                 continue
-            new_models[k] = unflatten(bases[k] + mean.update, models[k])
-            result.accepted.extend(contributors)
-            result.assignments.update({n: k for n in contributors})
-            weight += mean.total_weight
-            loss_sum += mean.train_loss * mean.total_weight
+            means[k] = (contributors, mean)
         timings["ckks-decrypt"] = self.clock() - start
-        if not result.accepted:
+        if not means:
             raise SecureAggregationError("; ".join(errors))
         if errors:
             log.warning("threshold CKKS: %s", "; ".join(errors))
-        result.accepted.sort()
-        if clustered:
-            result.models = new_models
-        else:
-            result.arrays = new_models[0]
-            result.assignments = {}
-        result.total_examples = weight * config.secagg_max_weight
-        result.train_loss = loss_sum / weight
+        result.apply_group_means(models, means, clustered=clustered, max_weight=config.secagg_max_weight)
         log.info("threshold CKKS: round %s summed %s encrypted updates in %s group(s) (t=%s, %s holders)",
                  number, len(result.accepted), len(groups), key.threshold, len(key.holders))
         return result

@@ -10,6 +10,7 @@ import numpy as np
 from flwr.app import RecordDict
 from numpy.typing import NDArray
 
+from quorumfl.aggregation.secagg import SecureMean, flatten, unflatten
 from quorumfl.protocol.wire import METRICS, department_of
 
 __all__ = ["RoundOutcome", "TrainPhase", "cluster_groups"]
@@ -42,6 +43,28 @@ class TrainPhase:
     models: list[dict[str, NDArray[np.generic]]] | None = None
     assignments: dict[int, int] = field(default_factory=dict)
     repairs: list[str] = field(default_factory=list)
+
+    def apply_group_means(self, models: list[dict[str, NDArray[np.generic]]], means: dict[int, tuple[list[int], SecureMean]],
+                          *, clustered: bool, max_weight: float) -> None:
+        """A secure round's revealed group means (cluster → (members, mean)) as the round's result: each
+        group's model moved by its mean update, who is in it, the examples (the weights were divided by
+        ``max_weight`` on the nodes) and the weighted train loss. Groups not in ``means`` keep their model."""
+        new_models = [dict(m) for m in models]
+        weight, loss_sum = 0.0, 0.0
+        for k, (members, mean) in sorted(means.items()):
+            new_models[k] = unflatten(flatten(models[k]) + mean.update, models[k])
+            self.accepted.extend(members)
+            self.assignments.update({n: k for n in members})
+            weight += mean.total_weight
+            loss_sum += mean.train_loss * mean.total_weight
+        self.accepted.sort()
+        if clustered:
+            self.models = new_models
+        else:
+            self.arrays = new_models[0]
+            self.assignments = {}
+        self.total_examples = weight * max_weight
+        self.train_loss = loss_sum / weight if weight else float("nan")
 
     def note_node(self, node: int, content: RecordDict) -> None:
         """Keep what a secure-mode reply says in plaintext: the node's training time and department,

@@ -26,10 +26,10 @@ from quorumfl.aggregation.compression import shared_positions
 from quorumfl.aggregation.secagg import (
     CoordinatorEpoch,
     MaskingParams,
+    SecureMean,
     flatten,
     read_payload,
     resolve_threshold,
-    unflatten,
 )
 from quorumfl.errors import (
     EmptyAggregationError,
@@ -284,8 +284,8 @@ class MaskingSession:
         outcomes = rnd.result()
         timings["secagg-unmask"] = self.clock() - start
         fp = epoch.params.fixed_point(len(epoch.members))
-        new_models = [dict(m) for m in models]
-        weight, loss_sum, errors = 0.0, 0.0, []
+        means: dict[int, tuple[list[int], SecureMean]] = {}
+        errors = []
         for k, group in zip(order, outcomes, strict=True):
             if group.total is None:
                 errors.append(f"cluster {k}: {group.error}")
@@ -300,26 +300,16 @@ class MaskingSession:
                 number = next(iter(configs.values())).server_round
                 errors.append(f"round {number} cluster {k}: {exc}")
                 continue
-            delta = mean.update
-            if positions is not None:
-                delta = np.zeros_like(bases[k])
-                delta[positions] = mean.update
-            new_models[k] = unflatten(bases[k] + delta, models[k])
-            result.accepted.extend(group.survivors)
-            result.assignments.update({n: k for n in group.survivors})
-            weight += mean.total_weight
-            loss_sum += mean.train_loss * mean.total_weight
-        if not result.accepted:
+            if positions is not None:  # shared random-k: the mean covers the round's coordinates only
+                full = np.zeros_like(bases[k])
+                full[positions] = mean.update
+                mean = replace(mean, update=full)
+            means[k] = (list(group.survivors), mean)
+        if not means:
             raise SecureAggregationError(f"no masked sum could be unmasked: {'; '.join(errors)}")
         if errors:
             log.warning("secure aggregation: %s", "; ".join(errors))
-        result.accepted.sort()
-        if clustered:
-            result.models = new_models
-        else:
-            result.arrays = new_models[0]
-        result.total_examples = weight * config.secagg_max_weight
-        result.train_loss = loss_sum / weight
+        result.apply_group_means(models, means, clustered=clustered, max_weight=config.secagg_max_weight)
         log.info("secure aggregation: slot %s summed %s of %s masked inputs in %s group(s)",
                  rnd.slot, len(result.accepted), len(participants), len(order))
         return result
