@@ -29,7 +29,13 @@ from numpy.typing import NDArray
 from quorumfl.aggregation.clustering import choose_cluster
 from quorumfl.aggregation.personal import merge_arrays, personal_names, split_arrays
 from quorumfl.core.data.datasets import Dataset
-from quorumfl.core.models import arrays_to_model, build_model, model_to_arrays
+from quorumfl.core.models import (
+    CONTROL_PREFIX,
+    arrays_to_model,
+    build_model,
+    model_to_arrays,
+    split_control,
+)
 from quorumfl.errors import ConfigError
 from quorumfl.protocol.wire import TrainConfig
 from quorumfl.training.engine import EngineSettings, TrainJob, plan_devices, train_model
@@ -46,6 +52,7 @@ class Personalisation(StrEnum):
     NONE = "none"
     FEDPER = "fedper"
     DITTO = "ditto"
+    SCAFFOLD = "scaffold"  # not personal layers: the node's own control variate c_i, kept as personal state
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,9 @@ def _mode(config: TrainConfig) -> Personalisation:
 def _full(
     config: TrainConfig, model: torch.nn.Module, shared: Mapping[str, NDArray[np.generic]], personal: Arrays | None
 ) -> tuple[Arrays, frozenset[str]]:
-    """The complete arrays the node runs: received shared layers plus its own personal ones (FedPer)."""
+    """The complete arrays the node runs: received shared layers plus its own personal ones (FedPer);
+    SCAFFOLD's control variates, which travel with the model, are not part of it."""
+    shared = split_control(shared)[0]
     if _mode(config) is not Personalisation.FEDPER:
         return dict(shared), frozenset()
     initial = model_to_arrays(model)  # the seeded initial weights: personal layers before the first round
@@ -109,6 +118,47 @@ def _pick(
     return best, fulls[best][0], fulls[best][1]
 
 
+@dataclass(frozen=True)
+class _Scaffold:
+    """SCAFFOLD (Karimireddy et al., 2020, option II) on a node: the server's control variate c (sent
+    with the model), the node's own c_i (its personal state; zeros at first) and the gradient
+    correction c − c_i per parameter."""
+
+    c: Arrays
+    c_i: Arrays
+    names: list[str]  # the model's parameters, in order
+    correction: list[torch.Tensor]
+    sent: Arrays  # c as it came, under its control names (what the update is taken against)
+
+    def finish(self, start: Arrays, trained: Arrays, lr_sum: float) -> tuple[Arrays, Arrays]:
+        """(the new c_i to keep, the control arrays to send back: c + (c_i+ − c_i))."""
+        new_c_i = dict(self.c_i)
+        returned: Arrays = {CONTROL_PREFIX + n: v for n, v in self.c.items() if n not in self.names}  # buffers: as sent
+        for name in self.names:
+            drift = (start[name].astype(np.float64) - trained[name].astype(np.float64)) / max(lr_sum, 1e-12)
+            new = self.c_i[name].astype(np.float64) - self.c[name].astype(np.float64) + drift
+            new_c_i[name] = new.astype(np.float32)
+            delta = new - self.c_i[name].astype(np.float64)
+            returned[CONTROL_PREFIX + name] = (self.c[name].astype(np.float64) + delta).astype(np.float32)
+        return new_c_i, returned
+
+
+def _scaffold_start(config: TrainConfig, model: torch.nn.Module, candidates: Sequence[Mapping[str, NDArray[np.generic]]],
+                    personal: Arrays | None) -> _Scaffold:
+    if len(candidates) != 1:
+        raise ConfigError("SCAFFOLD runs with one server model (not IFCA's clusters)")
+    c = split_control(candidates[0])[1]
+    names = [name for name, _ in model.named_parameters()]
+    if not set(names) <= set(c):
+        raise ConfigError(f"the server sent no control variate for parameter(s) {sorted(set(names) - set(c))[:3]}; "
+                          "SCAFFOLD needs one per parameter")
+    c_i: Arrays = dict(personal) if personal is not None else {n: np.zeros_like(c[n], dtype=np.float32) for n in names}
+    if set(c_i) != set(names):
+        raise ConfigError("this node's stored control variate does not fit the model; remove its state for this run")
+    correction = [torch.from_numpy((c[n].astype(np.float32) - c_i[n].astype(np.float32)).copy()) for n in names]
+    return _Scaffold(c, c_i, names, correction, {CONTROL_PREFIX + n: c[n] for n in c})
+
+
 def pick_round(
     config: TrainConfig,
     candidates: Sequence[Mapping[str, NDArray[np.generic]]],
@@ -133,9 +183,12 @@ class PrivacyGate:
 
 
 def train_job(config: TrainConfig, *, seed: int) -> TrainJob:
+    """The engine's job for this round. SCAFFOLD steps with plain SGD: its control-variate update
+    (x − y)/(K·η) reads the average corrected gradient off the steps, which momentum would inflate."""
+    momentum = 0.0 if _mode(config) is Personalisation.SCAFFOLD else 0.9
     return TrainJob(epochs=config.local_epochs, batch_size=config.batch_size, learning_rate=config.learning_rate,
                     proximal_mu=config.proximal_mu, seed=seed, clip_norm=config.clip_norm,
-                    warmup_steps=config.warmup_steps, lr_reference_batch=config.lr_reference_batch)
+                    warmup_steps=config.warmup_steps, lr_reference_batch=config.lr_reference_batch, momentum=momentum)
 
 
 def train_round(
@@ -163,7 +216,11 @@ def train_round(
     started = time.perf_counter()
     seed = config.seed + config.server_round if fresh_seed is None else fresh_seed
     job = train_job(config, seed=seed)
+    scaffold = _scaffold_start(config, model, candidates, personal) if mode is Personalisation.SCAFFOLD else None
     dp_metrics: dict[str, float] = {}
+    if config.dp == "local" and scaffold is not None:
+        raise ConfigError("SCAFFOLD's gradient correction does not combine with DP-SGD (dp = 'local'); use dp = "
+                          "'none' or 'distributed'")
     if config.dp == "local":
         from quorumfl.training.dp_sgd import (  # opacus loads only for DP runs
             plan_round,
@@ -194,7 +251,8 @@ def train_round(
             # the node cannot check how the server samples.
             dp_metrics["dp-epsilon"] = privacy.charge((config.dp_noise_multiplier, 1.0, 1))
             dp_metrics["dp-noise-multiplier"] = config.dp_noise_multiplier
-        run = train_model(model, train_data, job, engine, checkpoint=checkpoint)
+        run = train_model(model, train_data, job, engine, checkpoint=checkpoint,
+                          correction=scaffold.correction if scaffold is not None else None)
         result, workers = run.loop, run.plan.world
     else:
         raise ConfigError(f"dp must be 'none', 'local' or 'distributed', got {config.dp!r}")
@@ -219,6 +277,9 @@ def train_round(
     if result.skipped_steps:
         metrics["amp-skipped-steps"] = float(result.skipped_steps)
     kept: Arrays | None = mine if mode is Personalisation.FEDPER else None
+    if scaffold is not None:  # c_i+ = c_i − c + (x − y)/Σ η over the steps; c + Δc_i goes back with the model
+        kept, returned = scaffold.finish(start, model_to_arrays(model), sum(job.lr_at(s) for s in range(result.steps)))
+        shared, received = {**shared, **returned}, {**received, **scaffold.sent}
     if mode is Personalisation.FEDPER:
         metrics["personal-accuracy"] = after.accuracy
     if mode is Personalisation.DITTO:

@@ -7,7 +7,7 @@ same architecture from these, so only parameter arrays travel.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -17,7 +17,9 @@ from torch import nn
 
 from quorumfl.errors import ConfigError, ModelError
 
-__all__ = ["MODELS", "arrays_to_model", "build_model", "model_to_arrays", "architecture_key"]
+__all__ = [
+    "CONTROL_PREFIX", "MODELS", "architecture_key", "arrays_to_model", "build_model", "model_to_arrays", "split_control",
+]
 
 Builder = Callable[[tuple[int, ...], int], nn.Module]
 
@@ -98,6 +100,16 @@ def architecture_key(name: str, input_shape: tuple[int, ...], num_classes: int) 
 
 def model_to_arrays(model: nn.Module) -> dict[str, NDArray[Any]]:
     return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+
+
+CONTROL_PREFIX = "control:"  # SCAFFOLD's control variates travel with a model's arrays under these names
+
+
+def split_control(arrays: Mapping[str, NDArray[Any]]) -> tuple[dict[str, NDArray[Any]], dict[str, NDArray[Any]]]:
+    """(the model's own arrays, SCAFFOLD's control variates by parameter name) of a server model."""
+    model = {k: v for k, v in arrays.items() if not k.startswith(CONTROL_PREFIX)}
+    control = {k[len(CONTROL_PREFIX):]: v for k, v in arrays.items() if k.startswith(CONTROL_PREFIX)}
+    return model, control
 
 
 def arrays_to_model(model: nn.Module, arrays: dict[str, NDArray[np.generic]]) -> None:

@@ -50,9 +50,10 @@ class Calibration:
 
 
 def parse_architecture(key: str) -> tuple[str, tuple[int, ...], int]:
-    """Inverse of ``quorumfl.core.models.architecture_key``: ``name:CxHxW:classes``."""
+    """Inverse of ``quorumfl.core.models.architecture_key``: ``name:CxHxW:classes``, also as the head of a
+    strategy's lineage (``…|scaffold``, ``…|ifca-K:cluster-k``)."""
     try:
-        name, shape, classes = key.rsplit(":", 2)
+        name, shape, classes = key.split("|", 1)[0].rsplit(":", 2)
         return name, tuple(int(d) for d in shape.split("x")), int(classes)
     except ValueError:
         raise ModelError(f"architecture '{key}' is not of the form NAME:CxHxW:CLASSES") from None
@@ -75,12 +76,12 @@ class Registry:
         settings: QatSettings | None = None,
         formats: Sequence[ArtifactFormat] = (ArtifactFormat.ONNX, ArtifactFormat.PTE),
     ) -> list[EdgeArtifact]:
-        from quorumfl.core.models import arrays_to_model, build_model
+        from quorumfl.core.models import arrays_to_model, build_model, split_control
 
         key = load_private_key(key_path)  # before any work: a missing key fails fast
         name, input_shape, num_classes = parse_architecture(version.architecture)
         model = build_model(name, input_shape, num_classes)
-        arrays_to_model(model, ModelStore.load(version.path, version.sha256))
+        arrays_to_model(model, split_control(ModelStore.load(version.path, version.sha256))[0])  # not SCAFFOLD's c
         model.eval()
         fp32 = accuracy(model, calibration.x_eval, calibration.y_eval)
         quantized = quantize_aware(model, calibration.x_train, calibration.y_train, input_shape, settings=settings)

@@ -47,7 +47,7 @@ class TrainConfig:
     learning_rate: float
     proximal_mu: float
     seed: int
-    personalisation: str = "none"  # none | fedper | ditto
+    personalisation: str = "none"  # none | fedper | ditto | scaffold (the node keeps its control variate)
     personal_layers: str = ""  # FedPer: comma-separated layer prefixes, or "head"
     ditto_lambda: float = 0.0  # Ditto: pull of the personal model towards the global one
     clip_norm: float = 0.0  # per-step gradient clipping (0 = off)

@@ -51,6 +51,7 @@ class StrategyName(StrEnum):
     IFCA = "ifca"  # clustered FL: K models, each node trains the one that fits its data best
     FEDPER = "fedper"  # personal layers stay on the nodes
     DITTO = "ditto"  # a personal model per node, regularised towards the global one
+    SCAFFOLD = "scaffold"  # control variates correct each node's drift (Karimireddy et al., 2020)
 
 
 class SecureMode(StrEnum):
@@ -115,7 +116,8 @@ class RunConfig:
 
     # ---- strategy
     strategy: StrategyName = key(
-        StrategyName.FEDPROX, "`fedavg`, `fedprox`, `ifca` (clustered), `fedper` or `ditto` (personalised); see below")
+        StrategyName.FEDPROX, "`fedavg`, `fedprox`, `scaffold` (control variates), `ifca` (clustered), `fedper` or "
+        "`ditto` (personalised); see below")
     proximal_mu: float = key(
         0.1, "FedProx μ: nodes minimise `loss + μ/2·‖w − w_global‖²` (ignored by `fedavg`; `ifca`, `fedper` and "
         "`ditto` use it too, 0 turns it off)", low=0.0,
@@ -321,6 +323,12 @@ class RunConfig:
         if config.compression_warmup_rounds and config.compression is not Compression.TOPK:
             problems.append(f"compression-warmup-rounds applies to compression = 'topk' only (got "
                             f"'{config.compression.value}'); set it to 0")
+        if config.strategy is StrategyName.SCAFFOLD and config.dp is DpMode.LOCAL:
+            problems.append("strategy scaffold with dp 'local' is not supported: DP-SGD clips per example, the control "
+                            "variates' correction is per step; use dp = 'none' or 'distributed'")
+        if config.strategy is StrategyName.SCAFFOLD and config.compression is not Compression.NONE:
+            problems.append("strategy scaffold with compression is not supported yet: the control variates must arrive "
+                            "whole; set compression = 'none'")
         if config.dp is DpMode.DISTRIBUTED and config.compression is not Compression.NONE:
             problems.append("dp 'distributed' with compression is not supported; set compression = 'none'")
         return problems

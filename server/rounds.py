@@ -29,7 +29,13 @@ from numpy.typing import NDArray
 from quorumfl.aggregation.compression import warmup_fraction
 from quorumfl.aggregation.secagg.identity import Roster
 from quorumfl.core.data.datasets import Dataset, holdout_split
-from quorumfl.core.models import architecture_key, arrays_to_model, build_model, model_to_arrays
+from quorumfl.core.models import (
+    architecture_key,
+    arrays_to_model,
+    build_model,
+    model_to_arrays,
+    split_control,
+)
 from quorumfl.errors import (
     FederationError,
     RunStoppedError,
@@ -342,7 +348,7 @@ class Federation:
         evaluated there (FedPer's has no head)."""
         if not self.strategy.evaluates_on_server():
             return math.nan, math.nan
-        arrays_to_model(model, arrays)
+        arrays_to_model(model, split_control(arrays)[0])  # SCAFFOLD: not its control variates
         result = evaluate(model, test)
         return result.accuracy, result.loss
 

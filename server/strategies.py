@@ -27,11 +27,12 @@ from numpy.typing import NDArray
 from quorumfl.aggregation import AggregationError, NodeUpdate, WeightedMean
 from quorumfl.aggregation.clustering import ClusteredMean, Repair, repair_clusters
 from quorumfl.aggregation.personal import personal_names, split_arrays
+from quorumfl.core.models import CONTROL_PREFIX, split_control
 from quorumfl.protocol.wire import TrainConfig
 from quorumfl.server.config import RunConfig, StrategyName
 
 __all__ = [
-    "AggregateResult", "ClusteredFedAvg", "ClusteredResult", "Ditto", "FedAvg", "FedPer", "FedProx", "Strategy",
+    "AggregateResult", "ClusteredFedAvg", "ClusteredResult", "Ditto", "FedAvg", "FedPer", "FedProx", "Scaffold", "Strategy",
     "build_strategy",
 ]
 
@@ -249,6 +250,31 @@ class Ditto(FedProx):
         return {node: config for node in nodes}
 
 
+class Scaffold(FedAvg):
+    """SCAFFOLD (Karimireddy et al., 2020): the server keeps a control variate c (one array per model
+    array, under ``control:`` names beside the model's own, starting at zero) and each node its own
+    c_i; nodes step along g − c_i + c and send back the trained model and c + Δc_i. The example-weighted
+    mean of what comes back is the new model and the new c (full participation: c + mean Δc_i; the
+    server step size is 1). The control arrays travel, are summed under masking or CKKS and are stored
+    with the model version; evaluation and export use the model's own arrays."""
+
+    name = StrategyName.SCAFFOLD
+
+    def server_arrays(self, full: Arrays) -> Arrays:
+        model, control = split_control(full)
+        if not control:
+            control = {name: np.zeros_like(value, dtype=np.float32) for name, value in model.items()}
+        return {**model, **{CONTROL_PREFIX + name: value for name, value in control.items()}}
+
+    def lineages(self, architecture: str) -> list[str]:
+        """Its own lineage: its versions carry control arrays a plain model's do not."""
+        return [f"{architecture}|scaffold"]
+
+    def configure_train(self, server_round: int, nodes: Iterable[int], base: TrainConfig) -> dict[int, TrainConfig]:
+        config = replace(base, server_round=server_round, proximal_mu=0.0, personalisation="scaffold")
+        return {node: config for node in nodes}
+
+
 class ClusteredFedAvg(FedProx):
     """IFCA (Ghosh et al., 2020): K cluster models; each node trains the one with the lowest loss on
     its own data and reports only its index; each cluster is averaged over its own nodes."""
@@ -293,6 +319,8 @@ def build_strategy(config: RunConfig) -> Strategy:
     if config.strategy is StrategyName.DITTO:
         return Ditto(fraction_train=fraction, min_nodes=least, seed=seed, proximal_mu=mu,
                      ditto_lambda=config.ditto_lambda)
+    if config.strategy is StrategyName.SCAFFOLD:
+        return Scaffold(fraction_train=fraction, min_nodes=least, seed=seed)
     if config.strategy is StrategyName.IFCA:
         return ClusteredFedAvg(fraction_train=fraction, min_nodes=least, seed=seed, proximal_mu=mu,
                                clusters=config.clusters, merge_distance=config.ifca_merge_distance,

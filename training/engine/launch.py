@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from quorumfl.core.data.datasets import Dataset
+from quorumfl.errors import ConfigError
 from quorumfl.training.engine.checkpoint import CheckpointFile, fingerprint
 from quorumfl.training.engine.loop import LoopResult, TrainJob, run_loop
 from quorumfl.training.engine.settings import CommHook, DevicePlan, EngineSettings, plan_devices
@@ -79,18 +80,24 @@ def train_model(
     *,
     anchor: list[torch.Tensor] | None = None,
     checkpoint: Path | None = None,
+    correction: list[torch.Tensor] | None = None,
 ) -> EngineResult:
     """Train ``model`` in place on ``data``; resumes from ``checkpoint`` when it holds this job's state,
-    and removes it once the job is done."""
+    and removes it once the job is done. ``correction`` (one tensor per parameter, SCAFFOLD's c − c_i)
+    is added to every step's gradient; it runs on one device."""
     settings = settings or EngineSettings()
     plan = plan_devices(settings, cuda_devices=torch.cuda.device_count())
-    key = _job_fingerprint(model, data, job, anchor)
+    if correction is not None and plan.world > 1:
+        raise ConfigError(f"SCAFFOLD's gradient correction runs on one device; this node's engine plans {plan.world} "
+                          "DDP workers: set the node config 'train-workers' to 1 for this run")
+    key = _job_fingerprint(model, data, job, [*(anchor or []), *(correction or [])])
     if plan.world == 1:
         device = torch.device("cuda", 0) if plan.kind == "cuda" else torch.device("cpu")
         model.to(device)
         try:
             result = run_loop(model, data, job, settings, device=device, anchor=anchor,
-                              checkpoint=CheckpointFile(checkpoint) if checkpoint else None, fingerprint=key)
+                              checkpoint=CheckpointFile(checkpoint) if checkpoint else None, fingerprint=key,
+                              correction=correction)
         finally:
             model.to("cpu")
     else:

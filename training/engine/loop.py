@@ -116,8 +116,11 @@ def run_loop(
     fingerprint: str = "",
     all_reduce: Callable[[torch.Tensor], None] | None = None,
     gather: Callable[[torch.Tensor], list[torch.Tensor]] | None = None,
+    correction: list[torch.Tensor] | None = None,
 ) -> LoopResult:
-    """Train ``module`` (wrapped in ``ddp`` when ``world > 1``) in place; every rank calls this."""
+    """Train ``module`` (wrapped in ``ddp`` when ``world > 1``) in place; every rank calls this.
+    ``correction`` (one tensor per parameter) is added to each step's gradient after clipping
+    (SCAFFOLD's c − c_i: the step follows g − c_i + c)."""
     device = device or torch.device("cpu")
     forward = ddp if ddp is not None else module
     if world > 1 and (ddp is None or all_reduce is None or gather is None):
@@ -128,6 +131,9 @@ def run_loop(
     anchor_t = [p.detach().clone() for p in module.parameters()] if anchor is None else [a.to(device) for a in anchor]
     if len(anchor_t) != len(list(module.parameters())):
         raise ConfigError(f"anchor has {len(anchor_t)} tensors, the model {len(list(module.parameters()))} parameters")
+    correction_t = [c.to(device) for c in correction] if correction is not None else None
+    if correction_t is not None and len(correction_t) != len(anchor_t):
+        raise ConfigError(f"correction has {len(correction_t)} tensors, the model {len(anchor_t)} parameters")
     optimizer = torch.optim.SGD(module.parameters(), lr=job.lr_at(0), momentum=job.momentum)
     amp_dtype = {Amp.BF16: torch.bfloat16, Amp.FP16: torch.float16}.get(settings.amp)
     scaler = torch.amp.GradScaler("cuda") if settings.amp is Amp.FP16 else None
@@ -188,6 +194,10 @@ def run_loop(
                 scaler.unscale_(optimizer)
             max_norm = job.clip_norm if job.clip_norm > 0 else math.inf
             norm = float(torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm))
+            if correction_t is not None:
+                for parameter, term in zip(module.parameters(), correction_t, strict=True):
+                    if parameter.grad is not None:
+                        parameter.grad.add_(term)
             if scaler is not None:
                 before = scaler.get_scale()
                 scaler.step(optimizer)
