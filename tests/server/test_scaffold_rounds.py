@@ -119,6 +119,12 @@ def test_masked_scaffold_equals_plaintext_scaffold(tmp_path: Path, three_parts: 
     assert set(stored) == set(reference) and any(k.startswith(CONTROL_PREFIX) for k in stored)
     for key, value in stored.items():  # 2^-16 fixed point, clip 8, two rounds
         np.testing.assert_allclose(value, reference[key], rtol=0, atol=1e-3, err_msg=key)
+    # ...and so the plain-torch SCAFFOLD too (the departments opted into repeatable training).
+    model, control = split_control(stored)
+    x, c = _reference(three_parts, RUN["num-rounds"])
+    for key in x:
+        np.testing.assert_allclose(model[key], x[key], rtol=0, atol=1e-4, err_msg=key)
+        np.testing.assert_allclose(control[key], c[key], rtol=0, atol=1e-4, err_msg=key)
 
 
 def test_scaffold_refuses_what_it_does_not_combine_with() -> None:
