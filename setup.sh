@@ -27,6 +27,9 @@ if ! .venv/bin/python -c 'import torch' >/dev/null 2>&1; then
   "${pip[@]}" torch==2.13.0
 fi
 echo "setup.sh: installing quorumfl${extras}"
-"${pip[@]}" -e ".${extras}"
+# strict editable mode: a tree of links to the source files laid out as the quorumfl package (the
+# folders map to quorumfl.* through package-dir), so tools that walk the package on disk
+# (import-linter's lint-imports, mypy) see it; a new module needs this script run again.
+"${pip[@]}" -e ".${extras}" --config-settings editable_mode=strict
 .venv/bin/quorumfl --help >/dev/null
 echo "setup.sh: ready (.venv/bin/quorumfl)"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
@@ -93,7 +94,7 @@ class PlaintextMode:
         return phase
 
 
-class _SecureMode:
+class _SecureMode(ABC):
     """What the secure modes share: with IFCA (several server models) every selected node first says
     which cluster model fits its data (one round trip), then each cluster is one group whose sum
     alone is revealed, and the strategy repairs empty or merged clusters."""
@@ -103,14 +104,15 @@ class _SecureMode:
     exchange: Exchange
     clock: Callable[[], float]
 
+    @abstractmethod
     def _sums(
         self, number: int, available: Sequence[int], models: list[Arrays], configs: dict[int, TrainConfig],
         outcome: RoundOutcome, timings: dict[str, float], cluster_of: Mapping[int, int] | None,
     ) -> TrainPhase:
-        raise NotImplementedError
+        """The mode's own sums: one group, or one per cluster of ``cluster_of``."""
 
-    def start(self, run_id: int) -> None:
-        pass
+    def start(self, run_id: int) -> None:  # noqa: B027  (most modes need nothing at the run's start)
+        return None
 
     def train(
         self, number: int, available: Sequence[int], models: list[Arrays], configs: dict[int, TrainConfig],
