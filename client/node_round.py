@@ -32,17 +32,19 @@ from quorumfl.core.data.datasets import Dataset
 from quorumfl.core.models import (
     CONTROL_PREFIX,
     arrays_to_model,
-    build_model,
     model_to_arrays,
     split_control,
 )
+from quorumfl.core.tasks import ModelSpec, image_schema
+from quorumfl.core.tasks.modules import find_statistics
 from quorumfl.errors import ConfigError
 from quorumfl.protocol.wire import TrainConfig
 from quorumfl.training.engine import EngineSettings, TrainJob, plan_devices, train_model
-from quorumfl.training.local import evaluate, train
+from quorumfl.training.local import EvalResult, evaluate, train
 
 __all__ = [
-    "NodeEvaluation", "NodeRound", "Personalisation", "evaluate_round", "pick_round", "train_job", "train_round",
+    "NodeEvaluation", "NodeRound", "Personalisation", "evaluate_round", "model_spec", "pick_round", "train_job",
+    "train_round",
 ]
 
 Arrays = dict[str, NDArray[np.generic]]
@@ -72,6 +74,18 @@ class NodeRound:
 class NodeEvaluation:
     cluster: int | None
     metrics: dict[str, float]
+
+
+def model_spec(config: TrainConfig, data: Dataset) -> ModelSpec:
+    """The run's model: its task and schema (a request without a schema: the node's image dataset's)."""
+    import json
+
+    schema = config.schema or json.dumps(image_schema(data.name, data.input_shape, data.num_classes))
+    return ModelSpec(config.task, config.model, schema)
+
+
+def _build(config: TrainConfig, data: Dataset) -> torch.nn.Module:
+    return model_spec(config, data).build(seed=config.seed)
 
 
 def _mode(config: TrainConfig) -> Personalisation:
@@ -159,6 +173,50 @@ def _scaffold_start(config: TrainConfig, model: torch.nn.Module, candidates: Seq
     return _Scaffold(c, c_i, names, correction, {CONTROL_PREFIX + n: c[n] for n in c})
 
 
+def _statistics_round(config: TrainConfig, model: torch.nn.Module) -> bool:
+    """The first round of a fresh run of a task whose model standardises its inputs (tabular): the
+    node contributes its feature statistics instead of training. Skipped under differential privacy
+    (statistics of raw data are not covered by ε): those runs keep the range-scaled inputs."""
+    stats = find_statistics(model)
+    return stats is not None and stats.needs_statistics() and config.dp == "none"
+
+
+def _contribute_statistics(
+    config: TrainConfig, model: torch.nn.Module, train_data: Dataset, start: Arrays, names: frozenset[str],
+    cluster: int | None, before: EvalResult, personal: Arrays | None, scaffold: _Scaffold | None, started: float,
+) -> NodeRound:
+    """The statistics round's reply: the model as received, with this department's mean and second
+    moment in its ``Standardize`` layer. The round's (secure) weighted mean by example count turns them
+    into the federation's statistics; the server sees no department's own."""
+    stats = find_statistics(model)
+    assert stats is not None
+    stats.set_statistics(torch.from_numpy(np.asarray(train_data.x, dtype=np.float32)))
+    shared, mine = split_arrays(model_to_arrays(model), names)
+    received = split_arrays(start, names)[0]
+    mode = _mode(config)
+    kept: Arrays | None = mine if mode is Personalisation.FEDPER else dict(personal) if personal is not None else None
+    if scaffold is not None:  # nothing trained: c_i stays, c goes back as it came
+        kept = dict(scaffold.c_i)
+        shared, received = {**shared, **scaffold.sent}, {**received, **scaffold.sent}
+    primary = before.primary
+    metrics = {"num-examples": float(len(train_data)), "train-loss": before.loss, f"global-{primary}": before.value,
+               "global-loss": before.loss, f"local-{primary}": before.value, "statistics-round": 1.0,
+               "train-seconds": time.perf_counter() - started}
+    if cluster is not None:
+        metrics["cluster"] = float(cluster)
+    return NodeRound(cluster, received, shared, kept, len(train_data), before.loss, metrics)
+
+
+def _global_statistics(model: torch.nn.Module, start: Arrays) -> None:
+    """Give a personal model (Ditto) the federation's standardisation from the global model."""
+    stats = find_statistics(model)
+    for prefix, module in model.named_modules():
+        if stats is not None and module is stats:
+            for buffer, _ in module.named_buffers():
+                key = f"{prefix}.{buffer}" if prefix else buffer
+                getattr(module, buffer).copy_(torch.from_numpy(np.array(start[key], copy=True)))
+
+
 def pick_round(
     config: TrainConfig,
     candidates: Sequence[Mapping[str, NDArray[np.generic]]],
@@ -167,7 +225,7 @@ def pick_round(
 ) -> int:
     """IFCA's choice alone (lowest loss on the node's training data), for a round whose training
     comes in a second message (secure aggregation sums each cluster's nodes as one group)."""
-    model = build_model(config.model, train_data.input_shape, train_data.num_classes, seed=config.seed)
+    model = _build(config, train_data)
     cluster, _, _ = _pick(config, model, candidates, personal, train_data)
     return 0 if cluster is None else cluster
 
@@ -209,7 +267,7 @@ def train_round(
     mode = _mode(config)
     if mode is Personalisation.DITTO and not config.ditto_lambda >= 0:
         raise ConfigError(f"ditto-lambda must be >= 0, got {config.ditto_lambda}")
-    model = build_model(config.model, train_data.input_shape, train_data.num_classes, seed=config.seed)
+    model = _build(config, train_data)
     cluster, start, names = _pick(config, model, candidates, personal, train_data)
     arrays_to_model(model, start)
     before = evaluate(model, test_data)
@@ -217,6 +275,9 @@ def train_round(
     seed = config.seed + config.server_round if fresh_seed is None else fresh_seed
     job = train_job(config, seed=seed)
     scaffold = _scaffold_start(config, model, candidates, personal) if mode is Personalisation.SCAFFOLD else None
+    if _statistics_round(config, model):
+        return _contribute_statistics(config, model, train_data, start, names, cluster, before, personal, scaffold,
+                                      started)
     dp_metrics: dict[str, float] = {}
     if config.dp == "local" and scaffold is not None:
         raise ConfigError("SCAFFOLD's gradient correction does not combine with DP-SGD (dp = 'local'); use dp = "
@@ -264,9 +325,9 @@ def train_round(
     metrics = {
         "num-examples": float(result.num_examples),
         "train-loss": result.loss,
-        "global-accuracy": before.accuracy,
+        f"global-{before.primary}": before.value,
         "global-loss": before.loss,
-        "local-accuracy": after.accuracy,
+        f"local-{after.primary}": after.value,
         "train-workers": float(workers),
         **dp_metrics,
         "grad-norm-mean": float(np.mean(result.grad_norms)) if result.grad_norms else 0.0,
@@ -281,14 +342,16 @@ def train_round(
         kept, returned = scaffold.finish(start, model_to_arrays(model), sum(job.lr_at(s) for s in range(result.steps)))
         shared, received = {**shared, **returned}, {**received, **scaffold.sent}
     if mode is Personalisation.FEDPER:
-        metrics["personal-accuracy"] = after.accuracy
+        metrics[f"personal-{after.primary}"] = after.value
     if mode is Personalisation.DITTO:
         anchor = [torch.from_numpy(np.array(start[k], copy=True)) for k, _ in model.named_parameters()]
         arrays_to_model(model, dict(personal) if personal is not None else start)
+        _global_statistics(model, start)
         train(model, train_data, epochs=config.local_epochs, batch_size=config.batch_size,
               learning_rate=config.learning_rate, proximal_mu=config.ditto_lambda, seed=seed + 1, anchor=anchor)
         kept = model_to_arrays(model)
-        metrics["personal-accuracy"] = evaluate(model, test_data).accuracy
+        personal_eval = evaluate(model, test_data)
+        metrics[f"personal-{personal_eval.primary}"] = personal_eval.value
     metrics["train-seconds"] = time.perf_counter() - started
     if cluster is not None:
         metrics["cluster"] = float(cluster)
@@ -302,19 +365,20 @@ def evaluate_round(
     train_data: Dataset,
     test_data: Dataset,
 ) -> NodeEvaluation:
-    """The department's accuracy on its own test split with the federation's model for it (global,
-    its cluster's, or shared + personal layers) and, for Ditto, with its personal model."""
-    model = build_model(config.model, test_data.input_shape, test_data.num_classes, seed=config.seed)
+    """The department's metrics (the task's) on its own test split with the federation's model for it
+    (global, its cluster's, or shared + personal layers) and, for Ditto, with its personal model."""
+    model = _build(config, test_data)
     cluster, start, _ = _pick(config, model, candidates, personal, train_data)
     arrays_to_model(model, start)
     result = evaluate(model, test_data)
-    metrics = {"accuracy": result.accuracy, "loss": result.loss, "num-examples": float(result.num_examples)}
+    metrics = {**result.metrics, "num-examples": float(result.num_examples)}
     mode = _mode(config)
     if mode is Personalisation.FEDPER:
-        metrics["personal-accuracy"] = result.accuracy
+        metrics[f"personal-{result.primary}"] = result.value
     elif mode is Personalisation.DITTO and personal is not None:
         arrays_to_model(model, dict(personal))
-        metrics["personal-accuracy"] = evaluate(model, test_data).accuracy
+        _global_statistics(model, start)
+        metrics[f"personal-{result.primary}"] = evaluate(model, test_data).value
     if cluster is not None:
         metrics["cluster"] = float(cluster)
     return NodeEvaluation(cluster, metrics)

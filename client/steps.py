@@ -27,6 +27,7 @@ from quorumfl.client.node_round import (
 from quorumfl.client.personal_store import PersonalStore, node_state_dir
 from quorumfl.client.secure import signed_slot
 from quorumfl.core.data.store import Partition, read_partition
+from quorumfl.core.tasks import ModelSpec, check_schema_fits, parse_schema
 from quorumfl.errors import ConfigError, DataError, PrivacyBudgetError
 from quorumfl.protocol.ckks_wire import CKKS, decode_train_request
 from quorumfl.protocol.secure_wire import SECAGG, decode_mask_request
@@ -37,6 +38,17 @@ __all__ = ["LocalTraining", "evaluate_received", "pick_received", "train_receive
 
 log = logging.getLogger(__name__)
 Arrays = dict[str, NDArray[np.generic]]
+
+
+def _fitting(context: Context, config: TrainConfig) -> tuple[Partition, str]:
+    """The node's partition, refused (``DataError`` naming the column or class) unless it was prepared
+    for the run's schema; the run's task must also be installed here in the schema's version."""
+    part, department = _partition(context)
+    if config.schema:
+        run_schema = parse_schema(config.schema, where="the run's schema")
+        check_schema_fits(part.resolved_schema(), run_schema, where=f"department {department}'s data")
+        ModelSpec(config.task, config.model, config.schema).resolve()
+    return part, department
 
 
 def _partition(context: Context) -> tuple[Partition, str]:
@@ -142,8 +154,8 @@ def _admit_secure_round(msg: Message, context: Context, models: list[Arrays], co
 
 
 def train_received(msg: Message, context: Context) -> LocalTraining:
-    part, department = _partition(context)
     config = TrainConfig.from_record(msg.content.config_records[CONFIG])
+    part, department = _fitting(context, config)
     store, personal = _personal(context, config)
     node_config = dict(context.node_config)
     engine = EngineSettings.from_node_config(node_config)
@@ -164,14 +176,14 @@ def train_received(msg: Message, context: Context) -> LocalTraining:
 
 def pick_received(msg: Message, context: Context) -> tuple[int, str]:
     """IFCA: the index of the cluster model with the lowest loss on this node's training data."""
-    part, department = _partition(context)
     config = TrainConfig.from_record(msg.content.config_records[CONFIG])
+    part, department = _fitting(context, config)
     _, personal = _personal(context, config)
     return pick_round(config, candidate_models(msg.content), personal, part.train), department
 
 
 def evaluate_received(msg: Message, context: Context) -> tuple[dict[str, float], str]:
-    part, department = _partition(context)
     config = TrainConfig.from_record(msg.content.config_records[CONFIG])
+    part, department = _fitting(context, config)
     _, personal = _personal(context, config)
     return evaluate_round(config, candidate_models(msg.content), personal, part.train, part.test).metrics, department

@@ -2,11 +2,11 @@
 
 Train request: ``arrays`` (ArrayRecord, global model), ``config`` (ConfigRecord, see ``TrainConfig``).
 Train reply:   ``arrays`` (updated model), ``metrics`` (MetricRecord: ``num-examples``, ``train-loss``,
-               ``global-accuracy``/``global-loss`` of the received model on the department's own test
-               split, ``local-accuracy`` after training, ``train-seconds``), ``node`` (ConfigRecord:
-               ``department``).
-Evaluate request/reply: same ``arrays``/``config``; reply ``metrics`` with ``accuracy``, ``loss``,
-               ``num-examples``, and ``node``.
+               ``global-<primary>``/``global-loss`` of the received model on the department's own test
+               split, ``local-<primary>`` after training, ``train-seconds``), ``node`` (ConfigRecord:
+               ``department``). ``<primary>`` is the task's primary metric (``accuracy``, ``mae`` …).
+Evaluate request/reply: same ``arrays``/``config``; reply ``metrics`` with the task's metrics
+               (``<primary>``, ``loss`` …), ``num-examples``, and ``node``.
 Clustered (IFCA) requests carry the K cluster models as ``cluster-0`` … ``cluster-{K-1}`` instead of
 ``arrays``; the reply's metrics add ``cluster``. Personalised runs (FedPer) carry only the shared
 layers; the personal ones stay on the node.
@@ -64,6 +64,8 @@ class TrainConfig:
     dp_delta: float = 1e-5
     num_rounds: int = 1  # the run's length: the noise for a target ε is spread over all its rounds
     dp_noise_share: int = 0  # distributed DP: the node adds N(0, σ²C²/this); the server sends the threshold t
+    task: str = "image"  # what is learned (quorumfl.core.tasks): built-in name, module:attribute or entry point
+    schema: str = ""  # the run's schema (JSON) every department's data must fit; "" = the node's image dataset's
 
     def to_record(self) -> ConfigRecord:
         return ConfigRecord(
@@ -92,6 +94,8 @@ class TrainConfig:
                 "dp-delta": self.dp_delta,
                 "num-rounds": self.num_rounds,
                 "dp-noise-share": self.dp_noise_share,
+                "task": self.task,
+                "schema": self.schema,
             }
         )
 
@@ -134,6 +138,8 @@ class TrainConfig:
             dp_delta=get("dp-delta", float, 1e-5),
             num_rounds=get("num-rounds", int, 1),
             dp_noise_share=get("dp-noise-share", int, 0),
+            task=get("task", str, "image"),
+            schema=get("schema", str, ""),
         )
 
 

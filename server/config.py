@@ -135,11 +135,16 @@ class RunConfig:
                               applies="ditto")
     # ---- rounds and training
     num_rounds: int = key(5, "training rounds", low=1, high=10_000, node=True)
-    dataset: str = key("digits", "`digits` (embedded) or `fashion-mnist` (IDX files; Debian "
+    task: str = key("image", "what is learned: `image`, `tabular`, `text`, your own task as `module:attribute`, or "
+                    "a `quorumfl.tasks` entry point (README \"Your department's data\")")
+    task_schema: str = key("", "the shared schema file of the departments' data (`quorumfl data schema`); empty: the "
+                           "image task's built-in `dataset`")
+    dataset: str = key("digits", "image task: `digits` (embedded) or `fashion-mnist` (IDX files; Debian "
                        "`dataset-fashion-mnist`) for the server's held-out evaluation")
     data_dir: str = key("", "the dataset's folder (empty: `/usr/share/datasets/fashion-mnist` for `fashion-mnist`)")
-    model: str = key("mlp", "`mlp`, `mlp-tanh` (the same with tanh; the one to pick with `dp = \"local\"`), "
-                     "`mlp-wide` (~1.1M params on 8×8), `cnn`", node=True)
+    model: str = key("mlp", "image: `mlp`, `mlp-tanh` (the same with tanh; the one to pick with `dp = \"local\"`), "
+                     "`mlp-wide` (~1.1M params on 8×8), `cnn`, `cnn-wide`; tabular: `mlp`, `linear`; text: `fasttext`",
+                     node=True)
     local_epochs: int = key(5, "local SGD epochs per round (momentum 0.9)", low=1, high=1000, node=True)
     batch_size: int = key(32, "local SGD batch size", low=1, node=True)
     learning_rate: float = key(0.05, "local SGD learning rate", low=0.0, open_low=True, node=True)
@@ -271,14 +276,12 @@ class RunConfig:
     def problems(self) -> list[str]:
         """What is wrong across keys (each key's own type and range are checked by ``from_mapping``)."""
         from quorumfl.core.data.datasets import DATASETS
-        from quorumfl.core.models import MODELS
 
         problems: list[str] = []
         config = self
         if config.dataset not in DATASETS:
             problems.append(f"dataset must be one of {sorted(DATASETS)}, got {config.dataset!r}")
-        if config.model not in MODELS:
-            problems.append(f"model must be one of {sorted(MODELS)}, got {config.model!r}")
+        problems.extend(_task_problems(config))
         if config.roster:
             problems.extend(_roster_problems(config.roster))
         if config.node_state_key and not (config.node_state_key.isdigit() and len(config.node_state_key) <= 20):
@@ -352,7 +355,8 @@ class RunConfig:
     def resolved_selection_key(self) -> str:
         """Where the selector's state is kept: ``selection-key``, or selector, dataset and model, so a
         restarted server (a new run of the same federation) continues with what was learned."""
-        return self.selection_key or f"{self.selector}:{self.dataset}:{self.model}"
+        data = self.dataset if self.task == "image" else self.task
+        return self.selection_key or f"{self.selector}:{data}:{self.model}"
 
     def train_deadline(self) -> float:
         """How long the train stage waits for replies: ``round-deadline`` if set, else ``round-timeout``."""
@@ -402,6 +406,25 @@ def derived_files(root: Path, config: type[RunConfig] = RunConfig) -> dict[Path,
 
 
 MAX_CONFIG_BYTES = 2**20
+
+
+def _task_problems(config: RunConfig) -> list[str]:
+    """The task exists here, the model is one of its models, and a non-image task has its schema file."""
+    from quorumfl.core.tasks import get_task
+
+    try:
+        task = get_task(config.task)
+    except ConfigError as exc:
+        return exc.problems
+    problems: list[str] = []
+    if config.model not in task.model_names():
+        problems.append(f"model must be one of {list(task.model_names())} for task '{task.name}', got {config.model!r}")
+    if task.name != "image" and not config.task_schema:
+        problems.append(f"task '{task.name}' needs task-schema: the departments' shared schema file (make one with "
+                        "'quorumfl data schema FILE --task …')")
+    if config.task_schema and not Path(config.task_schema).expanduser().is_file():
+        problems.append(f"task-schema {config.task_schema!r} is not a file on the server; give the schema's path")
+    return problems
 
 
 def load_run_config_file(path: Path) -> dict[str, Any]:

@@ -28,14 +28,12 @@ from numpy.typing import NDArray
 
 from quorumfl.aggregation.compression import warmup_fraction
 from quorumfl.aggregation.secagg.identity import Roster
-from quorumfl.core.data.datasets import Dataset, holdout_split
 from quorumfl.core.models import (
-    architecture_key,
     arrays_to_model,
-    build_model,
     model_to_arrays,
     split_control,
 )
+from quorumfl.core.tasks import get_task
 from quorumfl.errors import (
     FederationError,
     RunStoppedError,
@@ -56,6 +54,7 @@ from quorumfl.server.replies import (
     parse_train_reply,
 )
 from quorumfl.server.resuming import resume_point, take_up
+from quorumfl.server.run_task import federated_metric, run_task
 from quorumfl.server.state.repository import INTERRUPTED, Repository, RoundStatus, RunStatus
 from quorumfl.server.strategies import Strategy, build_strategy
 from quorumfl.training.local import evaluate
@@ -99,6 +98,7 @@ class Federation:
         self.flower_run_id = flower_run_id
         self.clock = clock
         self.roster = Roster.from_json(config.roster) if config.roster else None
+        self.task = run_task(config)  # the model spec nodes build, the objective, the server's held-out set
         self.strategy: Strategy = build_strategy(config)
         self.exchange = Exchange(grid, repo, roster=self.roster, flower_run_id=flower_run_id,
                                  round_deadline=config.round_deadline, clock=clock)
@@ -110,7 +110,7 @@ class Federation:
         # server decides: the round, μ (the strategy's, per node) and distributed DP's σ
         self._base = TrainConfig(
             server_round=0, proximal_mu=0.0, dp_noise_multiplier=self.dp_noise or config.dp_noise_multiplier,
-            **config.node_settings(),
+            task=config.task, schema=self.task.spec.schema_json, **config.node_settings(),
         )
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -127,11 +127,16 @@ class Federation:
         every = self.config.compression_sync_every
         seed = int.from_bytes(hashlib.sha256(f"{self.config.seed}:{number}".encode()).digest()[:4], "big")
         fraction = warmup_fraction(self.config.compression_fraction, number, self.config.compression_warmup_rounds)
-        return replace(self._base, compression_seed=seed, compression_full=bool(every) and number % every == 0,
+        # a task's statistics round (the first of a fresh run) goes at full precision: statistics are not
+        # an update that error feedback could spread over later rounds
+        statistics = number == 1 and not self.config.resume_run and getattr(get_task(self.config.task),
+                                                                            "needs_statistics", False)
+        return replace(self._base, compression_seed=seed,
+                       compression_full=(bool(every) and number % every == 0) or statistics,
                        compression_fraction=fraction)
 
-    def _initial(self, test: Dataset) -> tuple[list[str], list[Arrays], list[int | None]]:
-        arch = architecture_key(self.config.model, test.input_shape, test.num_classes)
+    def _initial(self) -> tuple[list[str], list[Arrays], list[int | None]]:
+        arch = self.task.spec.architecture()
         lineages = self.strategy.lineages(arch)
         models: list[Arrays] = []
         parents: list[int | None] = []
@@ -143,7 +148,7 @@ class Federation:
                 parents.append(head.id)
                 continue
             # IFCA's clusters start from different seeds, so they can tell departments apart.
-            model = build_model(self.config.model, test.input_shape, test.num_classes, seed=self.config.seed + k)
+            model = self.task.spec.build(seed=self.config.seed + k)
             models.append(self.strategy.server_arrays(model_to_arrays(model)))
             parents.append(None)
         return lineages, models, parents
@@ -184,14 +189,14 @@ class Federation:
             )
         self.mode.start(run.id)
         try:
-            _, test = holdout_split(config.dataset, seed=config.seed, data_dir=config.data_path())
-            lineages, models, parents = self._initial(test)
+            lineages, models, parents = self._initial()
             first, completed, seen = 1, 0, set[int]()
             if config.resume_run:
                 first, completed, seen = resume_point(self.repo, self.store, run, lineages, models, parents)
-            model = build_model(config.model, test.input_shape, test.num_classes)
+            model = self.task.spec.build(seed=0)
             self.feedback.restore()
-            self.feedback.accuracy, self.feedback.loss = self._server_evaluation(model, models[0], test)
+            value, self.feedback.loss = self._server_evaluation(model, models[0])
+            self.feedback.accuracy = self.task.objective.score(value)
             for number in range(first, config.num_rounds + 1):
                 if self.repo.run_status(run.id) is RunStatus.STOPPED:
                     log.info("run %s was stopped by the admin before round %s", run.id, number)
@@ -201,7 +206,7 @@ class Federation:
                     if parents[k] is not None and head is not None and head.id != parents[k]:
                         log.info("head of %s moved to version %s (rollback); continuing from it", lineage, head.id)
                         models[k], parents[k] = self.store.load(head.path, head.sha256), head.id
-                models, parents, metrics = self._round(run.id, number, lineages, models, parents, model, test, seen)
+                models, parents, metrics = self._round(run.id, number, lineages, models, parents, model, seen)
                 completed += bool(metrics)
                 if on_round is not None:
                     on_round(number, metrics)
@@ -241,7 +246,6 @@ class Federation:
         models: list[Arrays],
         parents: list[int | None],
         model: Any,
-        test: Dataset,
         seen: set[int],
     ) -> tuple[list[Arrays], list[int | None], dict[str, float]]:
         config = self.config
@@ -285,12 +289,16 @@ class Federation:
 
         start = self.clock()
         members = [sum(1 for c in phase.assignments.values() if c == k) for k in range(len(new_models))]
-        evals = [self._server_evaluation(model, arrays, test) for arrays in new_models]
+        evals = [self._server_evaluation(model, arrays) for arrays in new_models]
         main = max(range(len(new_models)), key=lambda k: (members[k], -k))  # the cluster serving the most nodes
         timings["evaluate"] = self.clock() - start
+        primary = self.task.primary
         round_metrics = {
-            "accuracy": evals[main][0],
+            primary: evals[main][0],
             "loss": evals[main][1],
+            # the model this round started from, as the departments measured it on their own test splits
+            f"federated-{primary}": federated_metric(phase.node_metrics, f"global-{primary}"),
+            "federated-loss": federated_metric(phase.node_metrics, "global-loss"),
             "train-loss": phase.train_loss,
             "participants": float(len(phase.accepted)),
             "examples": phase.total_examples,
@@ -302,7 +310,7 @@ class Federation:
         if len(new_models) > 1:
             round_metrics["clusters-repaired"] = float(len(phase.repairs))
             for k in range(len(new_models)):
-                round_metrics[f"accuracy-cluster-{k}"] = evals[k][0]
+                round_metrics[f"{primary}-cluster-{k}"] = evals[k][0]
                 round_metrics[f"nodes-cluster-{k}"] = float(members[k])
             for repair in phase.repairs:
                 log.info("round %s: %s", number, repair)
@@ -312,7 +320,7 @@ class Federation:
         for k, arrays in enumerate(new_models):
             suffix = f"-cluster{k}" if len(new_models) > 1 else ""
             stored = self.store.save(arrays, f"run{run_id}-round{number:04d}{suffix}")
-            version_metrics = {"accuracy": evals[k][0], "loss": evals[k][1]}
+            version_metrics = {primary: evals[k][0], "loss": evals[k][1]}
             if len(new_models) > 1:
                 version_metrics.update({"cluster": float(k), "nodes": float(members[k])})
             version = self.repo.add_model_version(
@@ -335,22 +343,28 @@ class Federation:
                 self.repo.add_metrics(run_id, number, values, node_id=node)
         timings["store"] = self.clock() - start
         self.repo.finish_round(rnd.id, RoundStatus.COMPLETED, participants=phase.accepted, timings=timings)
-        self.feedback.learn(run_id, number, selection, phase, outcome, timings, evals[main][0], evals[main][1])
+        # the selector learns from the server's held-out figures, or (no held-out set) the round's train loss
+        score = self.task.objective.score(evals[main][0])
+        loss = evals[main][1] if self.task.holdout is not None else phase.train_loss
+        self.feedback.learn(run_id, number, selection, phase, outcome, timings, score, loss)
         log.info(
-            "round %s/%s: accuracy %.4f, %s of %s nodes, %.1fs",
-            number, config.num_rounds, evals[main][0], len(phase.accepted), len(selected), sum(timings.values()),
+            "round %s/%s: %s %.4f, %s of %s nodes, %.1fs",
+            number, config.num_rounds, primary, evals[main][0], len(phase.accepted), len(selected),
+            sum(timings.values()),
         )
         return new_models, versions, round_metrics
 
     # ---- evaluation ---------------------------------------------------------------------------
-    def _server_evaluation(self, model: Any, arrays: Arrays, test: Dataset) -> tuple[float, float]:
-        """(accuracy, loss) on the server's held-out set; NaN where the strategy's server model cannot be
-        evaluated there (FedPer's has no head)."""
-        if not self.strategy.evaluates_on_server():
+    def _server_evaluation(self, model: Any, arrays: Arrays) -> tuple[float, float]:
+        """(the task's primary metric, loss) on the server's held-out set; NaN where there is none (tabular
+        and text tasks: the departments evaluate) or the strategy's server model cannot be evaluated
+        there (FedPer's has no head)."""
+        test = self.task.holdout
+        if test is None or not self.strategy.evaluates_on_server():
             return math.nan, math.nan
         arrays_to_model(model, split_control(arrays)[0])  # SCAFFOLD: not its control variates
         result = evaluate(model, test)
-        return result.accuracy, result.loss
+        return result.value, result.loss
 
 
 

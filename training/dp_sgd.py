@@ -16,6 +16,7 @@ import secrets
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from opacus import PrivacyEngine
@@ -116,7 +117,7 @@ def private_loop(module: nn.Module, wrapped: nn.Module, data: Dataset, job: Trai
             max_grad_norm=plan.max_grad_norm, poisson_sampling=True,
             noise_generator=torch.Generator().manual_seed(secrets.randbits(63)),
         )
-    loss_fn = nn.CrossEntropyLoss()
+    objective = data.objective
     private.train()
     steps, epoch_loss = 0, math.nan
     for _ in range(job.epochs):
@@ -127,7 +128,7 @@ def private_loop(module: nn.Module, wrapped: nn.Module, data: Dataset, job: Trai
                 optimizer.step()
                 steps += 1
                 continue
-            loss = loss_fn(private(xb), yb)
+            loss: Any = objective.loss(private(xb), yb, reduction="mean")  # (torch's backward() is untyped)
             with warnings.catch_warnings():  # Opacus' hooks on a first layer whose input needs no grad
                 warnings.filterwarnings("ignore", message="Full backward hook is firing")
                 loss.backward()

@@ -28,9 +28,25 @@ class TrainResult:
 
 @dataclass(frozen=True)
 class EvalResult:
-    loss: float
-    accuracy: float
+    """The task's metrics (``loss`` and its own, the primary among them) on ``num_examples`` examples."""
+
+    metrics: dict[str, float]
+    primary: str
     num_examples: int
+
+    @property
+    def loss(self) -> float:
+        return self.metrics["loss"]
+
+    @property
+    def value(self) -> float:
+        """The primary metric (accuracy, or MAE for regression)."""
+        return self.metrics[self.primary]
+
+    @property
+    def accuracy(self) -> float:
+        """Classification tasks' accuracy (NaN for a task that does not classify)."""
+        return self.metrics.get("accuracy", math.nan)
 
 
 def train(
@@ -59,16 +75,14 @@ def train(
 
 @torch.no_grad()
 def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 512) -> EvalResult:
-    """Mean cross-entropy and accuracy on ``data``."""
+    """The task's metrics on ``data`` (mean loss; accuracy, or MAE and RMSE for regression)."""
     model.eval()
-    if len(data) == 0:
-        return EvalResult(loss=math.nan, accuracy=math.nan, num_examples=0)
+    objective = data.objective
     x = torch.from_numpy(data.x)
     y = torch.from_numpy(data.y)
-    loss_sum, correct = 0.0, 0
+    sums: dict[str, float] = {}
     for start in range(0, len(y), batch_size):
-        logits = model(x[start : start + batch_size])
-        target = y[start : start + batch_size]
-        loss_sum += float(nn.functional.cross_entropy(logits, target, reduction="sum"))
-        correct += int((logits.argmax(dim=1) == target).sum())
-    return EvalResult(loss=loss_sum / len(y), accuracy=correct / len(y), num_examples=len(y))
+        batch = objective.sums(model(x[start : start + batch_size]), y[start : start + batch_size])
+        for name, value in batch.items():
+            sums[name] = sums.get(name, 0.0) + value
+    return EvalResult(objective.finish(sums, len(y)), objective.primary, len(y))

@@ -12,10 +12,12 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
+from quorumfl.core.tasks.objective import CLASSIFICATION, Objective
 from quorumfl.errors import ConfigError, DataError
 
 __all__ = [
@@ -32,19 +34,22 @@ FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
 @dataclass(frozen=True)
 class Dataset:
-    """Features ``x`` (N, C, H, W) float32 and labels ``y`` (N,) int64."""
+    """Examples ``x`` (N, *input_shape) as the model takes them (float32 images or table features,
+    int64 token ids) and targets ``y`` (N,): int64 class indices, or float32 for regression.
+    ``objective`` says how they are learned and scored."""
 
     name: str
-    x: NDArray[np.float32]
-    y: NDArray[np.int64]
+    x: NDArray[Any]
+    y: NDArray[Any]
     num_classes: int
+    objective: Objective = CLASSIFICATION
 
     @property
     def input_shape(self) -> tuple[int, ...]:
         return tuple(int(d) for d in self.x.shape[1:])
 
     def subset(self, indices: NDArray[np.int64]) -> Dataset:
-        return Dataset(self.name, self.x[indices], self.y[indices], self.num_classes)
+        return Dataset(self.name, self.x[indices], self.y[indices], self.num_classes, self.objective)
 
     def __len__(self) -> int:
         return int(self.y.shape[0])

@@ -1,25 +1,33 @@
-"""Department partition directories: what a node reads, and the tool that lays them out.
+"""Department partition directories: what a node reads, and the tools that lay them out.
 
-A partition directory holds ``train.npz`` and ``test.npz`` (arrays ``x``, ``y``) and
-``partition.json`` (department, dataset, classes, counts). A node reads only its own directory.
+A partition directory holds ``train.npz`` and ``test.npz`` (arrays ``x``, ``y`` as the task encoded
+them) and ``partition.json`` (department, dataset, the task's schema and its digest, counts). A node
+reads only its own directory. ``prepare_partitions`` splits a built-in dataset among departments;
+``import_partition`` turns a department's own file into its partition under a shared schema.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import re
-from dataclasses import dataclass
+import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from quorumfl.core.data.datasets import Dataset, holdout_split
 from quorumfl.core.data.partition import partition
 from quorumfl.core.files import atomic_write
-from quorumfl.errors import ConfigError, DataError
+from quorumfl.core.tasks import get_task, image_schema, schema_digest, stable_split
+from quorumfl.core.tasks.objective import Objective
+from quorumfl.errors import ConfigError, DataError, QuorumError
 
-__all__ = ["Partition", "department_slug", "prepare_partitions", "read_partition", "write_partition"]
+__all__ = ["Partition", "department_slug", "import_partition", "prepare_partitions", "read_partition",
+           "write_partition"]
 
 META = "partition.json"
 _SLUG = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
@@ -31,6 +39,10 @@ class Partition:
     dataset: str
     train: Dataset
     test: Dataset
+    schema: dict[str, Any] = field(default_factory=dict)  # empty: the built-in image dataset's own
+
+    def resolved_schema(self) -> dict[str, Any]:
+        return self.schema or image_schema(self.dataset, self.train.input_shape, self.train.num_classes)
 
 
 def department_slug(name: str) -> str:
@@ -50,35 +62,50 @@ def _save_npz(path: Path, data: Dataset) -> None:
 
 
 def write_partition(directory: Path, part: Partition) -> None:
+    """Write the partition; ``partition.json`` goes last, so a directory without it is never read as
+    a partition (an interrupted write leaves nothing a node would take)."""
     directory.mkdir(parents=True, exist_ok=True)
+    schema = part.resolved_schema()
     _save_npz(directory / "train.npz", part.train)
     _save_npz(directory / "test.npz", part.test)
-    meta = {
+    meta: dict[str, Any] = {
         "department": part.department,
         "dataset": part.dataset,
+        "task": schema["task"],
         "num_classes": part.train.num_classes,
         "input_shape": list(part.train.input_shape),
         "train_examples": len(part.train),
         "test_examples": len(part.test),
-        "train_label_counts": np.bincount(part.train.y, minlength=part.train.num_classes).tolist(),
+        "schema_digest": schema_digest(schema),
     }
-    (directory / META).write_text(json.dumps(meta, indent=2) + "\n")
+    if part.schema:
+        meta["schema"] = part.schema
+    if part.train.objective.name == "classification":
+        meta["train_label_counts"] = np.bincount(part.train.y, minlength=part.train.num_classes).tolist()
+    atomic_write(directory / META, (json.dumps(meta, indent=2) + "\n").encode())
 
 
-def _load_npz(path: Path, name: str, num_classes: int) -> Dataset:
+def _load_npz(path: Path, name: str, num_classes: int, objective: Objective) -> Dataset:
     try:
         with np.load(path, allow_pickle=False) as npz:
-            x = np.asarray(npz["x"], dtype=np.float32)
-            y = np.asarray(npz["y"], dtype=np.int64)
+            x, y = np.asarray(npz["x"]), np.asarray(npz["y"])
     except FileNotFoundError:
-        raise DataError(f"{path} is missing; re-create the partition with 'quorumfl data split'") from None
+        raise DataError(f"{path} is missing; re-create the partition with 'quorumfl data split' or 'data import'") from None
     except (OSError, ValueError, KeyError) as exc:
         raise DataError(f"{path} is not a readable partition file ({exc})") from exc
     if x.shape[0] != y.shape[0] or x.ndim < 2:
         raise DataError(f"{path}: {x.shape[0]} inputs but {y.shape[0]} labels")
-    if y.size and (int(y.min()) < 0 or int(y.max()) >= num_classes):
-        raise DataError(f"{path}: labels outside 0..{num_classes - 1}")
-    return Dataset(name, x, y, num_classes)
+    if x.dtype not in (np.float32, np.int64):
+        x = x.astype(np.float32)
+    if objective.name == "classification":
+        y = y.astype(np.int64)
+        if y.size and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+            raise DataError(f"{path}: labels outside 0..{num_classes - 1}")
+    else:
+        y = y.astype(np.float32)
+        if not np.all(np.isfinite(y)):
+            raise DataError(f"{path}: targets that are not finite; import the data again")
+    return Dataset(name, x, y, num_classes, objective)
 
 
 def read_partition(directory: Path) -> Partition:
@@ -93,15 +120,24 @@ def read_partition(directory: Path) -> Partition:
         department = str(meta["department"])
         dataset = str(meta["dataset"])
         num_classes = int(meta["num_classes"])
+        schema = meta.get("schema") or image_schema(dataset, meta["input_shape"], num_classes)
+        if not isinstance(schema, dict):
+            raise TypeError("'schema' is not an object")
     except FileNotFoundError:
         raise DataError(f"{directory} has no {META}; it is not a QuorumFL partition directory") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise DataError(f"{directory / META} is corrupt ({exc})") from exc
-    train = _load_npz(directory / "train.npz", dataset, num_classes)
-    test = _load_npz(directory / "test.npz", dataset, num_classes)
+    try:
+        task = get_task(str(schema.get("task")))
+        task.check_schema(schema)
+        objective = task.objective(schema)
+    except QuorumError as exc:
+        raise DataError(f"{directory / META}: {exc}") from None
+    train = _load_npz(directory / "train.npz", dataset, num_classes, objective)
+    test = _load_npz(directory / "test.npz", dataset, num_classes, objective)
     if len(train) == 0:
         raise DataError(f"{directory}: the training split is empty")
-    return Partition(department, dataset, train, test)
+    return Partition(department, dataset, train, test, schema if "schema" in meta else {})
 
 
 def prepare_partitions(
@@ -142,3 +178,34 @@ def prepare_partitions(
         write_partition(out_dir / slug, part)
         paths[slug] = out_dir / slug
     return paths
+
+
+def import_partition(source: Path, out_dir: Path, *, department: str, schema: dict[str, Any],
+                     test_fraction: float = 0.2, seed: int = 0) -> Partition:
+    """Read a department's own file with its task under the shared ``schema``, split it into train
+    and test, and write the partition directory. Nothing is written unless the whole file is valid;
+    an existing partition directory is replaced only by a complete new one."""
+    if not 0.0 < test_fraction < 1.0:
+        raise ConfigError(f"--test-fraction must be between 0 and 1 (exclusive), got {test_fraction}")
+    slug = department_slug(department)
+    task = get_task(str(schema.get("task")))
+    task.check_schema(schema)
+    x, y = task.read(source, schema)
+    if len(y) < 2:
+        raise DataError(f"{source}: {len(y)} row(s); a department needs at least two (one to test on)")
+    objective = task.objective(schema)
+    outputs = task.outputs(schema)
+    data = Dataset(source.stem, x, y, outputs, objective)
+    train_rows, test_rows = stable_split(len(y), test_fraction=test_fraction, seed=seed)
+    part = Partition(slug, source.stem, data.subset(train_rows), data.subset(test_rows), schema)
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / META).is_file():
+        raise DataError(f"{out_dir} exists and is not a partition directory; choose an empty or new folder")
+    staging = out_dir.with_name(f".{out_dir.name}.importing-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    write_partition(staging, part)
+    old = out_dir.with_name(f".{out_dir.name}.replaced-{os.getpid()}")
+    if out_dir.exists():
+        os.replace(out_dir, old)  # the old partition stays whole until the new one is in place
+    os.replace(staging, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return part

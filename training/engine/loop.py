@@ -19,6 +19,7 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -137,7 +138,8 @@ def run_loop(
     optimizer = torch.optim.SGD(module.parameters(), lr=job.lr_at(0), momentum=job.momentum)
     amp_dtype = {Amp.BF16: torch.bfloat16, Amp.FP16: torch.float16}.get(settings.amp)
     scaler = torch.amp.GradScaler("cuda") if settings.amp is Amp.FP16 else None
-    loss_fn = nn.CrossEntropyLoss(reduction="sum")
+    # summed over the batch (cross-entropy, or squared error for regression); torch's backward() is untyped
+    loss_fn: Callable[..., Any] = data.objective.loss
     generator = torch.Generator().manual_seed(job.seed)
 
     epoch, next_batch, steps, loss_sum, seen = 0, 0, 0, 0.0, 0

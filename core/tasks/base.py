@@ -1,0 +1,132 @@
+"""The task protocol: the one place that says what a federation learns.
+
+A task reads and checks a department's files, defines the schema every department must share (as a
+JSON object, compared by its digest), builds the models for that schema and names the objective (loss,
+metrics, primary metric). The server, the nodes, the CLI and the benchmarks ask the task; nothing
+else assumes images or accuracy.
+
+A schema is a plain JSON object with at least ``task`` (the task's name). Two departments can train
+together exactly when their schemas have the same digest; ``schema_difference`` says, in one line,
+which field differs (a column, a class, a range), so a node's refusal names what to fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+from numpy.typing import NDArray
+
+from quorumfl.core.tasks.objective import Objective
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["Schema", "Task", "schema_difference", "schema_digest"]
+
+Schema = Mapping[str, Any]
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What a task provides. Built-in: ``image``, ``tabular``, ``text``; a plug-in is any object with
+    these members, found by ``module:attribute`` or the ``quorumfl.tasks`` entry point group."""
+
+    name: str
+    version: str  # part of every schema: a node with another version of the task refuses the run
+    default_model: str
+
+    def model_names(self) -> Sequence[str]:
+        """The models this task builds."""
+
+    def check_schema(self, schema: Schema) -> None:
+        """Raise ``ConfigError`` naming the field when ``schema`` is not a valid schema of this task."""
+
+    def input_shape(self, schema: Schema) -> tuple[int, ...]:
+        """The shape of one example as the model takes it."""
+
+    def outputs(self, schema: Schema) -> int:
+        """The model's output width (classes, or 1 for regression)."""
+
+    def objective(self, schema: Schema) -> Objective:
+        """Loss, metrics and the primary metric."""
+
+    def build_model(self, model: str, schema: Schema, *, seed: int) -> nn.Module:
+        """Model ``model`` for ``schema`` with deterministic initial weights for ``seed``."""
+
+    def infer_schema(self, source: Path, options: Mapping[str, str]) -> dict[str, Any]:
+        """A schema proposed from one department's file (the admin reviews and shares it)."""
+
+    def read(self, source: Path, schema: Schema) -> tuple[NDArray[Any], NDArray[Any]]:
+        """The file's examples encoded for the model, checked against ``schema`` (``DataError`` naming
+        the file, row or column and the fix on anything that does not fit)."""
+
+
+def canonical(schema: Schema) -> str:
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def schema_digest(schema: Schema) -> str:
+    """SHA-256 of the schema's canonical JSON: equal exactly when two schemas are the same."""
+    return hashlib.sha256(canonical(schema).encode()).hexdigest()
+
+
+def _describe(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _difference(path: str, mine: Any, theirs: Any) -> str | None:
+    if isinstance(mine, Mapping) and isinstance(theirs, Mapping):
+        for key in sorted(set(mine) | set(theirs), key=str):
+            where = f"{path}.{key}" if path else str(key)
+            if key not in mine:
+                return f"'{where}' is missing here (the run's schema has {_describe(theirs[key])})"
+            if key not in theirs:
+                return f"'{where}' is not in the run's schema (here {_describe(mine[key])})"
+            found = _difference(where, mine[key], theirs[key])
+            if found:
+                return found
+        return None
+    if isinstance(mine, list) and isinstance(theirs, list):
+        named = all(isinstance(v, Mapping) and "name" in v for v in [*mine, *theirs])
+        if named:
+            ours = {v["name"]: v for v in mine}
+            run = {v["name"]: v for v in theirs}
+            for name in [v["name"] for v in theirs] + [v["name"] for v in mine]:
+                if name not in ours:
+                    return f"column '{name}' of the run's schema ('{path}') is missing here"
+                if name not in run:
+                    return f"column '{name}' ('{path}') is not in the run's schema"
+                found = _difference(f"{path}[{name}]", ours[name], run[name])
+                if found:
+                    return found
+        missing = [v for v in theirs if v not in mine]
+        extra = [v for v in mine if v not in theirs]
+        if missing:
+            return f"'{path}': {_describe(missing[0])} of the run's schema is missing here"
+        if extra:
+            return f"'{path}': {_describe(extra[0])} here is not in the run's schema"
+        if mine != theirs:
+            return f"'{path}': the same entries in another order (here {_describe(mine)})"
+        return None
+    if mine != theirs:
+        return f"'{path}' is {_describe(mine)} here, {_describe(theirs)} in the run's schema"
+    return None
+
+
+def schema_difference(mine: Schema, theirs: Schema) -> str | None:
+    """None when the schemas are equal, else the first difference in one line (naming the field)."""
+    return _difference("", mine, theirs)
+
+
+def stable_split(count: int, *, test_fraction: float, seed: int) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """(train rows, test rows) of ``count`` rows, deterministic in ``seed``; at least one test row
+    when there are two or more rows."""
+    order = np.random.default_rng(seed).permutation(count)
+    n_test = max(1, int(round(count * test_fraction))) if count > 1 else 0
+    return np.sort(order[n_test:]), np.sort(order[:n_test])

@@ -1,0 +1,76 @@
+"""Torch building blocks of the tabular and text tasks' models.
+
+``Standardize`` holds the federation's feature statistics as buffers (they travel and are averaged
+with the model like any other array); ``needs_statistics``/``set_statistics`` are the hook a node
+uses in the statistics round (see ``quorumfl.core.tasks.tabular``). ``HashedBag`` is a fastText-style
+classifier: the mean of learned embeddings of hashed word and character n-grams, then a linear layer
+(Joulin et al., "Bag of Tricks for Efficient Text Classification", 2017); no pretrained weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+__all__ = ["HashedBag", "Standardize", "find_statistics", "seeded"]
+
+MIN_VARIANCE = 1e-3  # a feature (nearly) constant across the federation is not blown up by 1/σ
+
+
+class Standardize(nn.Module):
+    """``(x − mean) / σ`` with the federation's mean and second moment; identity until they are set."""
+
+    mean: torch.Tensor
+    sq_mean: torch.Tensor
+    ready: torch.Tensor
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(features))
+        self.register_buffer("sq_mean", torch.ones(features))
+        self.register_buffer("ready", torch.zeros(1))  # 1 once the statistics round has filled it
+
+    def needs_statistics(self) -> bool:
+        return bool(self.ready.item() < 0.5)
+
+    @torch.no_grad()
+    def set_statistics(self, x: torch.Tensor) -> None:
+        """This department's mean and second moment; the round's weighted mean makes them the federation's."""
+        x = x.double()
+        self.mean.copy_(x.mean(dim=0).float())
+        self.sq_mean.copy_((x * x).mean(dim=0).float())
+        self.ready.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = torch.clamp(self.sq_mean - self.mean * self.mean, min=MIN_VARIANCE)
+        return (x - self.mean) * torch.rsqrt(variance)
+
+
+def find_statistics(model: nn.Module) -> Standardize | None:
+    """The model's ``Standardize`` layer, if it has one."""
+    return next((m for m in model.modules() if isinstance(m, Standardize)), None)
+
+
+class HashedBag(nn.Module):
+    """Token ids (N, L), 0 = padding → mean embedding → logits."""
+
+    def __init__(self, buckets: int, dim: int, outputs: int) -> None:
+        super().__init__()
+        self.embedding = nn.EmbeddingBag(buckets, dim, mode="mean", padding_idx=0)
+        self.classifier = nn.Linear(dim, outputs)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.classifier(self.embedding(tokens))
+        return logits
+
+
+def seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
+    """``build()`` with torch's generator seeded, restoring the caller's generator afterwards."""
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        return build()
+    finally:
+        torch.random.set_rng_state(state)

@@ -1,0 +1,161 @@
+"""Reading a department's CSV or JSONL file into checked rows (the tabular and text tasks' input).
+
+Python's ``csv`` and ``json`` modules read the rows; what is written here is the checking that a
+department's file gets before anything is stored: UTF-8, a header, no empty file, the columns the
+schema names (and no others), and a file that does not change while it is read. Every problem is
+one ``DataError`` line naming the file, the row or column, and the fix.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from quorumfl.errors import DataError
+
+__all__ = ["Table", "parse_number", "read_table"]
+
+FORMATS = (".csv", ".jsonl", ".ndjson")
+
+
+@dataclass(frozen=True)
+class Table:
+    """Columns by name, each a list of cell strings (None for a JSON null), in row order."""
+
+    path: Path
+    columns: dict[str, list[str | None]]
+    rows: int
+
+    def column(self, name: str) -> list[str | None]:
+        try:
+            return self.columns[name]
+        except KeyError:
+            raise DataError(
+                f"{self.path}: no column '{name}' (columns: {', '.join(self.columns)}); rename the column or "
+                "fix the schema"
+            ) from None
+
+    def check_columns(self, expected: Iterable[str], *, ignored: Iterable[str] = ()) -> None:
+        """Refuse a missing column of ``expected`` or a column that is neither expected nor ignored."""
+        wanted, skip = list(expected), set(ignored)
+        for name in wanted:
+            self.column(name)
+        extra = [c for c in self.columns if c not in wanted and c not in skip]
+        if extra:
+            raise DataError(
+                f"{self.path}: column '{extra[0]}' is not in the schema; remove it from the file or list it "
+                "under 'ignore' in the schema"
+            )
+
+
+def _text(path: Path) -> str:
+    try:
+        before = path.stat()
+        raw = path.read_bytes()
+        after = path.stat()
+    except FileNotFoundError:
+        raise DataError(f"{path} does not exist; pass the department's CSV or JSONL file") from None
+    except IsADirectoryError:
+        raise DataError(f"{path} is a folder; pass the department's CSV or JSONL file") from None
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) or len(raw) != after.st_size:
+        raise DataError(f"{path} changed while it was read; import it again once it is complete")
+    if not raw.strip():
+        raise DataError(f"{path} is empty; export the department's table with a header row and data rows")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise DataError(f"{path}: line {line} is not UTF-8; re-save the file as UTF-8") from None
+
+
+def _csv(path: Path, text: str) -> Table:
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = next(reader)
+    except (StopIteration, csv.Error) as exc:
+        raise DataError(f"{path}: no header row ({exc}); the first line must name the columns") from None
+    names = [h.strip() for h in header]
+    if any(not n for n in names):
+        raise DataError(f"{path}: column {names.index('') + 1} of the header has no name; name every column")
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise DataError(f"{path}: column '{dup}' appears twice in the header; rename one of them")
+    columns: dict[str, list[str | None]] = {n: [] for n in names}
+    rows = 0
+    try:
+        for line, record in enumerate(reader, start=2):
+            if not record or (len(record) == 1 and not record[0].strip()):
+                continue  # a blank line
+            if len(record) != len(names):
+                raise DataError(f"{path}: line {line} has {len(record)} fields, the header {len(names)}; fix that line")
+            for name, cell in zip(names, record, strict=True):
+                columns[name].append(cell)
+            rows += 1
+    except csv.Error as exc:
+        raise DataError(f"{path}: line {reader.line_num} is not valid CSV ({exc}); fix the quoting") from None
+    if rows == 0:
+        raise DataError(f"{path} has a header but no data rows")
+    return Table(path, columns, rows)
+
+
+def _jsonl(path: Path, text: str) -> Table:
+    columns: dict[str, list[str | None]] = {}
+    rows = 0
+    for line, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}: line {line} is not JSON ({exc.msg}); one JSON object per line") from None
+        if not isinstance(record, dict):
+            raise DataError(f"{path}: line {line} is not a JSON object; one object per line")
+        if rows == 0:
+            columns = {str(k): [] for k in record}
+        if set(record) != set(columns):
+            missing = sorted(set(columns) - set(record)) or sorted(set(record) - set(columns))
+            raise DataError(f"{path}: line {line} has other keys than line 1 ({missing[0]!r}); give every line "
+                            "the same keys")
+        for key, value in record.items():
+            if isinstance(value, (dict, list)):
+                raise DataError(f"{path}: line {line}, key '{key}' holds a {type(value).__name__}; give a string "
+                                "or a number")
+            columns[key].append(None if value is None else value if isinstance(value, str) else json.dumps(value))
+        rows += 1
+    if rows == 0:
+        raise DataError(f"{path} holds no JSON objects")
+    return Table(path, columns, rows)
+
+
+def read_table(path: Path) -> Table:
+    """Read ``path`` (``.csv``, ``.jsonl`` or ``.ndjson``) into a ``Table``."""
+    suffix = path.suffix.lower()
+    if suffix not in FORMATS:
+        raise DataError(f"{path}: unknown format '{suffix or '(none)'}'; give a .csv or .jsonl file")
+    text = _text(path)
+    return _csv(path, text) if suffix == ".csv" else _jsonl(path, text)
+
+
+def parse_number(path: Path, column: str, values: Sequence[str | None]) -> list[float]:
+    """The cells of a numeric column as floats; refuses an empty cell, text, NaN or infinity."""
+    out: list[float] = []
+    for row, cell in enumerate(values, start=1):
+        where = f"{path}: row {row}, column '{column}'"
+        if cell is None or not cell.strip():
+            raise DataError(f"{where} is empty; fill it in or drop the row")
+        try:
+            value = float(cell)
+        except ValueError:
+            raise DataError(f"{where}: {cell!r} is not a number (the column is numeric); fix the value or declare "
+                            "the column categorical") from None
+        if not math.isfinite(value):
+            raise DataError(f"{where} is {cell.strip()}; give a finite number or drop the row")
+        out.append(value)
+    return out

@@ -1,0 +1,254 @@
+"""The ``tabular`` task: records with numeric and categorical columns (tax, property, service tables).
+
+Schema (JSON; ``quorumfl data schema`` proposes one from a file, the admin reviews and shares it)::
+
+    {"task": "tabular", "version": "1", "label": "Sale_Price", "objective": "regression",
+     "target_range": [0, 1000000],                       # regression; classification: "classes": [...]
+     "numeric": [{"name": "Lot_Area", "low": 0, "high": 1000000}, ...],
+     "categorical": [{"name": "Neighborhood", "buckets": 32}, ...],
+     "ignore": ["Parcel_ID"]}
+
+Encoding is fixed by the schema alone, so no department's data decides it: a numeric value is scaled
+by its declared range to [0, 1] (a value outside the range is refused, naming the row and column); a
+categorical value is hashed into one of the column's buckets (one-hot), so no vocabulary has to be
+collected from anyone. The standardisation that training needs is computed across departments: the
+models begin with a ``Standardize`` layer whose mean and second moment start empty; in the first
+round of a fresh run every node puts its own (count-weighted) statistics there instead of training,
+and the round's secure aggregation reveals only their weighted mean over the departments, i.e. the
+federation's statistics (sums and counts, nothing per department). Runs with differential privacy
+skip that round (statistics of raw data would not be covered by ε) and train on the range-scaled
+values.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from quorumfl.core.tasks.base import Schema
+from quorumfl.core.tasks.objective import CLASSIFICATION, Objective, Regression
+from quorumfl.core.tasks.tables import Table, parse_number, read_table
+from quorumfl.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["TabularTask", "encode_table", "nice_range"]
+
+DEFAULT_BUCKETS = 16
+CLASSIFICATION_MAX_CLASSES = 20  # a numeric label with more distinct values is proposed as regression
+
+
+def nice_range(low: float, high: float) -> tuple[float, float]:
+    """A declared range around the observed [low, high]: 0 or ∓10^k bounds, so another department's
+    values of the same kind fit, and the bounds reveal only an order of magnitude."""
+
+    def bound(value: float, up: bool) -> float:
+        if value == 0:
+            return 0.0
+        power = 10.0 ** math.ceil(math.log10(abs(value)))
+        if (value > 0) == up:
+            return power if value > 0 else -power
+        return 0.0
+
+    lo = 0.0 if low >= 0 else bound(low, up=False)
+    hi = 0.0 if high <= 0 else bound(high, up=True)
+    if hi <= lo:
+        hi = lo + 1.0
+    return lo, hi
+
+
+def _bucket(column: str, value: str, buckets: int) -> int:
+    return zlib.crc32(f"{column}\x1f{value}".encode()) % buckets
+
+
+def _feature_count(schema: Schema) -> int:
+    return len(schema["numeric"]) + sum(int(c["buckets"]) for c in schema["categorical"])
+
+
+def encode_table(table: Table, schema: Schema) -> tuple[NDArray[np.float32], NDArray[Any]]:
+    """Features (N, F) float32 and targets (int64 class indices, or float32 scaled to [0, 1])."""
+    path = table.path
+    table.check_columns([schema["label"], *(c["name"] for c in schema["numeric"]),
+                         *(c["name"] for c in schema["categorical"])], ignored=schema.get("ignore", []))
+    x = np.zeros((table.rows, _feature_count(schema)), dtype=np.float32)
+    for j, spec in enumerate(schema["numeric"]):
+        values = np.asarray(parse_number(path, spec["name"], table.column(spec["name"])), dtype=np.float64)
+        low, high = float(spec["low"]), float(spec["high"])
+        outside = np.flatnonzero((values < low) | (values > high))
+        if outside.size:
+            row = int(outside[0])
+            raise DataError(f"{path}: row {row + 1}, column '{spec['name']}' is {values[row]:g}, outside the schema's "
+                            f"range [{low:g}, {high:g}]; fix the value or widen the range in the schema")
+        x[:, j] = ((values - low) / (high - low)).astype(np.float32)
+    offset = len(schema["numeric"])
+    for spec in schema["categorical"]:
+        buckets = int(spec["buckets"])
+        for row, cell in enumerate(table.column(spec["name"])):
+            if cell is None or not cell.strip():
+                raise DataError(f"{path}: row {row + 1}, column '{spec['name']}' is empty; fill it in (e.g. 'unknown') "
+                                "or drop the row")
+            x[row, offset + _bucket(spec["name"], cell.strip(), buckets)] = 1.0
+        offset += buckets
+    label = schema["label"]
+    cells = table.column(label)
+    if schema["objective"] == "classification":
+        index = {str(c): i for i, c in enumerate(schema["classes"])}
+        y = np.empty(table.rows, dtype=np.int64)
+        for row, cell in enumerate(cells):
+            key = "" if cell is None else cell.strip()
+            if key not in index:
+                raise DataError(f"{path}: row {row + 1}, label column '{label}' has class {key!r}, which is not in the "
+                                f"schema's classes; fix the value or add the class to the schema")
+            y[row] = index[key]
+        return x, y
+    low, high = (float(v) for v in schema["target_range"])
+    target = np.asarray(parse_number(path, label, cells), dtype=np.float64)
+    outside = np.flatnonzero((target < low) | (target > high))
+    if outside.size:
+        row = int(outside[0])
+        raise DataError(f"{path}: row {row + 1}, label column '{label}' is {target[row]:g}, outside the schema's "
+                        f"target_range [{low:g}, {high:g}]; fix the value or widen the range in the schema")
+    return x, ((target - low) / (high - low)).astype(np.float32)
+
+
+def _is_numeric(cells: Sequence[str | None]) -> bool:
+    try:
+        return all(cell is not None and cell.strip() != "" and math.isfinite(float(cell)) for cell in cells)
+    except ValueError:
+        return False
+
+
+def _names(options: Mapping[str, str], key: str) -> list[str]:
+    return [n.strip() for n in options.get(key, "").split(",") if n.strip()]
+
+
+class TabularTask:
+    """Tables: classification or regression on numeric and hashed categorical columns."""
+
+    name = "tabular"
+    version = "1"
+    default_model = "mlp"
+    needs_statistics = True  # the first round of a fresh run computes the federation's standardisation
+
+    def model_names(self) -> Sequence[str]:
+        return ("mlp", "linear")
+
+    def check_schema(self, schema: Schema) -> None:
+        def need(ok: bool, field: str, fix: str) -> None:
+            if not ok:
+                raise ConfigError(f"tabular schema: '{field}' {fix}")
+
+        need(schema.get("task") == self.name, "task", "must be 'tabular'")
+        need(str(schema.get("version")) == self.version, "version", f"must be '{self.version}' for this QuorumFL")
+        need(isinstance(schema.get("label"), str) and bool(schema.get("label")), "label", "must name the label column")
+        objective = schema.get("objective")
+        need(objective in ("classification", "regression"), "objective", "must be 'classification' or 'regression'")
+        if objective == "classification":
+            classes = schema.get("classes")
+            need(isinstance(classes, list) and len(classes) >= 2 and len(set(map(str, classes))) == len(classes),
+                 "classes", "must list two or more distinct classes")
+        else:
+            rng = schema.get("target_range")
+            need(isinstance(rng, list) and len(rng) == 2 and all(isinstance(v, (int, float)) for v in rng)
+                 and rng[0] < rng[1], "target_range", "must be [low, high] with low < high")
+        numeric, categorical = schema.get("numeric"), schema.get("categorical")
+        need(isinstance(numeric, list) and isinstance(categorical, list) and bool(numeric or categorical),
+             "numeric/categorical", "must list the feature columns")
+        assert isinstance(numeric, list) and isinstance(categorical, list)
+        for spec in numeric:
+            need(isinstance(spec, Mapping) and isinstance(spec.get("name"), str)
+                 and isinstance(spec.get("low"), (int, float)) and isinstance(spec.get("high"), (int, float))
+                 and spec["low"] < spec["high"], f"numeric[{spec.get('name') if isinstance(spec, Mapping) else spec}]",
+                 "needs name, low and high with low < high")
+        for spec in categorical:
+            need(isinstance(spec, Mapping) and isinstance(spec.get("name"), str)
+                 and isinstance(spec.get("buckets"), int) and 2 <= spec["buckets"] <= 4096,
+                 f"categorical[{spec.get('name') if isinstance(spec, Mapping) else spec}]",
+                 "needs a name and buckets between 2 and 4096")
+        names = [schema["label"], *(s["name"] for s in numeric), *(s["name"] for s in categorical)]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        need(dup is None, str(dup), "is listed twice (label, numeric and categorical columns must differ)")
+
+    def input_shape(self, schema: Schema) -> tuple[int, ...]:
+        return (_feature_count(schema),)
+
+    def outputs(self, schema: Schema) -> int:
+        return len(schema["classes"]) if schema["objective"] == "classification" else 1
+
+    def objective(self, schema: Schema) -> Objective:
+        if schema["objective"] == "classification":
+            return CLASSIFICATION
+        low, high = schema["target_range"]
+        return Regression(scale=float(high) - float(low))
+
+    def build_model(self, model: str, schema: Schema, *, seed: int) -> nn.Module:
+        from torch import nn
+
+        from quorumfl.core.tasks.modules import Standardize, seeded
+
+        features, outputs = _feature_count(schema), self.outputs(schema)
+
+        def build() -> nn.Module:
+            if model == "mlp":
+                return nn.Sequential(Standardize(features), nn.Linear(features, 64), nn.ReLU(), nn.Linear(64, 32),
+                                     nn.ReLU(), nn.Linear(32, outputs))
+            if model == "linear":
+                return nn.Sequential(Standardize(features), nn.Linear(features, outputs))
+            raise ConfigError(f"model: the tabular task has no model '{model}'; choose one of {list(self.model_names())}")
+
+        return seeded(build, seed)
+
+    def infer_schema(self, source: Path, options: Mapping[str, str]) -> dict[str, Any]:
+        table = read_table(source)
+        label = options.get("label", "")
+        if not label:
+            raise ConfigError(f"--label: name the label column of {source} (columns: {', '.join(table.columns)})")
+        cells = table.column(label)
+        ignore = _names(options, "ignore")
+        for name in ignore:
+            table.column(name)
+        categorical = set(_names(options, "categorical"))
+        for name in categorical:
+            table.column(name)
+        objective = options.get("objective", "auto")
+        if objective not in ("auto", "classification", "regression"):
+            raise ConfigError(f"--objective must be auto, classification or regression, got {objective!r}")
+        numeric_label = _is_numeric(cells)
+        distinct = sorted({(c or "").strip() for c in cells})
+        if objective == "auto":
+            objective = "regression" if numeric_label and len(distinct) > CLASSIFICATION_MAX_CLASSES else "classification"
+        schema: dict[str, Any] = {"task": self.name, "version": self.version, "label": label, "objective": objective}
+        if objective == "classification":
+            if len(distinct) < 2:
+                raise DataError(f"{source}: label column '{label}' has only the class {distinct!r}; a classifier needs two")
+            if numeric_label:
+                distinct.sort(key=float)
+            schema["classes"] = distinct
+        else:
+            target = parse_number(source, label, cells)
+            schema["target_range"] = list(nice_range(min(target), max(target)))
+        buckets = int(options.get("buckets", DEFAULT_BUCKETS))
+        numeric: list[dict[str, Any]] = []
+        categories: list[dict[str, Any]] = []
+        for name, column in table.columns.items():
+            if name == label or name in ignore:
+                continue
+            if name not in categorical and _is_numeric(column):
+                values = parse_number(source, name, column)
+                low, high = nice_range(min(values), max(values))
+                numeric.append({"name": name, "low": low, "high": high})
+            else:
+                categories.append({"name": name, "buckets": buckets})
+        schema.update(numeric=numeric, categorical=categories, ignore=ignore)
+        self.check_schema(schema)
+        return schema
+
+    def read(self, source: Path, schema: Schema) -> tuple[NDArray[Any], NDArray[Any]]:
+        return encode_table(read_table(source), schema)
