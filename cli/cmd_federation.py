@@ -1,4 +1,4 @@
-"""``quorumfl demo``, ``server start``, ``node start``, ``data split``, ``db upgrade``."""
+"""``quorumfl demo``, ``server start``, ``node start``, ``db upgrade``."""
 
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ import typer
 from quorumfl.cli.cmd_runs import round_progress, round_reporter, stage_reporter
 from quorumfl.cli.context import DEFAULT_SUPERLINK, INSECURE_WARNING, settings
 from quorumfl.cli.output import console, err_console, print_json, table
-from quorumfl.core.data import prepare_partitions, read_partition
-from quorumfl.core.data.datasets import FASHION_MNIST_DIR
-from quorumfl.core.data.planted import plant_partitions
+from quorumfl.core.data import read_partition
 from quorumfl.deploy.app_guard import app_guard_env
 from quorumfl.deploy.certs import Credentials, check_node_key, check_server
 from quorumfl.deploy.control import Control
@@ -43,12 +41,11 @@ from quorumfl.deploy.supernode import DEFAULT_POLL_S, POLL_ENV
 from quorumfl.deploy.warm import warm_env
 from quorumfl.errors import CredentialError, DataError, FederationError
 from quorumfl.server.config import SecureMode
-from quorumfl.server.services import budget_view, run_closing, run_view
+from quorumfl.server.services import budget_view, department_columns, run_closing, run_view
 from quorumfl.server.state.database import connect
 
 server_app = typer.Typer(help="The coordinating server (Flower SuperLink + QuorumFL state).", no_args_is_help=True)
 node_app = typer.Typer(help="A department node (Flower SuperNode running the QuorumFL ClientApp).", no_args_is_help=True)
-data_app = typer.Typer(help="Prepare department partition directories.", no_args_is_help=True)
 db_app = typer.Typer(help="The state database.", no_args_is_help=True)
 
 
@@ -81,12 +78,13 @@ def demo(
             on_progress=stage_reporter(progress, task),
         )
     view = run_view(repo, run.id)
-    rows = [{"round": r["round"], "status": r["status"], "accuracy": r["metrics"].get("accuracy"),
+    metric = view["round_metric"]
+    rows = [{"round": r["round"], "status": r["status"], metric: r["metrics"].get(metric),
              "nodes": len(r["participants"]), "failures": len(r["failures"])} for r in view["rounds"]]
-    console.print(table(f"Run {view['id']}: global accuracy per round (held-out digits)", rows, ["round", "status", "accuracy", "nodes", "failures"]))
-    extra = [c for c in ("personal-accuracy", "cluster") if any(c in d for d in view["departments"])]
+    console.print(table(f"Run {view['id']}: global model per round ({metric})", rows,
+                        ["round", "status", metric, "nodes", "failures"]))
     console.print(table("Final model per department (own test split)", view["departments"],
-                        ["department", "accuracy", *extra, "num-examples"]))
+                        [c for c in department_columns(view["departments"], view["primary_metric"]) if c != "loss"]))
     closing = run_closing(repo, run, time.monotonic() - started)
     if run.status != "completed":
         raise FederationError(closing)
@@ -333,29 +331,6 @@ def _run_in_foreground(
         if tls_failed(child) and tls_failure:
             raise CredentialError(f"{tls_failure}; see {child.log}")
         raise FederationError(f"{name} exited with code {code}; see {child.log}")
-
-
-@data_app.command("split")
-def data_split(
-    out: Annotated[Path, typer.Option(help="Folder to create one partition directory per department in.")],
-    departments: Annotated[str, typer.Option(help="Comma-separated department names.")],
-    dataset: Annotated[str, typer.Option(help="digits or fashion-mnist.")] = "digits",
-    method: Annotated[str, typer.Option(help="iid, dirichlet or shards.")] = "dirichlet",
-    alpha: Annotated[float, typer.Option(help="Dirichlet α.")] = 0.5,
-    labels_per_node: Annotated[int, typer.Option(help="Classes per node for 'shards'.")] = 2,
-    seed: Annotated[int, typer.Option(help="Seed of the split.")] = 0,
-    data_dir: Annotated[Path | None, typer.Option(help=f"Fashion-MNIST IDX folder (default {FASHION_MNIST_DIR}).")] = None,
-    planted_groups: Annotated[int, typer.Option(help="Plant this many groups of departments, each with its own "
-                                                     "label permutation, to measure cluster recovery (0: none).")] = 0,
-) -> None:
-    """Split a dataset into department partition directories (each node gets only its own)."""
-    names = [d.strip() for d in departments.split(",") if d.strip()]
-    paths = prepare_partitions(out, names, dataset=dataset, method=method, alpha=alpha,
-                               labels_per_node=labels_per_node, seed=seed, data_dir=data_dir)
-    groups = plant_partitions(paths, planted_groups, seed=seed) if planted_groups else {}
-    for name, path in paths.items():
-        # soft_wrap: one line per department, so paths stay whole for copying and for scripts
-        console.print(f"{name}: {path}" + (f" (planted group {groups[name]})" if groups else ""), soft_wrap=True)
 
 
 @db_app.command("upgrade")

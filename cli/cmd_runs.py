@@ -13,10 +13,13 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from quorumfl.cli.context import DEFAULT_SUPERLINK, settings
 from quorumfl.cli.output import Format, console, err_console, print_json, short_time, table
+from quorumfl.core.tasks.objective import primary_among
 from quorumfl.errors import ConfigError, NotFoundError, StateError
 from quorumfl.server.services import (
+    department_columns,
     follow_run,
     progress_line,
+    round_metric,
     round_view,
     run_closing,
     run_outcome_error,
@@ -60,11 +63,9 @@ def round_reporter(repo: Repository, progress: Progress, task: Any) -> Callable[
     """A ``follow_run`` callback that prints each finished round as a line and advances the bar."""
 
     def on_round(run: Run, rnd: Round) -> None:
-        accuracy = next(
-            (m.value for m in repo.metrics(run.id, name="accuracy") if m.round == rnd.number and m.node_id is None),
-            None,
-        )
-        acc = f"accuracy {accuracy:.3f}" if accuracy is not None else rnd.status
+        values = {m.name: m.value for m in repo.metrics(run.id) if m.round == rnd.number and m.node_id is None}
+        name = round_metric(primary_among(values), values)
+        acc = f"{name} {values[name]:.3f}" if name in values else rnd.status
         failed = f", {len(rnd.failures)} node failure(s)" if rnd.failures else ""
         took = f" in {(rnd.finished_at - rnd.started_at).total_seconds():.0f} s" if rnd.finished_at else ""
         progress.console.print(f"round {rnd.number}: {acc}, {len(rnd.participants)} nodes{failed}{took}", highlight=False)
@@ -166,15 +167,16 @@ def list_runs(ctx: typer.Context, fmt: FormatOpt = Format.TABLE) -> None:
         return
     for row in rows:
         row["rounds"] = f"{row['rounds_completed']}/{row['rounds_planned']}"
-        row["accuracy"] = row["final_accuracy"]
+        row["metric"] = row["round_metric"] if row["final_metric"] is not None else None
+        row["final"] = row["final_metric"]
         row["started"] = short_time(row["started_at"])
-    console.print(table("Runs", rows, ["id", "status", "strategy", "dataset", "rounds", "accuracy", "started",
+    console.print(table("Runs", rows, ["id", "status", "strategy", "dataset", "rounds", "metric", "final", "started",
                                        "flower_run_id"], optional=["dataset", "flower_run_id"]))
 
 
 @runs_app.command("show")
 def show(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (QuorumFL or Flower).")], fmt: FormatOpt = Format.TABLE) -> None:
-    """One run: config, rounds with global accuracy, per-department accuracy of the final model."""
+    """One run: config, rounds with the global model's metric, each department's metric of the final model."""
     view = run_view(settings(ctx).repository(), run)
     if fmt is Format.JSON:
         print_json(view)
@@ -183,18 +185,19 @@ def show(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (Qu
                   f"{view['strategy']} on {view['dataset']} with {view['model']}")
     if view["error"]:
         console.print(f"[red]{view['error']}[/red]")
+    metric, primary = view["round_metric"], view["primary_metric"]
+    loss = "loss" if metric == primary else "federated-loss"
     rows = [
-        {"round": r["round"], "status": r["status"], "accuracy": r["metrics"].get("accuracy"),
-         "loss": r["metrics"].get("loss"), "nodes": len(r["participants"]), "failures": len(r["failures"]),
+        {"round": r["round"], "status": r["status"], metric: r["metrics"].get(metric),
+         loss: r["metrics"].get(loss), "nodes": len(r["participants"]), "failures": len(r["failures"]),
          "seconds": sum(v for k, v in r["timings_s"].items() if k != "local_train_max")}
         for r in view["rounds"]
     ]
-    console.print(table("Global model per round", rows, ["round", "status", "accuracy", "loss", "nodes", "failures", "seconds"]))
+    console.print(table("Global model per round", rows, ["round", "status", metric, loss, "nodes", "failures", "seconds"]))
     if view["departments"]:
-        extra = [c for c in ("personal-accuracy", "cluster") if any(c in d for d in view["departments"])]
         console.print(table("Final models per department (own test split): the federation's model (global, or "
                             "its cluster's) and the personal one", view["departments"],
-                            ["department", "accuracy", *extra, "loss", "num-examples"]))
+                            department_columns(view["departments"], primary)))
 
 
 @runs_app.command("stop")

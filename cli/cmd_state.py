@@ -9,6 +9,7 @@ import typer
 
 from quorumfl.cli.context import settings
 from quorumfl.cli.output import Format, console, print_json, short_time, table
+from quorumfl.core.tasks.objective import primary_among
 from quorumfl.errors import ModelStoreError
 from quorumfl.server.services import export_model, model_view, models_view, nodes_view
 
@@ -38,8 +39,9 @@ def list_nodes(
         console.print(table("Nodes", rows, ["node_id", "department", "enabled", "last_seen", "first_seen"],
                             optional=["first_seen", "last_seen"]))
         return
+    primary = primary_among(name for r in rows for name in r)
     columns = ["node_id", "department", "enabled"] + [
-        c for c in ("cluster", "accuracy", "personal-accuracy") if any(c in r for r in rows)
+        c for c in ("cluster", primary, f"personal-{primary}") if any(c in r for r in rows)
     ]
     console.print(table(f"Nodes of run {run}", rows, columns))
 
@@ -77,9 +79,10 @@ def list_models(
         print_json(rows)
         return
     for row in rows:
-        row["accuracy"] = row["metrics"].get("accuracy")
+        primary = primary_among(row["metrics"])
+        row["metric"] = f"{primary} {row['metrics'][primary]:.3f}" if primary in row["metrics"] else None
         row["sha"] = row["sha256"][:12]
-    console.print(table("Model versions", rows, ["version", "run", "round", "head", "accuracy", "parent", "architecture",
+    console.print(table("Model versions", rows, ["version", "run", "round", "head", "metric", "parent", "architecture",
                                                  "sha"], optional=["parent", "architecture", "sha"]))
 
 

@@ -56,7 +56,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rounds": ("cmd_runs:rounds_app", "Inspect the rounds of a run."),
     "nodes": ("cmd_state:nodes_app", "Department nodes known to the server."),
     "models": ("", "Model versions produced by rounds."),
-    "data": ("cmd_federation:data_app", "Prepare department partition directories."),
+    "data": ("cmd_data:data_app", "Department data: import a department's file, propose and check schemas, split "
+                                  "built-in datasets."),
     "db": ("cmd_federation:db_app", "The state database."),
     "keys": ("cmd_keys:keys_app", "Threshold-CKKS keys: ceremonies and who decrypted what."),
     "selection": ("cmd_selection:selection_app", "Client selection: choices, rewards and the selector's learned state."),

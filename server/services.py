@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from quorumfl.core.tasks.objective import PRIMARY_METRICS, primary_among
 from quorumfl.errors import FederationError, NotFoundError, QuorumError
 from quorumfl.server.model_store import ModelStore
 from quorumfl.server.state.orm import Metric, ModelVersion, Round, Run
@@ -34,10 +35,20 @@ def _iso(value: Any) -> str | None:
     return value.isoformat(timespec="seconds") if value is not None else None
 
 
+def round_metric(primary: str, names: Iterable[str]) -> str:
+    """Which per-round figure a run has: the server's own (``accuracy`` on its held-out set), or, for
+    a task whose data only the departments hold, ``federated-<primary>``: the model each round started
+    from as the departments measured it on their own test splits."""
+    return primary if primary in set(names) else f"federated-{primary}"
+
+
 def run_summary(repo: Repository, run: Run) -> dict[str, Any]:
     completed = {r.number for r in run.rounds if r.status == RoundStatus.COMPLETED}
-    accuracy = {m.round: m.value for m in repo.metrics(run.id, name="accuracy") if m.node_id is None}
-    last = max(accuracy) if accuracy else None
+    metrics = repo.metrics(run.id)
+    primary = primary_among(m.name for m in metrics)
+    column = round_metric(primary, [m.name for m in metrics if m.node_id is None])
+    values = {m.round: m.value for m in metrics if m.node_id is None and m.name == column}
+    last = max(values) if values else None
     return {
         "id": run.id,
         "flower_run_id": str(run.flower_run_id) if run.flower_run_id is not None else None,
@@ -47,7 +58,10 @@ def run_summary(repo: Repository, run: Run) -> dict[str, Any]:
         "model": run.config.get("model"),
         "rounds_planned": run.num_rounds,
         "rounds_completed": len(completed),
-        "final_accuracy": accuracy[last] if last is not None else None,
+        "primary_metric": primary,  # the task's: accuracy, or mae for regression
+        "round_metric": column,  # the server's held-out figure, or the departments' federated evaluation
+        "final_metric": values[last] if last is not None else None,
+        "final_accuracy": values[last] if last is not None and primary == "accuracy" else None,
         "started_at": _iso(run.started_at),
         "finished_at": _iso(run.finished_at),
         "error": run.error,
@@ -81,6 +95,13 @@ def _department_accuracy(metrics: list[Metric], departments: dict[int, str | Non
         )
         row[metric.name.removeprefix("final-")] = metric.value
     return sorted(rows.values(), key=lambda r: str(r["department"]))
+
+
+def department_columns(rows: list[dict[str, Any]], primary: str) -> list[str]:
+    """The per-department table's columns: the task's primary metric (and the personal model's, and the
+    cluster, where a run has them), the loss and the example count."""
+    extra = [c for c in (f"personal-{primary}", "cluster") if any(c in d for d in rows)]
+    return ["department", primary, *extra, "loss", "num-examples"]
 
 
 def run_view(repo: Repository, ref: int) -> dict[str, Any]:
@@ -118,7 +139,7 @@ def nodes_view(repo: Repository, run_ref: int | None = None) -> list[dict[str, A
             row = per_node.setdefault(metric.node_id, {})
             if metric.name == "cluster" and metric.round >= last_cluster.get(metric.node_id, (-1, 0.0))[0]:
                 last_cluster[metric.node_id] = (metric.round, metric.value)
-            elif metric.name in ("final-accuracy", "final-personal-accuracy"):
+            elif metric.name in {f"final-{p}" for p in PRIMARY_METRICS} | {f"final-personal-{p}" for p in PRIMARY_METRICS}:
                 row[metric.name.removeprefix("final-")] = metric.value
         for node, (_, value) in last_cluster.items():
             per_node[node]["cluster"] = int(value)
@@ -338,8 +359,8 @@ def run_closing(repo: Repository, run: Run, elapsed: float) -> str:
     took_part = {n for r in rounds for n in r.participants}
     line = (f"run {run.id} {run.status} in {elapsed:.0f} s: {summary['rounds_completed']}/{run.num_rounds} rounds, "
             f"{len(took_part)} node(s) took part, {failures} node failure(s)")
-    if summary["final_accuracy"] is not None:
-        line += f"; accuracy {summary['final_accuracy']:.3f}"
+    if summary["final_metric"] is not None:
+        line += f"; {summary['round_metric']} {summary['final_metric']:.3f}"
     versions = repo.list_model_versions(run_id=run.id)
     if versions:
         line += f"; model version {versions[-1].id}"

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from quorumfl.core.data.datasets import Dataset
 from quorumfl.errors import ConfigError, PrivacyBudgetError
 from quorumfl.privacy.accounting import Entry, noise_for_target
+from quorumfl.training import dp_samplers  # noqa: F401  (exact EmbeddingBag per-example gradients)
 from quorumfl.training.engine import LoopResult, TrainJob
 
 __all__ = ["DpPlan", "plan_round", "prepare_module", "private_loop", "train_private"]

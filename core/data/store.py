@@ -2,17 +2,15 @@
 
 A partition directory holds ``train.npz`` and ``test.npz`` (arrays ``x``, ``y`` as the task encoded
 them) and ``partition.json`` (department, dataset, the task's schema and its digest, counts). A node
-reads only its own directory. ``prepare_partitions`` splits a built-in dataset among departments;
-``import_partition`` turns a department's own file into its partition under a shared schema.
+reads only its own directory. ``prepare_partitions`` splits a built-in dataset among departments
+(``departments.import_partition`` turns a department's own file into its partition).
 """
 
 from __future__ import annotations
 
 import io
 import json
-import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,12 +20,11 @@ import numpy as np
 from quorumfl.core.data.datasets import Dataset, holdout_split
 from quorumfl.core.data.partition import partition
 from quorumfl.core.files import atomic_write
-from quorumfl.core.tasks import get_task, image_schema, schema_digest, stable_split
+from quorumfl.core.tasks import get_task, image_schema, schema_digest
 from quorumfl.core.tasks.objective import Objective
 from quorumfl.errors import ConfigError, DataError, QuorumError
 
-__all__ = ["Partition", "department_slug", "import_partition", "prepare_partitions", "read_partition",
-           "write_partition"]
+__all__ = ["META", "Partition", "department_slug", "prepare_partitions", "read_partition", "write_partition"]
 
 META = "partition.json"
 _SLUG = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
@@ -179,33 +176,3 @@ def prepare_partitions(
         paths[slug] = out_dir / slug
     return paths
 
-
-def import_partition(source: Path, out_dir: Path, *, department: str, schema: dict[str, Any],
-                     test_fraction: float = 0.2, seed: int = 0) -> Partition:
-    """Read a department's own file with its task under the shared ``schema``, split it into train
-    and test, and write the partition directory. Nothing is written unless the whole file is valid;
-    an existing partition directory is replaced only by a complete new one."""
-    if not 0.0 < test_fraction < 1.0:
-        raise ConfigError(f"--test-fraction must be between 0 and 1 (exclusive), got {test_fraction}")
-    slug = department_slug(department)
-    task = get_task(str(schema.get("task")))
-    task.check_schema(schema)
-    x, y = task.read(source, schema)
-    if len(y) < 2:
-        raise DataError(f"{source}: {len(y)} row(s); a department needs at least two (one to test on)")
-    objective = task.objective(schema)
-    outputs = task.outputs(schema)
-    data = Dataset(source.stem, x, y, outputs, objective)
-    train_rows, test_rows = stable_split(len(y), test_fraction=test_fraction, seed=seed)
-    part = Partition(slug, source.stem, data.subset(train_rows), data.subset(test_rows), schema)
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / META).is_file():
-        raise DataError(f"{out_dir} exists and is not a partition directory; choose an empty or new folder")
-    staging = out_dir.with_name(f".{out_dir.name}.importing-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    write_partition(staging, part)
-    old = out_dir.with_name(f".{out_dir.name}.replaced-{os.getpid()}")
-    if out_dir.exists():
-        os.replace(out_dir, old)  # the old partition stays whole until the new one is in place
-    os.replace(staging, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
-    return part

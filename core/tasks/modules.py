@@ -62,7 +62,11 @@ class HashedBag(nn.Module):
         self.classifier = nn.Linear(dim, outputs)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.classifier(self.embedding(tokens))
+        # the (ids, offsets) form of a bag batch, which Opacus' per-example gradients of EmbeddingBag take
+        present = tokens != 0
+        counts = present.sum(dim=1)
+        offsets = torch.cumsum(counts, dim=0) - counts
+        logits: torch.Tensor = self.classifier(self.embedding(tokens[present], offsets))
         return logits
 
 

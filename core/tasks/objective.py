@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch loads only where a model runs: the data layer and the ClientApp import this without it
     import torch
 
-__all__ = ["CLASSIFICATION", "Classification", "Objective", "Regression"]
+__all__ = ["CLASSIFICATION", "PRIMARY_METRICS", "Classification", "Objective", "Regression", "primary_among"]
 
 
 class Objective(ABC):
@@ -98,3 +98,16 @@ class Regression(Objective):
 
 
 CLASSIFICATION = Classification()
+
+
+PRIMARY_METRICS = (Regression.primary, Classification.primary)  # every objective's primary metric
+
+
+def primary_among(names: Iterable[str]) -> str:
+    """The primary metric of a run from the metric names it recorded (``mae`` if any name is or ends
+    in it, else ``accuracy``): what reports show when they have only the stored metrics."""
+    names = list(names)
+    for primary in PRIMARY_METRICS:
+        if any(n == primary or n.endswith(f"-{primary}") for n in names):
+            return primary
+    return Classification.primary

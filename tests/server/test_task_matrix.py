@@ -19,7 +19,7 @@ import pytest
 from flwr.app import Message
 
 from quorumfl.core.data import prepare_partitions, read_partition
-from quorumfl.core.data.store import import_partition
+from quorumfl.core.data.departments import import_partition
 from quorumfl.core.tasks import get_task
 from quorumfl.protocol.wire import ARRAYS, METRICS, from_array_record
 from quorumfl.server.model_store import ModelStore
@@ -185,3 +185,47 @@ def test_every_strategy_on_every_task_in_every_mode(
     strategy: str, city: tuple[str, dict[str, Path], dict[str, Any]], tmp_path: Path
 ) -> None:
     _matrix(strategy, city, tmp_path)
+
+
+def _run(tmp_path: Path, name: str, parts: dict[str, Path], **overrides: Any) -> tuple[Any, int]:
+    contexts = _contexts(parts, {**REPRODUCIBLE, "state-dir": str(tmp_path / name), "dp-budget": 200.0})
+    for context in contexts.values():  # each run its own entries in the departments' privacy ledgers
+        context.run_config["node-state-key"] = str(abs(hash((str(tmp_path), name))) % 10**9)
+    grid = LoopbackGrid(contexts)
+    fed, repo = _federation(tmp_path, grid, **overrides)
+    run_id = fed.run()
+    assert repo.get_run(run_id).status == RunStatus.COMPLETED, (name, repo.get_run(run_id).error)
+    return repo, run_id
+
+
+@pytest.mark.slow
+def test_dp_compression_and_rl_selection_on_every_task(
+    city: tuple[str, dict[str, Path], dict[str, Any]], tmp_path: Path
+) -> None:
+    """DP-SGD (Opacus) and distributed DP charge each department's ledger; random-k compression under
+    masking equals the same compression in plaintext (every node sends the same coordinates); the RL
+    selector picks nodes and local epochs and learns from the task's figures."""
+    _, parts, settings = city
+    repo, run_id = _run(tmp_path, "dp-local", parts, **settings, **{"dp": "local", "dp-noise-multiplier": 1.0, "dp-epsilon": 0.0,
+                                                                    "dp-clip": 1.0})
+    spent = [m.value for m in repo.metrics(run_id, name="dp-epsilon") if m.node_id is not None]
+    assert len(spent) == 2 * len(parts) and all(0 < e < 100 for e in spent)
+    repo, run_id = _run(tmp_path, "dp-distributed", parts, **settings, **MODES["masking"],
+                        **{"dp": "distributed", "dp-noise-multiplier": 1.0, "dp-epsilon": 0.0, "dp-clip": 1.0})
+    assert all(np.all(np.isfinite(v)) for m in _models(repo, run_id).values() for v in m.values())
+
+    compressed = {"compression": "randk", "compression-fraction": 0.2}
+    repo, plain_run = _run(tmp_path, "randk-plain", parts, **settings, **compressed)
+    plain = _models(repo, plain_run)
+    repo, masked_run = _run(tmp_path, "randk-masked", parts, **settings, **compressed, **MODES["masking"])
+    for (number, cluster), arrays in _models(repo, masked_run).items():
+        for key, value in arrays.items():
+            np.testing.assert_allclose(value, plain[(number, cluster)][key], rtol=0,
+                                       atol=TOLERANCE["masking"][min(number, 2) - 1])
+
+    repo, run_id = _run(tmp_path, "rl", parts, **settings, **{"selector": "rl", "selection-epochs": "1,2",
+                                                               "fraction-train": 0.5, "num-rounds": 3})
+    rounds = repo.get_run(run_id).rounds
+    assert all(len(r.participants) >= 2 for r in rounds)
+    records = repo.selections(run_id)
+    assert len(records) == 3 and all(r.reward is not None and np.isfinite(r.reward) for r in records)

@@ -1,0 +1,85 @@
+"""A department's own file → its partition directory, under the schema all departments share.
+
+``propose_schema`` reads a sample file and proposes a schema (the admin reviews it and gives it to
+every department); ``import_partition`` reads a department's file with its task, checks every row
+against the schema, splits train/test and writes the partition directory atomically (a complete new
+directory replaces the old one, or nothing changes); ``check_data`` reads a file or a partition
+directory and says whether it fits a schema, writing nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from quorumfl.core.data.datasets import Dataset
+from quorumfl.core.data.store import (
+    META,
+    Partition,
+    department_slug,
+    read_partition,
+    write_partition,
+)
+from quorumfl.core.tasks import check_schema_fits, get_task, schema_digest, stable_split
+from quorumfl.errors import ConfigError, DataError
+
+__all__ = ["check_data", "import_partition", "propose_schema"]
+
+
+def propose_schema(source: Path, task_name: str, options: Mapping[str, str]) -> dict[str, Any]:
+    """The schema ``task_name`` proposes from ``source`` (options: the task's, e.g. label, text)."""
+    return get_task(task_name).infer_schema(source, options)
+
+
+def import_partition(source: Path, out_dir: Path, *, department: str, schema: dict[str, Any],
+                     test_fraction: float = 0.2, seed: int = 0) -> Partition:
+    """Read a department's own file with its task under the shared ``schema``, split it into train
+    and test, and write the partition directory. Nothing is written unless the whole file is valid;
+    an existing partition directory is replaced only by a complete new one."""
+    if not 0.0 < test_fraction < 1.0:
+        raise ConfigError(f"--test-fraction must be between 0 and 1 (exclusive), got {test_fraction}")
+    slug = department_slug(department)
+    task = get_task(str(schema.get("task")))
+    task.check_schema(schema)
+    x, y = task.read(source, schema)
+    if len(y) < 2:
+        raise DataError(f"{source}: {len(y)} row(s); a department needs at least two (one to test on)")
+    objective = task.objective(schema)
+    outputs = task.outputs(schema)
+    data = Dataset(source.stem, x, y, outputs, objective)
+    train_rows, test_rows = stable_split(len(y), test_fraction=test_fraction, seed=seed)
+    part = Partition(slug, source.stem, data.subset(train_rows), data.subset(test_rows), schema)
+    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / META).is_file():
+        raise DataError(f"{out_dir} exists and is not a partition directory; choose an empty or new folder")
+    staging = out_dir.with_name(f".{out_dir.name}.importing-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    write_partition(staging, part)
+    old = out_dir.with_name(f".{out_dir.name}.replaced-{os.getpid()}")
+    if out_dir.exists():
+        os.replace(out_dir, old)  # the old partition stays whole until the new one is in place
+    os.replace(staging, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return part
+
+
+def check_data(path: Path, schema: dict[str, Any] | None) -> dict[str, Any]:
+    """What ``path`` (a partition directory, or a CSV/JSONL file with ``schema``) holds, and whether it
+    fits ``schema``: raises ``DataError`` naming the row, column or class that does not. Writes nothing."""
+    if path.is_dir():
+        part = read_partition(path)
+        mine = part.resolved_schema()
+        if schema is not None:
+            check_schema_fits(mine, schema, where=str(path))
+        return {"path": str(path), "department": part.department, "task": mine["task"],
+                "schema_digest": schema_digest(mine), "train_examples": len(part.train),
+                "test_examples": len(part.test), "fits": schema is not None}
+    if schema is None:
+        raise ConfigError(f"--schema: checking the file {path} needs the schema it must fit")
+    task = get_task(str(schema.get("task")))
+    task.check_schema(schema)
+    x, _ = task.read(path, schema)
+    return {"path": str(path), "task": task.name, "schema_digest": schema_digest(schema), "rows": int(x.shape[0]),
+            "fits": True}

@@ -1,0 +1,207 @@
+"""Tasks: schemas, readers and their refusals, objectives against numpy, plug-in resolution."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from quorumfl.core.data import check_data, import_partition, read_partition
+from quorumfl.core.tasks import (
+    ModelSpec,
+    Regression,
+    check_schema_fits,
+    get_task,
+    schema_difference,
+    schema_digest,
+)
+from quorumfl.core.tasks.tabular import nice_range
+from quorumfl.core.tasks.text import token_ids
+from quorumfl.errors import ConfigError, DataError
+
+from .city_data import property_rows, request_rows, write_csv, write_jsonl
+
+
+@pytest.fixture
+def sales(tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    file = write_csv(tmp_path / "sales.csv", property_rows(60, seed=1))
+    schema = get_task("tabular").infer_schema(file, {"label": "sale_price", "ignore": "parcel,band"})
+    return file, schema
+
+
+def test_a_proposed_tabular_schema_encodes_by_its_declared_ranges_and_hashes(sales: tuple[Path, dict[str, Any]]) -> None:
+    file, schema = sales
+    assert schema["objective"] == "regression" and schema["target_range"] == [0.0, 1_000_000.0]
+    assert [c["name"] for c in schema["numeric"]] == ["area", "year_built"]
+    assert [c["name"] for c in schema["categorical"]] == ["zone"]
+    x, y = get_task("tabular").read(file, schema)
+    rows = property_rows(60, seed=1)
+    np.testing.assert_allclose(x[:, 0], [r["area"] / 1000.0 for r in rows], rtol=1e-6)  # (value − 0) / (1000 − 0)
+    np.testing.assert_allclose(y, [r["sale_price"] / 1e6 for r in rows], rtol=1e-6)
+    onehot = x[:, 2:]
+    assert onehot.shape == (60, 16) and np.all(onehot.sum(axis=1) == 1.0)
+    zones = {r["zone"] for r in rows}
+    assert len({int(np.argmax(onehot[i])) for i in range(60)}) <= len(zones)
+
+
+@given(st.floats(-1e9, 1e9, allow_nan=False), st.floats(-1e9, 1e9, allow_nan=False))
+@settings(max_examples=200, deadline=None)
+def test_nice_ranges_contain_what_was_seen(a: float, b: float) -> None:
+    low, high = sorted((a, b))
+    lo, hi = nice_range(low, high)
+    assert lo <= low and high <= hi and lo < hi
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("", "is empty"),
+    ("area,year_built,zone,sale_price\n", "no data rows"),
+    ("area,year_built,zone\n1,2000,mixed\n", "no column 'sale_price'"),
+    ("area,year_built,zone,sale_price,owner\n1,2000,mixed,5,x\n", "column 'owner' is not in the schema"),
+    ("area,year_built,zone,sale_price\n1,2000,mixed,nan\n", "row 1, column 'sale_price' is nan"),
+    ("area,year_built,zone,sale_price\n1,2000,mixed,5\n2,inf,mixed,5\n", "row 2, column 'year_built' is inf"),
+    ("area,year_built,zone,sale_price\n1,2000,mixed,5\nbig,2000,mixed,5\n", "row 2, column 'area': 'big' is not a number"),
+    ("area,year_built,zone,sale_price\n1,,mixed,5\n", "row 1, column 'year_built' is empty"),
+    ("area,year_built,zone,sale_price\n1,2000,mixed,5\n5000,2000,mixed,5\n", r"outside the schema's range \[0, 1000\]"),
+    ("area,year_built,zone,sale_price\n1,2000,mixed\n", "line 2 has 3 fields"),
+    ("area,year_built,zone,sale_price\n1,2000,,5\n", "column 'zone' is empty"),
+])
+def test_bad_tables_are_refused_in_one_line_naming_the_place_and_the_fix(
+    tmp_path: Path, sales: tuple[Path, dict[str, Any]], content: str, message: str
+) -> None:
+    _, schema = sales
+    bad = tmp_path / "bad.csv"
+    bad.write_text(content)
+    with pytest.raises(DataError, match=message) as caught:
+        get_task("tabular").read(bad, {**schema, "ignore": []})
+    assert "\n" not in str(caught.value) and str(bad) in str(caught.value)
+
+
+def test_non_utf8_and_unknown_formats_are_refused(tmp_path: Path, sales: tuple[Path, dict[str, Any]]) -> None:
+    _, schema = sales
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes("area,year_built,zone,sale_price\n1,2000,Käse,5\n".encode("latin-1"))
+    with pytest.raises(DataError, match="line 2 is not UTF-8; re-save the file as UTF-8"):
+        get_task("tabular").read(latin, schema)
+    with pytest.raises(DataError, match="unknown format '.xlsx'"):
+        get_task("tabular").read(tmp_path / "sales.xlsx", schema)
+
+
+def test_a_file_that_changes_while_read_is_refused(
+    tmp_path: Path, sales: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    file, schema = sales
+    real = Path.read_bytes
+
+    def growing(self: Path) -> bytes:  # another program appends while the department's export is read
+        data = real(self)
+        with self.open("a") as fh:
+            fh.write("1,2000,mixed,5\n")
+        return data
+
+    monkeypatch.setattr(Path, "read_bytes", growing)
+    with pytest.raises(DataError, match="changed while it was read"):
+        get_task("tabular").read(file, schema)
+
+
+def test_classification_refuses_an_unknown_class_and_text_refuses_an_empty_document(tmp_path: Path) -> None:
+    file = write_csv(tmp_path / "bands.csv", property_rows(40, seed=2))
+    schema = get_task("tabular").infer_schema(file, {"label": "band", "ignore": "parcel,sale_price"})
+    assert schema["objective"] == "classification" and schema["classes"] == ["high", "low"]
+    bad = write_csv(tmp_path / "bad.csv", [{**property_rows(1, seed=3)[0], "band": "medium"}])
+    with pytest.raises(DataError, match="row 1, label column 'band' has class 'medium'"):
+        get_task("tabular").read(bad, schema)
+    requests = write_jsonl(tmp_path / "requests.jsonl", request_rows(30, seed=1))
+    text_schema = get_task("text").infer_schema(requests, {"text": "request", "label": "office"})
+    blank = write_jsonl(tmp_path / "blank.jsonl", [{"id": "1", "request": " ... ", "office": "roads"}])
+    with pytest.raises(DataError, match="row 1, column 'request' has no words"):
+        get_task("text").read(blank, text_schema)
+    other_keys = tmp_path / "keys.jsonl"
+    other_keys.write_text('{"id": "1", "request": "a pothole", "office": "roads"}\n{"id": "2", "request": "bin"}\n')
+    with pytest.raises(DataError, match="line 2 has other keys than line 1"):
+        get_task("text").read(other_keys, text_schema)
+
+
+def test_token_ids_are_stable_bounded_and_padded(tmp_path: Path) -> None:
+    schema = {"buckets": 64, "max_tokens": 12, "word_ngrams": 2, "char_ngrams": 3}
+    ids = token_ids("Pothole on Main Street", schema)
+    assert ids == token_ids("pothole ON main street", schema)  # case does not matter
+    assert len(ids) == 12 and all(1 <= i < 64 for i in ids)
+    requests = write_jsonl(tmp_path / "r.jsonl", request_rows(10, seed=4))
+    text_schema = get_task("text").infer_schema(requests, {"text": "request", "label": "office", "max-tokens": "80"})
+    x, _ = get_task("text").read(requests, text_schema)
+    assert x.shape == (10, 80) and x.dtype == np.int64 and np.all(x[:, -1] == 0)  # short requests are padded
+
+
+def test_a_node_refuses_data_of_another_schema_naming_the_difference(sales: tuple[Path, dict[str, Any]]) -> None:
+    _, schema = sales
+    widened = json.loads(json.dumps(schema))
+    widened["numeric"][0]["high"] = 10_000.0
+    assert schema_digest(widened) != schema_digest(schema)
+    assert "numeric[area].high" in (schema_difference(schema, widened) or "")
+    with pytest.raises(DataError, match=r"'numeric\[area\].high' is 1000.0 here, 10000.0 in the run's schema"):
+        check_schema_fits(schema, widened, where="department tax-office's data")
+    fewer = {**schema, "categorical": []}
+    assert "column 'zone' ('categorical') is not in the run's schema" in (schema_difference(schema, fewer) or "")
+    relabelled = {**schema, "label": "band"}
+    assert "'label' is \"sale_price\" here" in (schema_difference(schema, relabelled) or "")
+    check_schema_fits(schema, json.loads(json.dumps(schema)), where="x")  # equal: no refusal
+
+
+def test_import_is_all_or_nothing_and_check_writes_nothing(tmp_path: Path, sales: tuple[Path, dict[str, Any]]) -> None:
+    file, schema = sales
+    out = tmp_path / "tax"
+    first = import_partition(file, out, department="tax-office", schema=schema)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    bad = tmp_path / "bad.csv"
+    bad.write_text(file.read_text().replace("\n1", "\nx", 1) + "1,2000,mixed,not-a-price\n")
+    with pytest.raises(DataError):
+        import_partition(bad, out, department="tax-office", schema=schema)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old partition is untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.csv", "sales.csv", "tax"]  # no staging left
+    part = read_partition(out)
+    assert len(part.train) == len(first.train) == 48 and len(part.test) == 12 and part.schema == schema
+    listing = sorted(p.name for p in tmp_path.rglob("*"))
+    assert check_data(out, schema)["fits"] and check_data(file, schema)["rows"] == 60
+    assert sorted(p.name for p in tmp_path.rglob("*")) == listing
+
+
+def test_regression_metrics_equal_numpy_in_the_target_unit() -> None:
+    rng = np.random.default_rng(0)
+    outputs, targets = rng.random((50, 1)).astype(np.float32), rng.random(50).astype(np.float32)
+    objective = Regression(scale=1_000_000.0)
+    sums = objective.sums(torch.from_numpy(outputs), torch.from_numpy(targets))
+    metrics = objective.finish(sums, 50)
+    error = outputs[:, 0].astype(np.float64) - targets
+    assert metrics["mae"] == pytest.approx(np.abs(error).mean() * 1e6, rel=1e-9)
+    assert metrics["rmse"] == pytest.approx(math.sqrt((error**2).mean()) * 1e6, rel=1e-9)
+    assert objective.score(metrics["mae"]) == -metrics["mae"]  # lower is better
+
+
+def test_own_tasks_by_module_attribute_and_clear_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "city_tasks.py").write_text(
+        "from quorumfl.core.tasks.tabular import TabularTask\n"
+        "class Invoices(TabularTask):\n    name = 'city_tasks:INVOICES'\n    version = '2.1'\n"
+        "    def check_schema(self, schema):\n        super().check_schema({**schema, 'task': 'tabular', 'version': '1'})\n"
+        "INVOICES = Invoices()\nNOT_A_TASK = object()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task = get_task("city_tasks:INVOICES")
+    assert task.version == "2.1"
+    with pytest.raises(ConfigError, match="cannot import 'missing_pkg' for task 'missing_pkg:T'.*install the task's package"):
+        get_task("missing_pkg:T")
+    with pytest.raises(ConfigError, match="is not a QuorumFL task"):
+        get_task("city_tasks:NOT_A_TASK")
+    with pytest.raises(ConfigError, match="unknown task 'pictures'"):
+        get_task("pictures")
+    schema = {"task": "city_tasks:INVOICES", "version": "2.0", "label": "y", "objective": "regression",
+              "target_range": [0, 1], "numeric": [{"name": "a", "low": 0, "high": 1}], "categorical": []}
+    with pytest.raises(ConfigError, match="version 2.1 here, the run's schema needs version 2.0"):
+        ModelSpec("city_tasks:INVOICES", "mlp", json.dumps(schema)).resolve()
+    sys.modules.pop("city_tasks", None)
