@@ -86,7 +86,8 @@ def stage_reporter(progress: Progress, task: Any) -> Callable[[Run, Round], None
 @runs_app.command("start")
 def start(
     ctx: typer.Context,
-    config: Annotated[Path, typer.Argument(help="Run config TOML (keys of [tool.flwr.app.config], top level or [run]).")],
+    config: Annotated[Path | None, typer.Argument(
+        help="Run config TOML (keys of [tool.flwr.app.config], top level or [run]); none: the defaults and -c.")] = None,
     override: Annotated[list[str] | None, typer.Option("-c", "--config-override", help="key=value, repeatable.")] = None,
     superlink: SuperlinkOpt = DEFAULT_SUPERLINK,
     follow: Annotated[bool, typer.Option(help="Show progress until the run ends.")] = False,
@@ -96,10 +97,13 @@ def start(
 ) -> None:
     """Submit a run of the QuorumFL app to the SuperLink (as `flwr run` does)."""
     from quorumfl.server.config import RunConfig, load_run_config_file
+    from quorumfl.server.run_task import inline_schema
 
-    values = load_run_config_file(config)
+    values = load_run_config_file(config) if config is not None else {}
     values.update(dict(_parse_override(o) for o in override or []))
     resolved = RunConfig.from_mapping(values)
+    if resolved.task_schema and not resolved.task_schema.lstrip().startswith("{"):
+        values["task-schema"] = inline_schema(Path(resolved.task_schema))  # the server need not share our files
     control = settings(ctx).control(superlink, insecure=insecure, ca_cert=ca_cert)
     flower_run_id = control.start_run(values)
     recorded = _recorded_run(ctx, flower_run_id)
@@ -122,6 +126,10 @@ def start(
                               f"'quorumfl runs show {flower_run_id}' shows it, "
                               f"'quorumfl runs stop {flower_run_id}' stops it")
             raise
+        view = run_view(repo, run.id)
+        if view["departments"]:
+            console.print(table("Final models per department (own test split)", view["departments"],
+                                department_columns(view["departments"], view["primary_metric"])))
         console.print(run_closing(repo, run, time.monotonic() - began), highlight=False)
         failure = run_outcome_error(run)
         if failure is not None:  # a script must tell a failed run from a completed one
@@ -186,14 +194,15 @@ def show(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (Qu
     if view["error"]:
         console.print(f"[red]{view['error']}[/red]")
     metric, primary = view["round_metric"], view["primary_metric"]
-    loss = "loss" if metric == primary else "federated-loss"
+    loss = {primary: "loss", f"federated-{primary}": "federated-loss"}.get(metric)  # none beside train-loss
     rows = [
         {"round": r["round"], "status": r["status"], metric: r["metrics"].get(metric),
-         loss: r["metrics"].get(loss), "nodes": len(r["participants"]), "failures": len(r["failures"]),
-         "seconds": sum(v for k, v in r["timings_s"].items() if k != "local_train_max")}
+         **({loss: r["metrics"].get(loss)} if loss else {}), "nodes": len(r["participants"]),
+         "failures": len(r["failures"]), "seconds": sum(v for k, v in r["timings_s"].items() if k != "local_train_max")}
         for r in view["rounds"]
     ]
-    console.print(table("Global model per round", rows, ["round", "status", metric, loss, "nodes", "failures", "seconds"]))
+    columns = ["round", "status", metric, *([loss] if loss else []), "nodes", "failures", "seconds"]
+    console.print(table("Global model per round", rows, columns))
     if view["departments"]:
         console.print(table("Final models per department (own test split): the federation's model (global, or "
                             "its cluster's) and the personal one", view["departments"],

@@ -37,7 +37,7 @@ from quorumfl.core.models import (
 )
 from quorumfl.core.tasks import ModelSpec, image_schema
 from quorumfl.core.tasks.modules import find_statistics
-from quorumfl.errors import ConfigError
+from quorumfl.errors import ConfigError, DataError
 from quorumfl.protocol.wire import TrainConfig
 from quorumfl.training.engine import EngineSettings, TrainJob, plan_devices, train_model
 from quorumfl.training.local import EvalResult, evaluate, train
@@ -190,7 +190,11 @@ def _contribute_statistics(
     into the federation's statistics; the server sees no department's own."""
     stats = find_statistics(model)
     assert stats is not None
-    stats.set_statistics(torch.from_numpy(np.asarray(train_data.x, dtype=np.float32)))
+    x = np.asarray(train_data.x, dtype=np.float32)
+    if x.size and float(np.max(np.abs(x))) > 1.0:  # a secure sum clips; statistics of larger values would be cut
+        raise DataError(f"the statistics round needs the task's inputs scaled to [-1, 1] (its reader's job), this "
+                        f"department's reach {float(np.max(np.abs(x))):.4g}; scale them in the task's reader")
+    stats.set_statistics(torch.from_numpy(x))
     shared, mine = split_arrays(model_to_arrays(model), names)
     received = split_arrays(start, names)[0]
     mode = _mode(config)

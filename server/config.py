@@ -137,8 +137,8 @@ class RunConfig:
     num_rounds: int = key(5, "training rounds", low=1, high=10_000, node=True)
     task: str = key("image", "what is learned: `image`, `tabular`, `text`, your own task as `module:attribute`, or "
                     "a `quorumfl.tasks` entry point (README \"Your department's data\")")
-    task_schema: str = key("", "the shared schema file of the departments' data (`quorumfl data schema`); empty: the "
-                           "image task's built-in `dataset`")
+    task_schema: str = key("", "the departments' shared schema (`quorumfl data schema`): its JSON, or a file on the "
+                           "server (`runs start` sends a file's JSON); empty: the image task's built-in `dataset`")
     dataset: str = key("digits", "image task: `digits` (embedded) or `fashion-mnist` (IDX files; Debian "
                        "`dataset-fashion-mnist`) for the server's held-out evaluation")
     data_dir: str = key("", "the dataset's folder (empty: `/usr/share/datasets/fashion-mnist` for `fashion-mnist`)")
@@ -422,7 +422,8 @@ def _task_problems(config: RunConfig) -> list[str]:
     if task.name != "image" and not config.task_schema:
         problems.append(f"task '{task.name}' needs task-schema: the departments' shared schema file (make one with "
                         "'quorumfl data schema FILE --task …')")
-    if config.task_schema and not Path(config.task_schema).expanduser().is_file():
+    inline = config.task_schema.lstrip().startswith("{")
+    if config.task_schema and not inline and not Path(config.task_schema).expanduser().is_file():
         problems.append(f"task-schema {config.task_schema!r} is not a file on the server; give the schema's path")
     return problems
 

@@ -19,7 +19,7 @@ from quorumfl.core.tasks import ModelSpec, Objective, get_task, image_schema, pa
 from quorumfl.errors import ConfigError
 from quorumfl.server.config import RunConfig
 
-__all__ = ["RunTask", "federated_metric", "run_task"]
+__all__ = ["RunTask", "federated_metric", "inline_schema", "run_task"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,9 @@ class RunTask:
 
 
 def read_schema_file(path: str) -> dict[str, object]:
+    """The schema of ``task-schema``: inline JSON, or the file it names on the server."""
+    if path.lstrip().startswith("{"):
+        return parse_schema(path, where="task-schema")
     file = Path(path).expanduser()
     try:
         text = file.read_text(encoding="utf-8")
@@ -42,6 +45,11 @@ def read_schema_file(path: str) -> dict[str, object]:
     except UnicodeDecodeError:
         raise ConfigError(f"task-schema: {file} is not UTF-8 text; give the JSON file 'quorumfl data schema' wrote") from None
     return parse_schema(text, where=f"task-schema {file}")
+
+
+def inline_schema(path: Path) -> str:
+    """A schema file as the compact JSON a run config carries (checked: it parses as a schema)."""
+    return json.dumps(read_schema_file(str(path)), sort_keys=True, separators=(",", ":"))
 
 
 def run_task(config: RunConfig) -> RunTask:

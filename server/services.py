@@ -36,10 +36,15 @@ def _iso(value: Any) -> str | None:
 
 
 def round_metric(primary: str, names: Iterable[str]) -> str:
-    """Which per-round figure a run has: the server's own (``accuracy`` on its held-out set), or, for
-    a task whose data only the departments hold, ``federated-<primary>``: the model each round started
-    from as the departments measured it on their own test splits."""
-    return primary if primary in set(names) else f"federated-{primary}"
+    """Which per-round figure a run has: the server's own (``accuracy`` on its held-out set); for a task
+    whose data only the departments hold, ``federated-<primary>`` (the model each round started from,
+    as the departments measured it on their own test splits: plaintext rounds); in a secure round,
+    where nodes reveal no figure of their own, the securely averaged ``train-loss``."""
+    present = set(names)
+    for name in (primary, f"federated-{primary}"):
+        if name in present:
+            return name
+    return "train-loss" if "train-loss" in present else primary
 
 
 def run_summary(repo: Repository, run: Run) -> dict[str, Any]:

@@ -30,8 +30,14 @@ __all__ = ["check_data", "import_partition", "propose_schema"]
 
 
 def propose_schema(source: Path, task_name: str, options: Mapping[str, str]) -> dict[str, Any]:
-    """The schema ``task_name`` proposes from ``source`` (options: the task's, e.g. label, text)."""
-    return get_task(task_name).infer_schema(source, options)
+    """The schema ``task_name`` proposes from ``source`` (options: the task's, e.g. label, text). Its
+    ``task`` field is ``task_name`` as given (a built-in name, ``module:attribute`` or an entry point):
+    how every node finds the task again."""
+    task = get_task(task_name)
+    schema = task.infer_schema(source, options)
+    schema["task"] = task_name
+    task.check_schema(schema)
+    return schema
 
 
 def import_partition(source: Path, out_dir: Path, *, department: str, schema: dict[str, Any],

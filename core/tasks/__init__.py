@@ -104,8 +104,9 @@ class ModelSpec:
     def resolve(self) -> Task:
         task = get_task(self.task)
         schema = self.schema
-        if schema.get("task") != task.name:
-            raise ConfigError(f"the run's schema is for task '{schema.get('task')}', the run's task is '{task.name}'")
+        if schema.get("task") != self.task:
+            raise ConfigError(f"the run's schema is for task '{schema.get('task')}', the run's task is '{self.task}'; "
+                              "give the schema made for this task")
         if str(schema.get("version")) != str(task.version):
             raise ConfigError(f"task '{task.name}' is version {task.version} here, the run's schema needs version "
                               f"{schema.get('version')}; install the same version of the task on the server and every node")

@@ -20,7 +20,9 @@ MIN_VARIANCE = 1e-3  # a feature (nearly) constant across the federation is not 
 
 
 class Standardize(nn.Module):
-    """``(x − mean) / σ`` with the federation's mean and second moment; identity until they are set."""
+    """``(x − mean) / σ`` with the federation's mean and second moment; identity until they are set.
+    Its inputs must lie in [-1, 1] (the task's reader scales them): the statistics travel through the
+    round's secure sum, whose encoding is bounded."""
 
     mean: torch.Tensor
     sq_mean: torch.Tensor

@@ -1,0 +1,1 @@
+"""Tasks of one city's own: a worked example of QuorumFL's task plug-in API."""
