@@ -2,13 +2,23 @@
 # Set up QuorumFL in ./.venv on Python >= 3.11.
 #   ./setup.sh        the product (quorumfl command)
 #   ./setup.sh --dev  plus the test and lint tools
+#   ./setup.sh [--dev] --city-data  plus the real city data of the tabular/text demos and benchmarks:
+#                     Debian's r-cran-modeldata (Ames housing) and wordnet-base, unpacked into
+#                     .venv/share/quorumfl/datasets (apt-get download + dpkg-deb -x: no R, no root), and PyPI rdata
 # torch is installed first and only when missing, pinned to the 2.13 CPU wheel: an unpinned torch
 # would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")"
 
 extras=""
-[ "${1:-}" = "--dev" ] && extras="[dev]"
+city_data=0
+for arg in "$@"; do
+  case "$arg" in
+    --dev) extras="[dev]" ;;
+    --city-data) city_data=1 ;;
+    *) echo "setup.sh: unknown option '$arg' (use --dev and/or --city-data)" >&2; exit 2 ;;
+  esac
+done
 
 python=""
 for candidate in "${PYTHON:-}" python3.11 python3.12 python3.13 python3; do
@@ -32,4 +42,18 @@ echo "setup.sh: installing quorumfl${extras}"
 # (import-linter's lint-imports, mypy) see it; a new module needs this script run again.
 "${pip[@]}" -e ".${extras}" --config-settings editable_mode=strict
 .venv/bin/quorumfl --help >/dev/null
+if [ "$city_data" = 1 ]; then
+  data="${QUORUMFL_DATASETS:-.venv/share/quorumfl/datasets}"
+  mkdir -p "$data"
+  if [ ! -f "$data/usr/share/wordnet/data.noun" ] || [ ! -f "$data/usr/lib/R/site-library/modeldata/data/Rdata.rdb" ]; then
+    echo "setup.sh: fetching Debian's r-cran-modeldata and wordnet-base into $data"
+    debs="$(mktemp -d)"
+    (cd "$debs" && apt-get download r-cran-modeldata wordnet-base >/dev/null 2>&1) ||
+      { echo "setup.sh: apt-get download r-cran-modeldata wordnet-base failed (is a Debian mirror reachable?)" >&2; exit 1; }
+    for deb in "$debs"/*.deb; do dpkg-deb -x "$deb" "$data"; done
+    rm -rf "$debs"
+  fi
+  "${pip[@]}" "rdata>=1.1"  # the 'data' extra of pyproject.toml
+  echo "setup.sh: city data ready in $data"
+fi
 echo "setup.sh: ready (.venv/bin/quorumfl)"

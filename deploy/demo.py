@@ -1,19 +1,26 @@
 """The demo federation: a real SuperLink and one SuperNode per department as separate processes on
-127.0.0.1 (Flower's deployment engine), digits split Dirichlet(α) across named departments, a FedProx
-run submitted through the Control API and followed in the state DB. Updates are combined by masking
-secure aggregation unless told otherwise.
+127.0.0.1 (Flower's deployment engine), a FedProx run submitted through the Control API and followed
+in the state DB. Updates are combined by masking secure aggregation unless told otherwise.
+
+The data: digits split Dirichlet(α) across named departments (``image``, the default), or real city
+data from Debian packages (``./setup.sh --city-data``) written as each department's own file and
+imported through the product's path (schema, checks, encoding): Ames property sales by neighbourhood
+groups (``tabular``: the sale price, MAE in dollars) or WordNet noun glosses split Dirichlet(α) over
+their 26 classes (``text``).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quorumfl.core.data import prepare_partitions
+from quorumfl.core.data import import_partition, prepare_partitions, propose_schema
+from quorumfl.core.data.packaged import write_department_files
 from quorumfl.deploy.local import local_federation
-from quorumfl.errors import FederationError, NotFoundError
+from quorumfl.errors import ConfigError, FederationError, NotFoundError
 from quorumfl.server.services import follow_run
 from quorumfl.server.state.orm import Round, Run
 from quorumfl.server.state.repository import Repository, RunStatus
@@ -44,6 +51,28 @@ class DemoSettings:
     proximal_mu: float = 0.1
     secure_aggregation: str = "masking"
     timeout: float = 900.0
+    task: str = "image"  # image (digits), tabular (Ames sales), text (WordNet glosses)
+
+
+TEXT_DEMO_GLOSSES = 6000  # a seeded subset of the 82,115 noun glosses: a few seconds per round
+
+
+def _city_partitions(settings: DemoSettings, names: list[str], on_status: Callable[[str], None]) -> tuple[dict[str, Path], dict[str, Any]]:
+    """Departments' own files of the tabular/text demo, imported under a schema proposed from the pool."""
+    dataset = "ames" if settings.task == "tabular" else "wordnet"
+    root = settings.home / "demo" / settings.task
+    split = "natural" if dataset == "ames" else "dirichlet"
+    on_status(f"writing {dataset} as {len(names)} departments' own files ({split} split)")
+    files, pool = write_department_files(dataset, root / "files", len(names), split=split, seed=settings.seed,
+                                         alpha=settings.alpha, limit=0 if dataset == "ames" else TEXT_DEMO_GLOSSES)
+    options = {"label": "Sale_Price"} if dataset == "ames" else {"text": "text", "label": "lexname", "ignore": "synset"}
+    schema = propose_schema(pool, settings.task, options)
+    parts = {}
+    for name, file in zip(names, files, strict=True):
+        parts[name] = root / "parts" / name
+        import_partition(file, parts[name], department=name, schema=schema, seed=settings.seed)
+    model = "mlp" if dataset == "ames" else "fasttext"
+    return parts, {"task": settings.task, "task-schema": json.dumps(schema, sort_keys=True), "model": model}
 
 
 def run_demo(
@@ -60,8 +89,15 @@ def run_demo(
         raise FederationError(f"--departments must be 1..{len(DEPARTMENTS)}, got {settings.departments}")
     home = settings.home
     names = DEPARTMENTS[: settings.departments]
-    on_status(f"splitting digits across {len(names)} departments (Dirichlet α={settings.alpha})")
-    parts = prepare_partitions(home / "demo" / "data", names, dataset="digits", alpha=settings.alpha, seed=settings.seed)
+    task_settings: dict[str, Any] = {}
+    if settings.task == "image":
+        on_status(f"splitting digits across {len(names)} departments (Dirichlet α={settings.alpha})")
+        parts = prepare_partitions(home / "demo" / "data", names, dataset="digits", alpha=settings.alpha,
+                                   seed=settings.seed)
+    elif settings.task in ("tabular", "text"):
+        parts, task_settings = _city_partitions(settings, names, on_status)
+    else:
+        raise ConfigError(f"--task must be image, tabular or text, got {settings.task!r}")
     db_url = settings.db_url
     with local_federation(home / "demo", parts, db_url=db_url) as federation:
         on_status(f"SuperLink on {federation.address}; {len(names)} SuperNodes online: {', '.join(names)}")
@@ -75,6 +111,7 @@ def run_demo(
             "min-nodes": min(2, len(names)),
             "state-url": db_url,
             "model-dir": str(home / "models"),
+            **task_settings,
         }
         flower_run_id = federation.control.start_run(overrides)
         how = {

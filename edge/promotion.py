@@ -19,7 +19,7 @@ from quorumfl.edge.manifest import Channel
 from quorumfl.edge.qat import QatSettings
 from quorumfl.edge.registry import Calibration, Registry
 from quorumfl.edge.signing import create_signing_key
-from quorumfl.errors import DataError
+from quorumfl.errors import DataError, EdgeError
 from quorumfl.server.state.artifacts import ArtifactRecords
 from quorumfl.server.state.orm import EdgeArtifact
 from quorumfl.server.state.repository import Repository
@@ -68,6 +68,10 @@ def promote_to_edge(
     """Publish ``version_id`` as signed INT8 artifacts; returns (rows, calibration, key_created)."""
     version = repo.get_model_version(version_id)
     config = dict(repo.get_run(version.run_id).config) if version.run_id is not None else {}
+    if str(config.get("task", "image")) != "image":
+        raise EdgeError(f"model version {version_id} is of the '{config.get('task')}' task: edge export (QAT, INT8, "
+                        "ONNX/.pte, calibration on the server's held-out set) takes the image task's models only; the "
+                        "tabular and text models stay in the model store ('quorumfl models export')")
     calibration = calibration_for(config, partition=partition)
     key = key_path or default_key_path(home)
     created = False

@@ -225,3 +225,46 @@ def test_sigkill_mid_training_resumes_to_the_same_weights(tmp_path: Path, worker
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=0, atol=0)
     assert not ckpt.exists()
+
+
+def _task_data(kind: str, n: int = 203) -> tuple[nn.Module, Dataset]:
+    """The text task's embedding bag on int64 token ids, or the tabular task's standardised MLP on a
+    regression target (float32, squared error)."""
+    from quorumfl.core.tasks import Regression
+    from quorumfl.core.tasks.modules import HashedBag, Standardize
+
+    rng = np.random.default_rng(4)
+    torch.manual_seed(1)
+    if kind == "text":
+        x = rng.integers(0, 60, size=(n, 9)).astype(np.int64)
+        x[:, 0] = rng.integers(1, 60, size=n)  # no empty document
+        return HashedBag(60, 8, 4), Dataset("text", x, rng.integers(0, 4, n).astype(np.int64), 4)
+    stats = Standardize(6)
+    features = rng.random((n, 6)).astype(np.float32)
+    stats.set_statistics(torch.from_numpy(features))
+    model = nn.Sequential(stats, nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
+    target = (features @ rng.random(6)).astype(np.float32) / 6
+    return model, Dataset("tabular", features, target, 1, Regression(scale=1000.0))
+
+
+@pytest.mark.parametrize("kind", ["text", "tabular"])
+def test_two_gloo_workers_match_one_process_on_the_text_and_tabular_tasks(kind: str) -> None:
+    model, data = _task_data(kind)
+    job = TrainJob(epochs=2, batch_size=32, learning_rate=0.05, proximal_mu=0.0, seed=3)
+    single, ddp, reference = model, copy.deepcopy(model), copy.deepcopy(model)
+    x, y = torch.from_numpy(data.x), torch.from_numpy(data.y)  # the plain loop, with the task's own loss
+    opt = torch.optim.SGD(reference.parameters(), lr=job.learning_rate, momentum=job.momentum)
+    gen = torch.Generator().manual_seed(job.seed)
+    for _ in range(job.epochs):
+        order = torch.randperm(len(y), generator=gen)
+        for start in range(0, len(y), job.batch_size):
+            batch = order[start : start + job.batch_size]
+            opt.zero_grad()
+            data.objective.loss(reference(x[batch]), y[batch], reduction="mean").backward()
+            opt.step()
+    train_model(single, data, job, EngineSettings(device="cpu"))
+    result = train_model(ddp, data, job, EngineSettings(device="cpu", workers=2, accumulation_steps=2))
+    assert (result.plan.world, result.plan.backend) == (2, "gloo")
+    assert _max_diff(single, reference) < 1e-5
+    assert _max_diff(ddp, reference) < 1e-5
+    assert _max_diff(ddp, _task_data(kind)[0]) > 1e-3  # it did train
