@@ -17,7 +17,7 @@ Each figure is the mean over departments of the department's metric on its own t
 personal model for FedPer/Ditto). The loop is in-process: departments run ``client.node_round``
 (the code the ClientApp runs) and the server side is ``server.strategies``.
 
-    python benchmarks/tasks.py              # Ames (2,930 sales) and 12,000 WordNet glosses, 5 departments
+    python benchmarks/tasks.py              # Ames (2,930 sales) and 6,000 WordNet glosses, 5 departments
     python benchmarks/tasks.py --smoke      # 600 sales / 1,500 glosses, 3 departments, few rounds
     python benchmarks/tasks.py --json       # last line: one JSON object
 
@@ -30,8 +30,10 @@ Keys: ``<dataset>_<split>_{fedavg,best,central,local}_<metric>`` (e.g. ``ames_na
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -53,13 +55,18 @@ from quorumfl.server.config import RunConfig
 from quorumfl.server.strategies import build_strategy
 from quorumfl.training.local import evaluate, train
 
-# (dataset, task options, model, lr, batch) — tuned once on the IID split with FedAvg, then fixed
+# Per dataset: task options, model, learning rate, batch, schedule (rounds × local epochs; centralised
+# and local-only get the same number of epochs) and rows; the schedules were chosen on the IID split so
+# that FedAvg has converged (Ames: 15 × 2 left FedAvg 20 % behind; WordNet: 10 × 3 and 20 × 3 on 6,000
+# glosses left it 6.8 and 3.1 points behind), then fixed for both splits.
 SETTINGS: dict[str, dict[str, Any]] = {
     "ames": {"task": "tabular", "options": {"label": "Sale_Price"}, "model": "mlp", "lr": 0.02, "batch": 32,
-             "skewed": "natural", "metric": "mae"},
+             "skewed": "natural", "metric": "mae", "rounds": 60, "epochs": 2, "limit": 0},
     "wordnet": {"task": "text", "options": {"text": "text", "label": "lexname", "ignore": "synset"},
-                "model": "fasttext", "lr": 0.5, "batch": 32, "skewed": "dirichlet", "metric": "accuracy"},
+                "model": "fasttext", "lr": 0.5, "batch": 32, "skewed": "dirichlet", "metric": "accuracy",
+                "rounds": 40, "epochs": 3, "limit": 6000},
 }
+SMOKE = {"ames": (3, 1, 600), "wordnet": (3, 1, 1500)}  # rounds, epochs, rows
 
 
 def departments(dataset: str, split: str, root: Path, *, count: int, seed: int, limit: int) -> tuple[list[tuple[Dataset, Dataset]], str]:
@@ -150,16 +157,26 @@ def compare(dataset: str, split: str, *, count: int, seed: int, limit: int, roun
             f"{prefix}_departments_test_rows": [len(t) for t in tests]}
 
 
+def _job(job: tuple[str, str, int, int, int, int, int]) -> dict[str, Any]:
+    dataset, split, count, seed, limit, rounds, epochs = job
+    torch.set_num_threads(1)
+    return compare(dataset, split, count=count, seed=seed, limit=limit, rounds=rounds, epochs=epochs)
+
+
 def main() -> None:
     args = parser(__doc__).parse_args()
-    torch.set_num_threads(1)
     seed, started = 0, time.perf_counter()
-    count, rounds, epochs = (3, 3, 1) if args.smoke else (5, 15, 2)
-    figures: dict[str, Any] = {"seed": seed, "departments": count, "rounds": rounds, "local_epochs": epochs}
+    count = 3 if args.smoke else 5
+    figures: dict[str, Any] = {"seed": seed, "departments": count}
+    jobs = []
     for dataset, settings in SETTINGS.items():
-        limit = (600 if dataset == "ames" else 1500) if args.smoke else (0 if dataset == "ames" else 12000)
-        for split in ("iid", settings["skewed"]):
-            figures.update(compare(dataset, split, count=count, seed=seed, limit=limit, rounds=rounds, epochs=epochs))
+        rounds, epochs, limit = SMOKE[dataset] if args.smoke else (settings["rounds"], settings["epochs"], settings["limit"])
+        figures.update({f"{dataset}_rounds": rounds, f"{dataset}_local_epochs": epochs, f"{dataset}_rows": limit or "all"})
+        jobs += [(dataset, split, count, seed, limit, rounds, epochs) for split in ("iid", settings["skewed"])]
+    with ProcessPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:  # one job per core
+        for result in pool.map(_job, jobs):
+            figures.update(result)
+    for dataset, settings in SETTINGS.items():
         metric, skewed = settings["metric"], settings["skewed"]
         fed, central = figures[f"{dataset}_iid_fedavg_{metric}"], figures[f"{dataset}_iid_central_{metric}"]
         figures[f"{dataset}_iid_fedavg_vs_central_ok"] = bool(

@@ -61,7 +61,7 @@ def demo(
         SecureMode, typer.Option(help="masking: the server sees only the sum of a quorum's updates; ckks: it adds "
                                     "ciphertexts that t departments jointly decrypt; none: plaintext.")
     ] = SecureMode.MASKING,
-    task: Annotated[str, typer.Option(help="image (digits, embedded), tabular (Ames property sales by neighbourhood) or "
+    learning_task: Annotated[str, typer.Option("--task", help="image (digits, embedded), tabular (Ames property sales by neighbourhood) or "
                                            "text (WordNet glosses); tabular and text need './setup.sh --city-data'.")
                     ] = "image",
 ) -> None:
@@ -74,7 +74,7 @@ def demo(
         run = run_demo(
             DemoSettings(home=state.home, departments=departments, rounds=rounds, alpha=alpha, seed=seed,
                          strategy=strategy, proximal_mu=mu, secure_aggregation=secure_aggregation.value,
-                         db_url=state.db_url, task=task),
+                         db_url=state.db_url, task=learning_task),
             repo,
             on_status=lambda msg: progress.console.print(f"[dim]{msg}[/dim]"),
             on_round=round_reporter(repo, progress, task),

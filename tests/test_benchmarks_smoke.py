@@ -117,3 +117,16 @@ def test_load_smoke() -> None:
     assert {"nodes", "rounds_completed", "participants", "failures", "connect_s", "run_s", "round_s",
             "federation_peak_rss_mb", "machine_used_peak_mb", "superlink_peak_rss_mb", "serverapp_peak_rss_mb"} <= set(figures)
     assert figures["rounds_completed"] == 1 and figures["participants"] == figures["nodes"] == 5
+
+
+@pytest.mark.slow
+def test_tasks_smoke() -> None:
+    """Real Debian-packaged data (the README's test command runs ./setup.sh --city-data)."""
+    figures = _run("tasks.py")
+    for dataset, metric, skewed in (("ames", "mae", "natural"), ("wordnet", "accuracy", "dirichlet")):
+        for split in ("iid", skewed):
+            for method in ("fedavg", "best", "central", "local"):
+                value = float(figures[f"{dataset}_{split}_{method}_{metric}"])  # type: ignore[arg-type]
+                assert (value > 0) if metric == "mae" else (0.0 <= value <= 1.0)
+        assert isinstance(figures[f"{dataset}_iid_fedavg_vs_central_ok"], bool)
+        assert isinstance(figures[f"{dataset}_{skewed}_best_ok"], bool)

@@ -63,7 +63,8 @@ class Task(Protocol):
 
     def read(self, source: Path, schema: Schema) -> tuple[NDArray[Any], NDArray[Any]]:
         """The file's examples encoded for the model, checked against ``schema`` (``DataError`` naming
-        the file, row or column and the fix on anything that does not fit)."""
+        the file, row or column and the fix on anything that does not fit). A model that begins with
+        ``modules.Standardize`` needs inputs in [-1, 1]: its statistics travel through the secure sum."""
 
 
 def canonical(schema: Schema) -> str:
