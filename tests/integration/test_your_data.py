@@ -134,18 +134,3 @@ def test_a_text_federation_from_the_departments_own_csv_files(tmp_path: Path) ->
     assert len(finals) == 3 and all(v > 0.6 for v in finals.values()), finals  # 3 offices: chance is 1/3
     assert set(_department_rows(final.stdout, "accuracy")) == set(DEPARTMENTS)
 
-
-@pytest.mark.slow
-def test_the_text_demo_on_wordnet_glosses(tmp_path: Path) -> None:
-    """`quorumfl demo --task text`: real WordNet glosses (./setup.sh --city-data), masked, per department."""
-    env = {**os.environ, "QUORUMFL_HOME": str(tmp_path / "home")}
-    done = subprocess.run([sys.executable, "-m", "quorumfl.cli", "demo", "--task", "text", "--departments", "3",
-                           "--rounds", "2", "--strategy", "fedavg"], env=env, capture_output=True, text=True,
-                          timeout=500, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "writing wordnet as 3 departments' own files (dirichlet split)" in done.stdout
-    repo = Repository(connect(f"sqlite:///{tmp_path / 'home' / 'quorumfl.db'}", migrate=False))
-    [run] = repo.list_runs()
-    assert run.config["task"] == "text" and run.config["secure-aggregation"] == "masking"
-    finals = [m.value for m in repo.metrics(run.id, name="final-accuracy")]
-    assert len(finals) == 3 and all(v > 1 / 26 for v in finals)  # above chance of 26 classes
