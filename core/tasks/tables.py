@@ -16,9 +16,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+from numpy.typing import NDArray
+
 from quorumfl.errors import DataError
 
-__all__ = ["Table", "parse_number", "read_table"]
+__all__ = ["Table", "class_indices", "parse_number", "read_table"]
 
 FORMATS = (".csv", ".jsonl", ".ndjson")
 
@@ -141,6 +144,19 @@ def read_table(path: Path) -> Table:
         raise DataError(f"{path}: unknown format '{suffix or '(none)'}'; give a .csv or .jsonl file")
     text = _text(path)
     return _csv(path, text) if suffix == ".csv" else _jsonl(path, text)
+
+
+def class_indices(path: Path, column: str, values: Sequence[str | None], classes: Sequence[object]) -> NDArray[np.int64]:
+    """The cells of a label column as indices into the schema's ``classes``; refuses an unknown class."""
+    index = {str(c): i for i, c in enumerate(classes)}
+    out = np.empty(len(values), dtype=np.int64)
+    for row, cell in enumerate(values):
+        key = "" if cell is None else cell.strip()
+        if key not in index:
+            raise DataError(f"{path}: row {row + 1}, label column '{column}' has class {key!r}, which is not in the "
+                            "schema's classes; fix the value or add the class to the schema")
+        out[row] = index[key]
+    return out
 
 
 def parse_number(path: Path, column: str, values: Sequence[str | None]) -> list[float]:

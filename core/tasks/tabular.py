@@ -33,7 +33,7 @@ from numpy.typing import NDArray
 
 from quorumfl.core.tasks.base import Schema
 from quorumfl.core.tasks.objective import CLASSIFICATION, Objective, Regression
-from quorumfl.core.tasks.tables import Table, parse_number, read_table
+from quorumfl.core.tasks.tables import Table, class_indices, parse_number, read_table
 from quorumfl.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -99,15 +99,7 @@ def encode_table(table: Table, schema: Schema) -> tuple[NDArray[np.float32], NDA
     label = schema["label"]
     cells = table.column(label)
     if schema["objective"] == "classification":
-        index = {str(c): i for i, c in enumerate(schema["classes"])}
-        y = np.empty(table.rows, dtype=np.int64)
-        for row, cell in enumerate(cells):
-            key = "" if cell is None else cell.strip()
-            if key not in index:
-                raise DataError(f"{path}: row {row + 1}, label column '{label}' has class {key!r}, which is not in the "
-                                f"schema's classes; fix the value or add the class to the schema")
-            y[row] = index[key]
-        return x, y
+        return x, class_indices(path, label, cells, schema["classes"])
     low, high = (float(v) for v in schema["target_range"])
     target = np.asarray(parse_number(path, label, cells), dtype=np.float64)
     outside = np.flatnonzero((target < low) | (target > high))

@@ -26,7 +26,7 @@ from numpy.typing import NDArray
 
 from quorumfl.core.tasks.base import Schema
 from quorumfl.core.tasks.objective import CLASSIFICATION, Objective
-from quorumfl.core.tasks.tables import Table, read_table
+from quorumfl.core.tasks.tables import Table, class_indices, read_table
 from quorumfl.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -64,15 +64,7 @@ def encode_texts(table: Table, schema: Schema) -> tuple[NDArray[np.int64], NDArr
         if not ids:
             raise DataError(f"{path}: row {row + 1}, column '{text}' has no words; fill it in or drop the row")
         x[row, : len(ids)] = ids
-    index = {str(c): i for i, c in enumerate(schema["classes"])}
-    y = np.empty(table.rows, dtype=np.int64)
-    for row, cell in enumerate(table.column(label)):
-        key = "" if cell is None else cell.strip()
-        if key not in index:
-            raise DataError(f"{path}: row {row + 1}, label column '{label}' has class {key!r}, which is not in the "
-                            "schema's classes; fix the value or add the class to the schema")
-        y[row] = index[key]
-    return x, y
+    return x, class_indices(path, label, table.column(label), schema["classes"])
 
 
 class TextTask:
