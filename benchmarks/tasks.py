@@ -9,8 +9,12 @@ task's model. Splits: IID, and a skewed one — Ames' natural split (whole neigh
 department, as assessor districts) and WordNet's Dirichlet(0.3) label skew.
 
 Methods, with the same model, seed, batch size, learning rate and total epochs:
-- ``fedavg``: FedAvg over all departments (the tabular task's first round is its statistics round);
-- ``best``: the better of FedPer (personal head) and Ditto (personal model), by the task's metric;
+- ``fedavg``: FedAvg over all departments with the server's momentum 0.9 over rounds (FedAvgM, run
+  config ``server-momentum = 0.9``: averaging K departments' local SGD acts as one large batch, and
+  the server's momentum gives back the steps that averaging takes away); ``fedavg_plain``: the same
+  without it (``server-momentum = 0``). The tabular task's first round is its statistics round;
+- ``best``: the better of FedPer (personal head) and Ditto (personal model), by the task's metric,
+  both with the same server momentum;
 - ``central``: one model on all departments' training rows pooled (what FL approximates);
 - ``local``: each department alone on its own rows.
 Each figure is the mean over departments of the department's metric on its own test rows (its
@@ -21,7 +25,7 @@ personal model for FedPer/Ditto). The loop is in-process: departments run ``clie
     python benchmarks/tasks.py --smoke      # 600 sales / 1,500 glosses, 3 departments, few rounds
     python benchmarks/tasks.py --json       # last line: one JSON object
 
-Keys: ``<dataset>_<split>_{fedavg,best,central,local}_<metric>`` (e.g. ``ames_natural_fedavg_mae``,
+Keys: ``<dataset>_<split>_{fedavg,best,central,local,fedavg_plain}_<metric>`` (e.g. ``ames_natural_fedavg_mae``,
 ``wordnet_dirichlet_best_accuracy``), ``<dataset>_<split>_best_method``, goals
 ``<dataset>_iid_fedavg_vs_central_ok`` (accuracy within 2 points, MAE within 5 %) and
 ``<dataset>_<skewed>_best_ok`` (best ≥ local and ≥ FedAvg), ``seed``, ``seconds``, ``peak_rss_mb``.
@@ -43,6 +47,7 @@ import torch
 
 from _common import parser, peak_rss_mb, report
 from quorumfl.aggregation import NodeUpdate
+from quorumfl.aggregation.momentum import ServerMomentum
 from quorumfl.client.node_round import evaluate_round, train_round
 from quorumfl.core.data import import_partition, propose_schema
 from quorumfl.core.data.datasets import Dataset
@@ -56,15 +61,15 @@ from quorumfl.server.strategies import build_strategy
 from quorumfl.training.local import evaluate, train
 
 # Per dataset: task options, model, learning rate, batch, schedule (rounds × local epochs; centralised
-# and local-only get the same number of epochs) and rows; the schedules were chosen on the IID split so
-# that FedAvg has converged (Ames: 15 × 2 left FedAvg 20 % behind; WordNet: 10 × 3 and 20 × 3 on 6,000
-# glosses left it 6.8 and 3.1 points behind), then fixed for both splits.
+# and local-only get the same number of epochs), rows and the server's momentum; the schedules were
+# chosen on the IID split with plain FedAvg (Ames: 15 × 2 left it 20 % behind; WordNet: 10 × 3 and
+# 20 × 3 on 6,000 glosses left it 6.8 and 3.1 points behind), then fixed for both splits.
 SETTINGS: dict[str, dict[str, Any]] = {
     "ames": {"task": "tabular", "options": {"label": "Sale_Price"}, "model": "mlp", "lr": 0.02, "batch": 32,
-             "skewed": "natural", "metric": "mae", "rounds": 60, "epochs": 2, "limit": 0},
+             "skewed": "natural", "metric": "mae", "rounds": 60, "epochs": 2, "limit": 0, "server_momentum": 0.9},
     "wordnet": {"task": "text", "options": {"text": "text", "label": "lexname", "ignore": "synset"},
                 "model": "fasttext", "lr": 0.5, "batch": 32, "skewed": "dirichlet", "metric": "accuracy",
-                "rounds": 40, "epochs": 3, "limit": 6000},
+                "rounds": 40, "epochs": 3, "limit": 6000, "server_momentum": 0.9},
 }
 SMOKE = {"ames": (3, 1, 600), "wordnet": (3, 1, 1500)}  # rounds, epochs, rows
 
@@ -82,11 +87,13 @@ def _primary(metrics: dict[str, float], name: str) -> float:
 
 
 def federate(method: str, depts: list[tuple[Dataset, Dataset]], base: TrainConfig, spec: ModelSpec, rounds: int,
-             schema_file: Path) -> list[dict[str, float]]:
+             schema_file: Path, momentum: float) -> list[dict[str, float]]:
     config = RunConfig.from_mapping({"strategy": method, "personal-layers": "head", "ditto-lambda": 0.1, "proximal-mu": 0.0,
                                      "fraction-train": 1.0, "min-nodes": 1, "seed": base.seed, "task": spec.task,
-                                     "task-schema": str(schema_file), "model": spec.model})
+                                     "task-schema": str(schema_file), "model": spec.model, "server-momentum": momentum})
     strategy = build_strategy(config)
+    server = ServerMomentum(momentum=config.server_momentum, learning_rate=config.server_lr,
+                            names=[name for name, _ in spec.build(seed=0).named_parameters()])
     models = [strategy.server_arrays(model_to_arrays(spec.build(seed=base.seed)))]
     statistics = find_statistics(spec.build(seed=0)) is not None
     personal: list[dict[str, Any] | None] = [None] * len(depts)
@@ -101,7 +108,7 @@ def federate(method: str, depts: list[tuple[Dataset, Dataset]], base: TrainConfi
             updates.append(NodeUpdate(node=str(i), arrays=work.shared, weight=float(work.num_examples)))
         result = strategy.aggregate_train(models[0], iter(updates))
         assert result.arrays is not None, result.rejected
-        models = [result.arrays]
+        models = [server.step(models[0], result.arrays)]  # what the server's round loop does (FedAvgM)
     return [evaluate_round(configs[i], models, personal[i], *depts[i]).metrics for i in nodes]
 
 
@@ -139,13 +146,16 @@ def compare(dataset: str, split: str, *, count: int, seed: int, limit: int, roun
                            learning_rate=settings["lr"], proximal_mu=0.0, seed=seed, task=settings["task"],
                            schema=schema_json)
         tests = [test for _, test in depts]
+        momentum = settings["server_momentum"]
         results = {
-            "fedavg": federate("fedavg", depts, base, spec, rounds, schema_file),
-            "fedper": federate("fedper", depts, base, spec, rounds, schema_file),
-            "ditto": federate("ditto", depts, base, spec, rounds, schema_file),
+            "fedavg": federate("fedavg", depts, base, spec, rounds, schema_file, momentum),
+            "fedper": federate("fedper", depts, base, spec, rounds, schema_file, momentum),
+            "ditto": federate("ditto", depts, base, spec, rounds, schema_file, momentum),
             "central": alone(_pool([train_ for train_, _ in depts]), tests, spec, base, rounds * epochs),
             "local": [alone(train_, [test], spec, base, rounds * epochs)[0] for train_, test in depts],
         }
+        if momentum:  # what plain FedAvg (no server momentum) reaches with the same schedule
+            results["fedavg_plain"] = federate("fedavg", depts, base, spec, rounds, schema_file, 0.0)
     means = {m: float(np.mean([_primary(r, metric) for r in rows])) for m, rows in results.items()}
     better = max if metric == "accuracy" else min
     best = better(("fedper", "ditto"), key=lambda m: means[m])
@@ -154,6 +164,7 @@ def compare(dataset: str, split: str, *, count: int, seed: int, limit: int, roun
             f"{prefix}_central_{metric}": means["central"], f"{prefix}_local_{metric}": means["local"],
             f"{prefix}_best_method": best, f"{prefix}_fedper_{metric}": means["fedper"],
             f"{prefix}_ditto_{metric}": means["ditto"],
+            **({f"{prefix}_fedavg_plain_{metric}": means["fedavg_plain"]} if "fedavg_plain" in means else {}),
             f"{prefix}_departments_test_rows": [len(t) for t in tests]}
 
 

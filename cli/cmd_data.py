@@ -13,8 +13,7 @@ from quorumfl.core.data import check_data, import_partition, prepare_partitions,
 from quorumfl.core.data.datasets import FASHION_MNIST_DIR
 from quorumfl.core.data.planted import plant_partitions
 from quorumfl.core.files import atomic_write
-from quorumfl.core.tasks import parse_schema, schema_digest
-from quorumfl.errors import ConfigError
+from quorumfl.core.tasks import read_schema, schema_digest
 
 data_app = typer.Typer(help="Department data: import a department's file, propose and check schemas, split "
                             "built-in datasets.", no_args_is_help=True)
@@ -24,19 +23,12 @@ SchemaOpt = Annotated[Path, typer.Option(help="The shared schema file (JSON, fro
 
 
 def _read_schema(path: Path) -> dict[str, object]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"--schema: cannot read {path} ({exc.strerror or exc}); give the schema file the admin "
-                          "shared") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"--schema: {path} is not UTF-8 text; give the JSON file 'quorumfl data schema' wrote") from None
-    return parse_schema(text, where=f"--schema {path}")
+    return read_schema(str(path), key="--schema")
 
 
 @data_app.command("schema")
 def schema(
-    source: Annotated[Path, typer.Argument(help="A sample CSV or JSONL file with the departments' columns.")],
+    source: Annotated[Path, typer.Argument(help="A sample CSV, JSONL or Parquet file with the departments' columns (image task: a folder of class sub-folders).")],
     task: Annotated[str, typer.Option(help="tabular, text, or your own task (module:attribute).")] = "tabular",
     label: Annotated[str, typer.Option(help="The label (target) column.")] = "",
     text: Annotated[str, typer.Option(help="text task: the column holding the text.")] = "",
@@ -64,7 +56,7 @@ def schema(
 
 @data_app.command("import")
 def import_data(
-    source: Annotated[Path, typer.Argument(help="This department's CSV or JSONL file.")],
+    source: Annotated[Path, typer.Argument(help="This department's CSV, JSONL or Parquet file, or (image task) its folder of class sub-folders.")],
     schema: SchemaOpt,
     department: Annotated[str, typer.Option(help="This department's name.")],
     out: Annotated[Path, typer.Option(help="The partition directory to write (the node's --data).")],

@@ -73,8 +73,11 @@ def _city_partitions(settings: DemoSettings, names: list[str], on_status: Callab
         import_partition(file, parts[name], department=name, schema=schema, seed=settings.seed)
     model = "mlp" if dataset == "ames" else "fasttext"
     rate = 0.02 if dataset == "ames" else 0.5  # benchmarks/tasks.py's: an embedding bag learns at a higher rate
-    return parts, {"task": settings.task, "task-schema": json.dumps(schema, sort_keys=True), "model": model,
-                   "learning-rate": rate}
+    task_settings = {"task": settings.task, "task-schema": json.dumps(schema, sort_keys=True), "model": model,
+                     "learning-rate": rate}
+    if settings.strategy in ("fedavg", "fedprox", "fedper", "ditto"):  # FedAvgM, as benchmarks/tasks.py measures it
+        task_settings["server-momentum"] = 0.9
+    return parts, task_settings
 
 
 def run_demo(

@@ -133,6 +133,13 @@ class RunConfig:
         "(`7,9`), or `head` for the last layer", applies="fedper")
     ditto_lambda: float = key(0.1, "Ditto: λ of the personal model's pull `λ/2·‖v − w_global‖²`", low=0.0,
                               applies="ditto")
+    server_momentum: float = key(
+        0.0, "FedAvgM: the server's momentum β over rounds (`m ← β·m + Δ`, Δ = the round's mean minus the global "
+        "model; the model moves by `server-lr·m`); 0.9 helps hashed-n-gram text. Restarts from 0 on a resume",
+        low=0.0, high=0.99, applies="fedavg, fedprox, fedper, ditto")
+    server_lr: float = key(1.0, "the server's step on the round's mean change (FedOpt's η; 1 with `server-momentum` "
+                           "0 is plain averaging)", low=0.0, open_low=True, high=10.0,
+                           applies="fedavg, fedprox, fedper, ditto")
     # ---- rounds and training
     num_rounds: int = key(5, "training rounds", low=1, high=10_000, node=True)
     task: str = key("image", "what is learned: `image`, `tabular`, `text`, your own task as `module:attribute`, or "
@@ -332,6 +339,11 @@ class RunConfig:
         if config.strategy is StrategyName.SCAFFOLD and config.compression is not Compression.NONE:
             problems.append("strategy scaffold with compression is not supported yet: the control variates must arrive "
                             "whole; set compression = 'none'")
+        if (config.server_momentum or config.server_lr != 1.0) and config.strategy in (StrategyName.IFCA,
+                                                                                      StrategyName.SCAFFOLD):
+            problems.append(f"server-momentum and server-lr apply to one global model; strategy "
+                            f"{config.strategy.value} keeps cluster models or control variates, so set "
+                            "server-momentum = 0 and server-lr = 1")
         if config.dp is DpMode.DISTRIBUTED and config.compression is not Compression.NONE:
             problems.append("dp 'distributed' with compression is not supported; set compression = 'none'")
         return problems

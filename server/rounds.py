@@ -27,6 +27,7 @@ from flwr.serverapp import Grid
 from numpy.typing import NDArray
 
 from quorumfl.aggregation.compression import warmup_fraction
+from quorumfl.aggregation.momentum import ServerMomentum
 from quorumfl.aggregation.secagg.identity import Roster
 from quorumfl.core.models import (
     arrays_to_model,
@@ -105,6 +106,9 @@ class Federation:
         self.mode: RoundMode = build_mode(config, self.strategy, self.exchange, repo, flower_run_id=flower_run_id,
                                           clock=clock)
         self.feedback = SelectionFeedback(config, self.strategy, repo, self.exchange)
+        # FedAvgM's buffer lives in this process: a resumed run or a rollback starts it again from 0
+        self.momentum = ServerMomentum(momentum=config.server_momentum, learning_rate=config.server_lr,
+                                       names=[name for name, _ in self.task.spec.build(seed=0).named_parameters()])
         self.dp_noise = distributed_noise(config)  # distributed DP: σ on each revealed sum, else None
         # the settings a node takes as they are (declared node=True in server/config.py), plus what the
         # server decides: the round, μ (the strategy's, per node) and distributed DP's σ
@@ -206,6 +210,7 @@ class Federation:
                     if parents[k] is not None and head is not None and head.id != parents[k]:
                         log.info("head of %s moved to version %s (rollback); continuing from it", lineage, head.id)
                         models[k], parents[k] = self.store.load(head.path, head.sha256), head.id
+                        self.momentum.buffer.clear()
                 models, parents, metrics = self._round(run.id, number, lineages, models, parents, model, seen)
                 completed += bool(metrics)
                 if on_round is not None:
@@ -287,6 +292,8 @@ class Federation:
                                 self.feedback.loss)
             return models, parents, {}
 
+        if len(new_models) == 1:  # the server's step on the revealed mean (FedAvgM; plain FedAvg: the mean)
+            new_models = [self.momentum.step(models[0], new_models[0])]
         start = self.clock()
         members = [sum(1 for c in phase.assignments.values() if c == k) for k in range(len(new_models))]
         evals = [self._server_evaluation(model, arrays) for arrays in new_models]

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from quorumfl.core.data.datasets import Dataset, holdout_split
-from quorumfl.core.tasks import ModelSpec, Objective, get_task, image_schema, parse_schema
+from quorumfl.core.tasks import ModelSpec, Objective, get_task, image_schema, read_schema
 from quorumfl.errors import ConfigError
 from quorumfl.server.config import RunConfig
 
@@ -35,16 +35,7 @@ class RunTask:
 
 def read_schema_file(path: str) -> dict[str, object]:
     """The schema of ``task-schema``: inline JSON, or the file it names on the server."""
-    if path.lstrip().startswith("{"):
-        return parse_schema(path, where="task-schema")
-    file = Path(path).expanduser()
-    try:
-        text = file.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"task-schema: cannot read {file} ({exc.strerror or exc}); give the schema file's path") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"task-schema: {file} is not UTF-8 text; give the JSON file 'quorumfl data schema' wrote") from None
-    return parse_schema(text, where=f"task-schema {file}")
+    return read_schema(path, key="task-schema")
 
 
 def inline_schema(path: Path) -> str:

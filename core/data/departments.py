@@ -72,9 +72,9 @@ def import_partition(source: Path, out_dir: Path, *, department: str, schema: di
 
 
 def check_data(path: Path, schema: dict[str, Any] | None) -> dict[str, Any]:
-    """What ``path`` (a partition directory, or a CSV/JSONL file with ``schema``) holds, and whether it
+    """What ``path`` (a partition directory, or a department's file or image folder with ``schema``) holds, and whether it
     fits ``schema``: raises ``DataError`` naming the row, column or class that does not. Writes nothing."""
-    if path.is_dir():
+    if path.is_dir() and (schema is None or (path / META).is_file()):  # else an image folder to check
         part = read_partition(path)
         mine = part.resolved_schema()
         if schema is not None:

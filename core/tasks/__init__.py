@@ -13,6 +13,7 @@ import importlib
 import json
 from dataclasses import dataclass
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from quorumfl.core.tasks.base import Schema, Task, schema_difference, schema_digest, stable_split
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BUILTIN_TASKS", "CLASSIFICATION", "Classification", "ModelSpec", "Objective", "Regression", "Schema", "Task",
-    "check_schema_fits", "get_task", "image_schema", "parse_schema", "schema_difference", "schema_digest",
+    "check_schema_fits", "get_task", "image_schema", "parse_schema", "read_schema", "schema_difference", "schema_digest",
     "stable_split",
 ]
 
@@ -78,6 +79,21 @@ def parse_schema(text: str, *, where: str) -> dict[str, Any]:
     if not isinstance(schema, dict) or not isinstance(schema.get("task"), str):
         raise ConfigError(f"{where}: a schema is a JSON object with a 'task' field")
     return schema
+
+
+def read_schema(value: str, *, key: str) -> dict[str, Any]:
+    """The schema an option (``key``) gives: its JSON inline, or the JSON file it names."""
+    if value.lstrip().startswith("{"):
+        return parse_schema(value, where=key)
+    file = Path(value).expanduser()
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot read {file} ({exc.strerror or exc}); give the schema file "
+                          "'quorumfl data schema' wrote") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{key}: {file} is not UTF-8 text; give the JSON file 'quorumfl data schema' wrote") from None
+    return parse_schema(text, where=f"{key} {file}")
 
 
 def check_schema_fits(mine: Schema, run: Schema, *, where: str) -> None:

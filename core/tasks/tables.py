@@ -1,14 +1,17 @@
-"""Reading a department's CSV or JSONL file into checked rows (the tabular and text tasks' input).
+"""Reading a department's CSV, JSONL or Parquet file into checked rows (the tabular and text tasks' input).
 
-Python's ``csv`` and ``json`` modules read the rows; what is written here is the checking that a
-department's file gets before anything is stored: UTF-8, a header, no empty file, the columns the
-schema names (and no others), and a file that does not change while it is read. Every problem is
-one ``DataError`` line naming the file, the row or column, and the fix.
+Python's ``csv`` and ``json`` modules and pyarrow's Parquet reader read the rows; what is written
+here is the checking that a department's file gets before anything is stored: UTF-8, a header, no
+empty file, the columns the schema names (and no others), column types a table can hold, and a file
+that does not change while it is read. Every problem is one ``DataError`` line naming the file, the
+row or column, and the fix. Every format becomes the same ``Table`` of cell strings, so the tasks
+parse and check a Parquet column exactly as they do a CSV one.
 """
 
 from __future__ import annotations
 
 import csv
+import datetime
 import io
 import json
 import math
@@ -23,7 +26,7 @@ from quorumfl.errors import DataError
 
 __all__ = ["Table", "class_indices", "parse_number", "read_table"]
 
-FORMATS = (".csv", ".jsonl", ".ndjson")
+FORMATS = (".csv", ".jsonl", ".ndjson", ".parquet")
 
 
 @dataclass(frozen=True)
@@ -56,21 +59,25 @@ class Table:
             )
 
 
-def _text(path: Path) -> str:
+def _bytes(path: Path) -> bytes:
     try:
         before = path.stat()
         raw = path.read_bytes()
         after = path.stat()
     except FileNotFoundError:
-        raise DataError(f"{path} does not exist; pass the department's CSV or JSONL file") from None
+        raise DataError(f"{path} does not exist; pass the department's CSV, JSONL or Parquet file") from None
     except IsADirectoryError:
-        raise DataError(f"{path} is a folder; pass the department's CSV or JSONL file") from None
+        raise DataError(f"{path} is a folder; pass the department's CSV, JSONL or Parquet file") from None
     except OSError as exc:
         raise DataError(f"cannot read {path}: {exc.strerror or exc}") from exc
     if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) or len(raw) != after.st_size:
         raise DataError(f"{path} changed while it was read; import it again once it is complete")
     if not raw.strip():
         raise DataError(f"{path} is empty; export the department's table with a header row and data rows")
+    return raw
+
+
+def _text(path: Path, raw: bytes) -> str:
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -137,12 +144,52 @@ def _jsonl(path: Path, text: str) -> Table:
     return Table(path, columns, rows)
 
 
+def _cell(value: object) -> str | None:
+    """A Parquet value as the cell string a CSV would hold (numbers as JSON writes them: NaN stays NaN)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (bool, int, float)):
+        return json.dumps(value)
+    if isinstance(value, (datetime.date, datetime.time)):
+        return value.isoformat()
+    return str(value)  # decimals
+
+
+def _parquet(path: Path, raw: bytes) -> Table:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        data = pq.read_table(pa.BufferReader(raw))
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{path} is not a readable Parquet file ({exc}); export it again as Parquet") from None
+    columns: dict[str, list[str | None]] = {}
+    for name, column in zip(data.column_names, data.columns, strict=True):
+        kind = column.type
+        if pa.types.is_dictionary(kind):
+            kind = kind.value_type
+        if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+                or pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_decimal(kind)
+                or pa.types.is_temporal(kind)):
+            raise DataError(f"{path}: column '{name}' has Parquet type {kind}; give numbers, text, booleans or "
+                            "dates, or drop the column")
+        if name in columns:
+            raise DataError(f"{path}: column '{name}' appears twice; rename one of them")
+        columns[name] = [_cell(v) for v in column.to_pylist()]
+    if data.num_rows == 0:
+        raise DataError(f"{path} has columns but no data rows")
+    return Table(path, columns, data.num_rows)
+
+
 def read_table(path: Path) -> Table:
-    """Read ``path`` (``.csv``, ``.jsonl`` or ``.ndjson``) into a ``Table``."""
+    """Read ``path`` (``.csv``, ``.jsonl``/``.ndjson`` or ``.parquet``) into a ``Table``."""
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
-        raise DataError(f"{path}: unknown format '{suffix or '(none)'}'; give a .csv or .jsonl file")
-    text = _text(path)
+        raise DataError(f"{path}: unknown format '{suffix or '(none)'}'; give a .csv, .jsonl or .parquet file")
+    raw = _bytes(path)
+    if suffix == ".parquet":
+        return _parquet(path, raw)
+    text = _text(path, raw)
     return _csv(path, text) if suffix == ".csv" else _jsonl(path, text)
 
 

@@ -1,4 +1,5 @@
-"""Small department files for task tests: property sales (a table) and citizen requests (text).
+"""Small department files for task tests: property sales (a table), citizen requests (text), scanned
+forms (scikit-learn's digits written as image folders).
 
 Generated with a seeded rule so every test knows what a model can learn from them; the files are
 written as a department would export them (CSV with a header, JSONL).
@@ -9,8 +10,11 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from PIL import Image
+from sklearn.datasets import load_digits
 
 ZONES = ["residential", "commercial", "industrial", "mixed"]
 TOPICS = {
@@ -63,3 +67,23 @@ def request_rows(rows: int, *, seed: int, topic_bias: str | None = None) -> list
 def write_jsonl(path: Path, rows: list[dict[str, str]]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+def write_parquet(path: Path, rows: list[dict[str, Any]]) -> Path:
+    """Rows as a Parquet file (pyarrow infers each column's type)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def write_digit_folder(root: Path, indices: range, *, fmt: str = "PNG") -> np.ndarray:
+    """scikit-learn's digits as 8-bit greyscale images, one sub-folder per class; returns the pixels written."""
+    digits = load_digits()
+    pixels = np.round(digits.images[indices] / 16.0 * 255.0).astype(np.uint8)
+    for n, (image, label) in enumerate(zip(pixels, digits.target[indices], strict=True)):
+        folder = root / str(label)
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(image, mode="L").save(folder / f"form-{n:04d}.{'png' if fmt == 'PNG' else 'jpg'}", format=fmt)
+    return pixels

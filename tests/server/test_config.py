@@ -116,3 +116,12 @@ def test_node_settings_are_train_config_fields() -> None:
     assert set(settings) <= {f.name for f in fields(TrainConfig)}
     train = TrainConfig(server_round=1, proximal_mu=0.0, **settings)
     assert (train.local_epochs, train.compression, train.dp, train.model) == (2, "randk", "local", "mlp")
+
+
+@pytest.mark.parametrize("strategy", ["ifca", "scaffold"])
+def test_server_momentum_needs_one_global_model(strategy: str) -> None:
+    with pytest.raises(ConfigError, match=f"strategy {strategy} keeps cluster models or control variates"):
+        RunConfig.from_mapping({"strategy": strategy, "server-momentum": 0.9})
+    with pytest.raises(ConfigError, match="server-momentum must be"):
+        RunConfig.from_mapping({"server-momentum": 1.0})
+    assert RunConfig.from_mapping({"strategy": "fedper", "server-momentum": 0.9, "server-lr": 0.5}).server_lr == 0.5

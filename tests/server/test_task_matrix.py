@@ -24,7 +24,15 @@ from quorumfl.core.tasks import get_task
 from quorumfl.protocol.wire import ARRAYS, METRICS, from_array_record
 from quorumfl.server.model_store import ModelStore
 from quorumfl.server.state.repository import RunStatus
-from tests.core.city_data import TOPICS, ZONES, property_rows, request_rows, write_csv, write_jsonl
+from tests.core.city_data import (
+    TOPICS,
+    ZONES,
+    property_rows,
+    request_rows,
+    write_csv,
+    write_digit_folder,
+    write_jsonl,
+)
 
 from .test_rounds import (
     REPRODUCIBLE,
@@ -229,3 +237,20 @@ def test_dp_compression_and_rl_selection_on_every_task(
     assert all(len(r.participants) >= 2 for r in rounds)
     records = repo.selections(run_id)
     assert len(records) == 3 and all(r.reward is not None and np.isfinite(r.reward) for r in records)
+
+
+def test_departments_own_image_folders_in_every_mode(tmp_path: Path) -> None:
+    """Scanned forms as PNG folders (scikit-learn's digits written as images), imported by each
+    department under a proposed ``folder`` schema: the server holds no test set of them."""
+    from quorumfl.core.data import propose_schema
+
+    write_digit_folder(tmp_path / "sample", range(100))
+    schema = propose_schema(tmp_path / "sample", "image", {})
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    parts = {}
+    for i, department in enumerate(DEPARTMENTS[:4]):
+        write_digit_folder(tmp_path / "forms" / department, range(100 + 150 * i, 250 + 150 * i))
+        parts[department] = tmp_path / "parts" / department
+        import_partition(tmp_path / "forms" / department, parts[department], department=department, schema=schema)
+    settings = {"task": "image", "task-schema": str(tmp_path / "schema.json"), "model": "mlp"}
+    _matrix("fedavg", ("image", parts, settings), tmp_path / "runs")
