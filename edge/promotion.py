@@ -3,7 +3,10 @@
 QAT data: by default the server's held-out set of the version's run (recomputed from the run's
 dataset and seed, as the server evaluates), split in two halves with a fixed seed: one fine-tunes,
 the other measures fp32 and INT8 accuracy. With a department's partition folder (a node's own
-data), QAT uses its training split and the whole held-out set measures.
+data), QAT uses its training split and the whole held-out set measures. A run on departments' own
+images (a ``task-schema`` of dataset ``folder``) has no server-side data at all: it needs a
+department's partition imported under the run's schema, whose train split fine-tunes and whose test
+split measures.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import numpy as np
 
 from quorumfl.core.data.datasets import holdout_split
 from quorumfl.core.data.store import read_partition
+from quorumfl.core.tasks import check_schema_fits, read_schema
 from quorumfl.edge.export import ArtifactFormat
 from quorumfl.edge.manifest import Channel
 from quorumfl.edge.qat import QatSettings
@@ -35,7 +39,21 @@ def registry_root(home: Path) -> Path:
     return home / "edge" / "artifacts"
 
 
+def _own_data_calibration(schema_text: str, partition: Path | None) -> Calibration:
+    """QAT data of a run on departments' own images: a partition of the run's schema, or a refusal."""
+    if partition is None:
+        raise EdgeError("the model was trained on departments' own images (the run's task-schema), which the server "
+                        "does not hold: pass --partition with a department's partition imported under that schema")
+    part = read_partition(partition)
+    check_schema_fits(part.resolved_schema(), read_schema(schema_text, key="the run's task-schema"),
+                      where=f"partition {partition}")
+    return Calibration(part.train.x, part.train.y, part.test.x, part.test.y, part.dataset,
+                       f"partition of {part.department} ({len(part.train)} samples for QAT, {len(part.test)} to measure)")
+
+
 def calibration_for(config: dict[str, object], *, partition: Path | None = None, seed: int = 0) -> Calibration:
+    if str(config.get("task-schema") or "").strip():
+        return _own_data_calibration(str(config["task-schema"]), partition)
     dataset = str(config.get("dataset", "digits"))
     data_dir = Path(str(config["data-dir"])).expanduser() if config.get("data-dir") else None
     _, held_out = holdout_split(dataset, seed=int(str(config.get("seed", 0))), data_dir=data_dir)
