@@ -8,6 +8,7 @@ second instead of paying torch's import.
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +83,10 @@ class LocalTraining:
     train_loss: float
     metrics: dict[str, float]
     cluster: int | None = None
+    # what the node measured on its test split with the received model: the primary metric in the
+    # objective's unit (``Objective.unit``) and the loss; secure rounds sum them like the update
+    eval_value: float = math.nan
+    eval_loss: float = math.nan
 
 
 def run_state_key(context: Context) -> str:
@@ -170,8 +175,11 @@ def train_received(msg: Message, context: Context) -> LocalTraining:
     if store is not None and work.personal is not None:
         store.save(run_state_key(context), work.personal)
     log.info("round %s: %s trained on %s examples", config.server_round, department, work.num_examples)
+    objective = part.test.objective
     return LocalTraining(config, department, work.received, work.shared, work.num_examples, work.train_loss,
-                         work.metrics, work.cluster)
+                         work.metrics, work.cluster,
+                         eval_value=work.metrics.get(f"global-{objective.primary}", math.nan) / objective.unit,
+                         eval_loss=work.metrics.get("global-loss", math.nan))
 
 
 def pick_received(msg: Message, context: Context) -> tuple[int, str]:

@@ -40,6 +40,7 @@ from quorumfl.aggregation.ckks import (
 )
 from quorumfl.aggregation.ckks.threshold import contribution_message
 from quorumfl.aggregation.secagg import (
+    HEADER,
     SecureMean,
     flatten,
     read_payload,
@@ -283,7 +284,7 @@ class CkksSession:
         group_of = {n: k for k, nodes in groups.items() for n in nodes}
         participants = sorted(group_of)
         bases = {k: flatten(models[k]) for k in groups}
-        length = 2 + next(iter(bases.values())).shape[0]
+        length = HEADER + next(iter(bases.values())).shape[0]
         primes = self.params.send_primes(key.threshold, max(len(key.members), len(participants)), config.secagg_clip)
         records = {k: to_array_record(models[k]) for k in groups}
         requests = {k: encode_train_request(TrainRequest(

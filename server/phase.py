@@ -36,6 +36,10 @@ class TrainPhase:
     accepted: list[int] = field(default_factory=list)
     total_examples: float = 0.0
     train_loss: float = float("nan")
+    # secure rounds: the weighted means of what the nodes measured with the model they received
+    # (primary metric in the objective's unit, loss), revealed only as sums like the update
+    eval_value: float = float("nan")
+    eval_loss: float = float("nan")
     node_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     departments: dict[int, str | None] = field(default_factory=dict)
     error: str | None = None
@@ -48,15 +52,18 @@ class TrainPhase:
                           *, clustered: bool, max_weight: float) -> None:
         """A secure round's revealed group means (cluster → (members, mean)) as the round's result: each
         group's model moved by its mean update, who is in it, the examples (the weights were divided by
-        ``max_weight`` on the nodes) and the weighted train loss. Groups not in ``means`` keep their model."""
+        ``max_weight`` on the nodes), the weighted train loss and the weighted evaluation of the received
+        model. Groups not in ``means`` keep their model."""
         new_models = [dict(m) for m in models]
-        weight, loss_sum = 0.0, 0.0
+        weight, loss_sum, value_sum, eval_loss_sum = 0.0, 0.0, 0.0, 0.0
         for k, (members, mean) in sorted(means.items()):
             new_models[k] = unflatten(flatten(models[k]) + mean.update, models[k])
             self.accepted.extend(members)
             self.assignments.update({n: k for n in members})
             weight += mean.total_weight
             loss_sum += mean.train_loss * mean.total_weight
+            value_sum += mean.eval_value * mean.total_weight
+            eval_loss_sum += mean.eval_loss * mean.total_weight
         self.accepted.sort()
         if clustered:
             self.models = new_models
@@ -65,6 +72,8 @@ class TrainPhase:
             self.assignments = {}
         self.total_examples = weight * max_weight
         self.train_loss = loss_sum / weight if weight else float("nan")
+        self.eval_value = value_sum / weight if weight else float("nan")
+        self.eval_loss = eval_loss_sum / weight if weight else float("nan")
 
     def note_node(self, node: int, content: RecordDict) -> None:
         """Keep what a secure-mode reply says in plaintext: the node's training time and department,

@@ -79,6 +79,10 @@ def distributed_noise(config: RunConfig) -> float | None:
     return sigma
 
 
+def _or(value: float, otherwise: float) -> float:
+    return value if math.isfinite(value) else otherwise
+
+
 class Federation:
     """One run of the federation loop against a Flower Grid."""
 
@@ -304,8 +308,10 @@ class Federation:
             primary: evals[main][0],
             "loss": evals[main][1],
             # the model this round started from, as the departments measured it on their own test splits
-            f"federated-{primary}": federated_metric(phase.node_metrics, f"global-{primary}"),
-            "federated-loss": federated_metric(phase.node_metrics, "global-loss"),
+            # (a secure round reveals only the weighted mean, in the objective's unit)
+            f"federated-{primary}": _or(federated_metric(phase.node_metrics, f"global-{primary}"),
+                                        phase.eval_value * self.task.objective.unit),
+            "federated-loss": _or(federated_metric(phase.node_metrics, "global-loss"), phase.eval_loss),
             "train-loss": phase.train_loss,
             "participants": float(len(phase.accepted)),
             "examples": phase.total_examples,

@@ -24,6 +24,7 @@ from numpy.typing import NDArray
 
 from quorumfl.aggregation.compression import shared_positions
 from quorumfl.aggregation.secagg import (
+    HEADER,
     CoordinatorEpoch,
     MaskingParams,
     SecureMean,
@@ -207,7 +208,7 @@ class MaskingSession:
         if round_config.compression == "randk" and not round_config.compression_full:
             shapes = {name: tuple(np.shape(v)) for name, v in models[order[0]].items()}
             positions = shared_positions(shapes, round_config.compression_fraction, round_config.compression_seed)
-        length = 2 + (len(positions) if positions is not None else next(iter(bases.values())).shape[0])
+        length = HEADER + (len(positions) if positions is not None else next(iter(bases.values())).shape[0])
         rnd = epoch.start_round([members[k] for k in order], length=length)
         records = {k: to_array_record(models[k]) for k in order}
         messages = [

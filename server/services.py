@@ -38,8 +38,8 @@ def _iso(value: Any) -> str | None:
 def round_metric(primary: str, names: Iterable[str]) -> str:
     """Which per-round figure a run has: the server's own (``accuracy`` on its held-out set); for a task
     whose data only the departments hold, ``federated-<primary>`` (the model each round started from,
-    as the departments measured it on their own test splits: plaintext rounds); in a secure round,
-    where nodes reveal no figure of their own, the securely averaged ``train-loss``."""
+    as the departments measured it on their own test splits; a secure round reveals only its securely
+    averaged value); else (runs recorded before secure rounds carried it) the averaged ``train-loss``."""
     present = set(names)
     for name in (primary, f"federated-{primary}"):
         if name in present:

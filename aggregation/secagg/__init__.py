@@ -59,6 +59,7 @@ from quorumfl.aggregation.secagg.messages import (
 )
 from quorumfl.aggregation.secagg.node import NodeEpoch
 from quorumfl.aggregation.secagg.payload import (
+    HEADER,
     SecureMean,
     flatten,
     read_payload,
@@ -70,6 +71,7 @@ __all__ = [
     "CoordinatorEpoch",
     "EpochAnnouncement",
     "FixedPoint",
+    "HEADER",
     "GroupOutcome",
     "KeyAdvertisement",
     "KeyDirectory",

@@ -1,10 +1,15 @@
 """What a node feeds the secure sum for a weighted average, and how the server reads the sum back.
 
 Weighted FedAvg needs Σ w_i·δ_i and Σ w_i; both are summed securely as one vector
-``[w, w·loss, w·δ_1, …, w·δ_d]`` so the server learns neither a node's update nor its example
-count. ``w = min(examples, max_weight) / max_weight`` keeps every entry inside the clip range
-(w ≤ 1), which is what the fixed-point bound assumes; each δ_j is clipped to ±clip first, so an
-honest sum satisfies 0 < Σw ≤ n, Σw·loss ≥ 0 and |Σ w·δ_j| ≤ clip·Σw. ``read_payload`` refuses a
+``[w, w·loss, w·value, w·eval_loss, w·δ_1, …, w·δ_d]`` so the server learns neither a node's update
+nor its example count. ``loss`` is the node's train loss; ``value`` and ``eval_loss`` are what the node
+measured on its own test split with the model it received (the task's primary metric in the
+objective's unit, e.g. accuracy, or MAE divided by the target's range), so the round's federated
+metric is revealed only as a weighted mean, like the update. Header values are clipped to [0, clip]
+(a non-finite one counts as 0). ``w = min(examples, max_weight) / max_weight`` keeps every entry
+inside the clip range (w ≤ 1), which is what the fixed-point bound assumes; each δ_j is clipped to
+±clip first, so an honest sum satisfies 0 < Σw ≤ n, the weighted header sums ≥ 0 and
+|Σ w·δ_j| ≤ clip·Σw. ``read_payload`` refuses a
 revealed sum outside that range: one node's garbage masked vector or wrong seed share turns the
 sum into noise spread over the whole modulus, which lands inside with negligible probability
 over a model's many coordinates, so the model is left as it was instead of being wrecked.
@@ -21,10 +26,10 @@ from numpy.typing import NDArray
 
 from quorumfl.errors import AggregationError, EmptyAggregationError, SecureAggregationError
 
-__all__ = ["SecureMean", "flatten", "unflatten", "weighted_payload", "read_payload"]
+__all__ = ["HEADER", "SecureMean", "flatten", "unflatten", "weighted_payload", "read_payload"]
 
 Arrays = Mapping[str, NDArray[np.generic]]
-HEADER = 2  # weight, weight · train loss
+HEADER = 4  # weight, weight · train loss, weight · evaluated value, weight · evaluated loss
 
 
 def flatten(arrays: Arrays) -> NDArray[np.float64]:
@@ -44,25 +49,35 @@ def unflatten(vector: NDArray[np.float64], template: Arrays) -> dict[str, NDArra
     return out
 
 
+def _header_value(value: float, clip: float | None) -> float:
+    if not math.isfinite(value):
+        return 0.0
+    return min(max(value, 0.0), clip) if clip is not None else max(value, 0.0)
+
+
 def weighted_payload(update: NDArray[np.float64], *, examples: float, loss: float, max_weight: float,
-                     clip: float | None = None) -> NDArray[np.float64]:
+                     clip: float | None = None, value: float = math.nan, eval_loss: float = math.nan
+                     ) -> NDArray[np.float64]:
     if not (examples > 0 and math.isfinite(examples)):
         raise AggregationError(f"a node's example count must be positive, got {examples}")
     if not (max_weight > 0 and math.isfinite(max_weight)):
         raise AggregationError(f"max weight must be positive, got {max_weight}")
     w = min(examples, max_weight) / max_weight
-    head = np.array([w, w * max(loss, 0.0) if math.isfinite(loss) else 0.0])
+    head = np.array([w] + [w * _header_value(v, clip) for v in (loss, value, eval_loss)])
     body = update if clip is None else np.clip(update, -clip, clip)
     return np.concatenate([head, w * body])
 
 
 @dataclass(frozen=True)
 class SecureMean:
-    """The weighted mean update, the (normalised) total weight and the weighted mean train loss."""
+    """The weighted mean update, the (normalised) total weight, the weighted mean train loss, and the
+    weighted means of what the nodes measured with the received model (value in the objective's unit)."""
 
     update: NDArray[np.float64]
     total_weight: float
     train_loss: float
+    eval_value: float = math.nan
+    eval_loss: float = math.nan
 
 
 def read_payload(total: NDArray[np.float64], *, min_weight: float, contributors: int | None = None,
@@ -78,8 +93,9 @@ def read_payload(total: NDArray[np.float64], *, min_weight: float, contributors:
         if not -tolerance <= weight <= contributors + tolerance:
             problems.append(f"its total weight {weight:.4g} is outside [0, {contributors}] ({contributors} contributors, "
                             "at most 1 each)")
-        if not float(total[1]) >= -tolerance:
-            problems.append(f"its weighted loss {float(total[1]):.4g} is negative")
+        for index, name in ((1, "weighted loss"), (2, "weighted evaluated value"), (3, "weighted evaluated loss")):
+            if not -tolerance <= float(total[index]) <= clip * weight + tolerance:
+                problems.append(f"its {name} {float(total[index]):.4g} is outside [0, clip {clip:g} × total weight]")
         worst = float(np.max(np.abs(total[HEADER:]))) if total.shape[0] > HEADER else 0.0
         if weight > 0 and not worst <= clip * weight + tolerance:
             problems.append(f"an update coordinate sums to {worst:.4g}, above clip {clip:g} × total weight {weight:.4g}")
@@ -88,4 +104,5 @@ def read_payload(total: NDArray[np.float64], *, min_weight: float, contributors:
                                          "malformed input or share, so the model is left as it was")
     if not weight > min_weight:
         raise EmptyAggregationError(f"total weight {weight:.3g} of the secure sum is too small to divide by")
-    return SecureMean(update=total[HEADER:] / weight, total_weight=weight, train_loss=float(total[1]) / weight)
+    return SecureMean(update=total[HEADER:] / weight, total_weight=weight, train_loss=float(total[1]) / weight,
+                      eval_value=float(total[2]) / weight, eval_loss=float(total[3]) / weight)

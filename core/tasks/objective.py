@@ -48,6 +48,12 @@ class Objective(ABC):
         """The primary metric turned so that higher is better (for selection rewards and comparisons)."""
         return value if self.higher_is_better else -value
 
+    @property
+    def unit(self) -> float:
+        """The primary metric's unit: a secure sum carries ``value / unit``, which a reasonable model
+        keeps near [0, 1] (accuracy as it is; MAE as a share of the target's declared range)."""
+        return 1.0
+
 
 @dataclass(frozen=True)
 class Classification(Objective):
@@ -89,6 +95,10 @@ class Regression(Objective):
     def sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
         error = outputs.reshape(targets.shape).double() - targets.double()
         return {"loss": float((error**2).sum()), "abs": float(error.abs().sum())}
+
+    @property
+    def unit(self) -> float:
+        return self.scale
 
     def finish(self, sums: Mapping[str, float], count: int) -> dict[str, float]:
         if count == 0:

@@ -14,6 +14,7 @@ import pytest
 from flwr.app import Context, RecordDict
 
 from quorumfl.aggregation.personal import personal_names
+from quorumfl.aggregation.secagg import HEADER
 from quorumfl.client.personal_store import PersonalStore
 from quorumfl.core.data import prepare_partitions
 from quorumfl.core.data.planted import plant_partitions
@@ -206,7 +207,7 @@ def test_fedper_with_masking_sends_only_shared_layers(tmp_path: Path, six_parts:
     full = model_to_arrays(build_model("mlp", (1, 8, 8), 10))
     shared_size = sum(v.size for k, v in full.items() if not k.startswith("5."))
     masked = [r.content.array_records[MASKED] for r in grid.replies if not r.has_error() and MASKED in r.content.array_records]
-    assert masked and all(sum(a.numpy().size for a in rec.values()) == 2 + shared_size for rec in masked)
+    assert masked and all(sum(a.numpy().size for a in rec.values()) == HEADER + shared_size for rec in masked)
 
 
 def test_ditto_keeps_a_personal_model_and_reports_both_accuracies(tmp_path: Path, six_parts: dict[str, Path]) -> None:

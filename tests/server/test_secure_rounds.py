@@ -192,11 +192,35 @@ def test_the_range_check_passes_every_honest_sum_and_names_each_broken_bound() -
 
     rng = np.random.default_rng(3)
     honest = sum(weighted_payload(rng.normal(0, 3, 50), examples=float(rng.integers(1, 500)), loss=float(rng.uniform()),
-                                  max_weight=100.0, clip=2.0) for _ in range(5))
+                                  max_weight=100.0, clip=2.0, value=float(rng.uniform()), eval_loss=float(rng.uniform(0, 9)))
+                 for _ in range(5))
     read_payload(honest, min_weight=1e-6, contributors=5, clip=2.0, tolerance=1e-9)
-    for bad, reason in ((np.concatenate([[6.0], honest[1:]]), "total weight"),
-                        (np.concatenate([[-9.0], honest[1:]]), "total weight"),
-                        (np.concatenate([honest[:1], [-1.0], honest[2:]]), "weighted loss"),
-                        (np.concatenate([honest[:2], [2.0 * honest[0] + 1], honest[3:]]), "above clip")):
+    above = 2.0 * honest[0] + 1
+
+    def replaced(index: int, value: float) -> np.ndarray:
+        return np.concatenate([honest[:index], [value], honest[index + 1:]])
+
+    for bad, reason in ((replaced(0, 6.0), "total weight"), (replaced(0, -9.0), "total weight"),
+                        (replaced(1, -1.0), "weighted loss"), (replaced(2, -1.0), "weighted evaluated value"),
+                        (replaced(3, above), "weighted evaluated loss"), (replaced(4, above), "above clip")):
         with pytest.raises(SecureAggregationError, match=reason):
             read_payload(bad, min_weight=1e-6, contributors=5, clip=2.0, tolerance=1e-9)
+
+
+def test_the_secure_sum_reveals_the_weighted_means_of_the_nodes_evaluations() -> None:
+    """Header of the secure sum against a plain weighted mean: train loss, evaluated value and loss
+    (each clipped to [0, clip], a non-finite one counting as 0)."""
+    from quorumfl.aggregation.secagg import read_payload, weighted_payload
+
+    rng = np.random.default_rng(4)
+    examples = rng.integers(1, 300, 6).astype(float)
+    values, losses = rng.uniform(0, 1, 6), rng.uniform(0, 3, 6)
+    total = sum(weighted_payload(np.zeros(3), examples=e, loss=1.0, max_weight=200.0, clip=2.0, value=v, eval_loss=el)
+                for e, v, el in zip(examples, values, losses, strict=True))
+    mean = read_payload(total, min_weight=1e-6, contributors=6, clip=2.0, tolerance=1e-9)
+    w = np.minimum(examples, 200.0)
+    assert mean.eval_value == pytest.approx(float(np.sum(w * values) / w.sum()), rel=1e-12)
+    assert mean.eval_loss == pytest.approx(float(np.sum(w * np.minimum(losses, 2.0)) / w.sum()), rel=1e-12)
+    assert mean.train_loss == pytest.approx(1.0)
+    nan = weighted_payload(np.zeros(3), examples=10.0, loss=float("nan"), max_weight=200.0, clip=2.0)
+    assert list(nan[:4]) == [0.05, 0.0, 0.0, 0.0]

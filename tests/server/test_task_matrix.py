@@ -161,6 +161,20 @@ def _matrix(strategy: str, city: tuple[str, dict[str, Path], dict[str, Any]], tm
                 np.testing.assert_allclose(value, plain[(number, cluster)][key], rtol=0, atol=tolerance,
                                            err_msg=f"{task} {strategy} {mode} round {number} cluster {cluster} {key}")
         assert compared >= 2 and any(number == 1 for number, _ in secure)
+        if strategy != "ifca":  # the round's federated metric, revealed as a secure weighted mean
+            _check_federated_metric(repo, plain_run, run_id, primary, mode)
+
+
+def _check_federated_metric(repo: Any, plain_run: int, run_id: int, primary: str, mode: str) -> None:
+    """Round 1 evaluates the same initial model in both runs: the secure sum's weighted mean of the
+    departments' figures equals the plaintext run's (nodes reported them in the clear there)."""
+    def first(run: int) -> dict[str, float]:
+        return {m.name: m.value for m in repo.metrics(run) if m.round == 1 and m.node_id is None}
+
+    plain, secure = first(plain_run), first(run_id)
+    for name in (f"federated-{primary}", "federated-loss"):
+        assert name in secure, f"{mode}: round 1 has no {name}"
+        assert secure[name] == pytest.approx(plain[name], rel=1e-4, abs=1e-6), f"{mode} {name}"
 
 
 def _same_group(repo: Any, plain_run: int, run_id: int, number: int, cluster: int) -> bool:
