@@ -27,6 +27,7 @@ from quorumfl.client.node_round import (
 )
 from quorumfl.client.personal_store import PersonalStore, node_state_dir
 from quorumfl.client.secure import signed_slot
+from quorumfl.client.signed_config import check_train_request
 from quorumfl.core.data.store import Partition, read_partition
 from quorumfl.core.tasks import ModelSpec, check_schema_fits, parse_schema
 from quorumfl.errors import ConfigError, DataError, PrivacyBudgetError
@@ -160,6 +161,9 @@ def _admit_secure_round(msg: Message, context: Context, models: list[Arrays], co
 
 def train_received(msg: Message, context: Context) -> LocalTraining:
     config = TrainConfig.from_record(msg.content.config_records[CONFIG])
+    records = msg.content.config_records
+    check_train_request(context.run_config, config, masked=SECAGG in records, encrypted=CKKS in records,
+                        node=str(context.node_id))
     part, department = _fitting(context, config)
     store, personal = _personal(context, config)
     node_config = dict(context.node_config)
