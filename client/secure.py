@@ -183,6 +183,13 @@ def masked_train_reply(msg: Message, context: Context, local: LocalTraining) -> 
     if local.config.dp == "distributed":  # clip, add this node's noise share; every department counts once
         from quorumfl.privacy.distributed import noisy_share
 
+        # the node reveals a group's sum only with at least group_quorum survivors, so each adds
+        # 1/group_quorum of the variance: a larger divisor from the server would thin the noise
+        if not 1 <= local.config.dp_noise_share <= state.params.group_quorum:
+            raise SecureAggregationError(
+                f"the request divides the DP noise among {local.config.dp_noise_share} nodes, but a sum is revealed "
+                f"with as few as {state.params.group_quorum}; the update is withheld", node=str(context.node_id))
+
         update = noisy_share(update, clip=local.config.dp_clip, noise_multiplier=local.config.dp_noise_multiplier,
                              share=local.config.dp_noise_share, rng=np.random.default_rng(secrets.randbits(128)))
         examples = max_weight

@@ -100,3 +100,18 @@ def test_a_secure_request_and_an_unsigned_test_config_pass() -> None:
     with pytest.raises(SecureAggregationError, match="withheld"):
         check_train_request(signed, _config(dp="none"), masked=False, encrypted=True, node="1")
     check_train_request({}, _config(dp="none"), masked=False, encrypted=False, node="1")
+
+
+def test_a_noise_share_thinner_than_the_reveal_quorum_is_refused(
+    tmp_path: Path, six_parts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Distributed DP: each node adds 1/t of the noise, t the fewest inputs of a revealed sum. A server
+    that names a larger divisor would make every node add too little."""
+    from dataclasses import replace
+
+    secure = {"secure-aggregation": "masking", "secagg-threshold": 0.6, "dp": "distributed", "dp-epsilon": 2.0}
+    monkeypatch.setattr("quorumfl.server.secure._with_noise_share",
+                        lambda config, quorum: replace(config, dp_noise_share=100 * quorum))
+    grid, run = _attack(tmp_path, six_parts, _signed(**secure), **secure)
+    _no_update_left_a_node(grid)
+    assert any("divides the DP noise among" in (r.error.reason if r.has_error() else "") for r in grid.replies)
