@@ -12,7 +12,9 @@ node refuses a request that:
 - names another ``dp`` mode, ``dp-clip``, ``dp-delta`` or ``dp-epsilon`` than the signed run;
 - asks for less noise than the signed run implies: ``dp-noise-multiplier`` when the run sets one,
   else (distributed DP) the σ that the run's ε target gives over its rounds — the same accountant
-  call the server makes (``privacy.accounting.noise_for_target``).
+  call the server makes (``privacy.accounting.noise_for_target``);
+- in a FedPer run, names other personal layers or no personalisation (the personal layers would
+  then leave the node).
 
 A key the run config does not hold is not checked (an in-process test federation without a signed
 bundle); a deployed run's signed config holds every key (the app's defaults are written into it).
@@ -52,6 +54,12 @@ def check_train_request(run: Mapping[str, object], config: TrainConfig, *, maske
         raise SecureAggregationError(f"the admin-signed run config sets secure-aggregation = {mode}, but this train "
                                      "request asks for an update that is not secured that way; the update is withheld",
                                      node=node)
+    if run.get("strategy") == "fedper" and (config.personalisation != "fedper"
+                                            or config.personal_layers != run.get("personal-layers")):
+        raise SecureAggregationError(f"the admin-signed run is FedPer with personal layers "
+                                     f"'{run.get('personal-layers')}', but this request asks for personalisation "
+                                     f"'{config.personalisation}' with '{config.personal_layers}'; the personal layers "
+                                     "stay on the node and nothing is sent", node=node)
     signed_dp = run.get("dp")
     if isinstance(signed_dp, str) and config.dp != signed_dp:
         raise PrivacyBudgetError(f"the train request asks for dp = '{config.dp}', the admin-signed run config sets "

@@ -115,3 +115,16 @@ def test_a_noise_share_thinner_than_the_reveal_quorum_is_refused(
     grid, run = _attack(tmp_path, six_parts, _signed(**secure), **secure)
     _no_update_left_a_node(grid)
     assert any("divides the DP noise among" in (r.error.reason if r.has_error() else "") for r in grid.replies)
+
+
+def test_a_request_that_would_take_fedpers_personal_layers_is_refused(tmp_path: Path,
+                                                                      six_parts: dict[str, Path]) -> None:
+    signed = _signed(strategy="fedper", **{"personal-layers": "head"})
+    grid, run = _attack(tmp_path, six_parts, signed, strategy="fedavg")  # the server asks for every layer back
+    _no_update_left_a_node(grid)
+    assert all(r.has_error() and "personal layers stay on the node" in r.error.reason for r in grid.replies)
+    check_train_request(signed, _config(dp="none", personalisation="fedper", personal_layers="head"),
+                        masked=False, encrypted=False, node="1")
+    with pytest.raises(SecureAggregationError, match="personal layers"):
+        check_train_request(signed, _config(dp="none", personalisation="fedper", personal_layers="0"),
+                            masked=False, encrypted=False, node="1")
