@@ -51,6 +51,8 @@ def get_task(name: str) -> Task:
         return BUILTIN_TASKS[name]
     if ":" in name:
         module_name, _, attribute = name.partition(":")
+        if not all(part.isidentifier() for part in module_name.split(".")) or not attribute.isidentifier():
+            raise ConfigError(f"task: '{name}' is not of the form module:attribute (e.g. city_tasks:PERMITS)")
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:

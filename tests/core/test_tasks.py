@@ -205,3 +205,9 @@ def test_own_tasks_by_module_attribute_and_clear_errors(tmp_path: Path, monkeypa
     with pytest.raises(ConfigError, match="version 2.1 here, the run's schema needs version 2.0"):
         ModelSpec("city_tasks:INVOICES", "mlp", json.dumps(schema)).resolve()
     sys.modules.pop("city_tasks", None)
+
+
+@pytest.mark.parametrize("name", [":", "city_tasks:", ":PERMITS", "a..b:X", "city tasks:X", "m:1x"])
+def test_a_malformed_module_attribute_task_is_refused_in_one_line(name: str) -> None:
+    with pytest.raises(ConfigError, match="is not of the form module:attribute"):
+        get_task(name)
