@@ -1,4 +1,4 @@
-"""Where QuorumFL keeps its files, and atomic file writes.
+"""Where QuorumFL keeps its files, atomic file writes, and reads that notice a file changing under them.
 
 ``default_home()`` is the one lookup of the QuorumFL home (``$QUORUMFL_HOME``, else ``~/.quorumfl``):
 the state DB, model store, logs, and a node's own keys and state live under it unless configured.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["HOME_ENV", "atomic_write", "default_home"]
+__all__ = ["HOME_ENV", "FileChangedError", "atomic_write", "default_home", "read_unchanged"]
 
 HOME_ENV = "QUORUMFL_HOME"
 
@@ -41,3 +41,19 @@ def atomic_write(path: Path, payload: bytes, *, mode: int = 0o644) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+class FileChangedError(OSError):
+    """The file's size or modification time moved while it was read: another program is writing it."""
+
+
+def read_unchanged(path: Path) -> bytes:
+    """The whole file, read between two ``stat`` calls that must agree (size and mtime, and the bytes
+    read must be the size): a department's export still being written is refused, not half-read.
+    Raises ``FileChangedError``, or the ``OSError`` of the read."""
+    before = path.stat()
+    raw = path.read_bytes()
+    after = path.stat()
+    if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) or len(raw) != after.st_size:
+        raise FileChangedError(f"{path} changed while it was read")
+    return raw

@@ -110,9 +110,10 @@ class Federation:
         self.mode: RoundMode = build_mode(config, self.strategy, self.exchange, repo, flower_run_id=flower_run_id,
                                           clock=clock)
         self.feedback = SelectionFeedback(config, self.strategy, repo, self.exchange)
+        self.model = self.task.spec.build(seed=0)  # the server's instance: it loads each model it evaluates
         # FedAvgM's buffer lives in this process: a resumed run or a rollback starts it again from 0
         self.momentum = ServerMomentum(momentum=config.server_momentum, learning_rate=config.server_lr,
-                                       names=[name for name, _ in self.task.spec.build(seed=0).named_parameters()])
+                                       names=[name for name, _ in self.model.named_parameters()])
         self.dp_noise = distributed_noise(config)  # distributed DP: σ on each revealed sum, else None
         # the settings a node takes as they are (declared node=True in server/config.py), plus what the
         # server decides: the round, μ (the strategy's, per node) and distributed DP's σ
@@ -201,7 +202,7 @@ class Federation:
             first, completed, seen = 1, 0, set[int]()
             if config.resume_run:
                 first, completed, seen = resume_point(self.repo, self.store, run, lineages, models, parents)
-            model = self.task.spec.build(seed=0)
+            model = self.model
             self.feedback.restore()
             value, self.feedback.loss = self._server_evaluation(model, models[0])
             self.feedback.accuracy = self.task.objective.score(value)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from numpy.typing import NDArray
 
+from quorumfl.core.files import FileChangedError, read_unchanged
 from quorumfl.core.tasks.base import Schema
 from quorumfl.core.tasks.objective import CLASSIFICATION, Objective
 from quorumfl.errors import ConfigError, DataError
@@ -81,8 +82,8 @@ class ImageTask:
         return build_model(model, self.input_shape(schema), self.outputs(schema), seed=seed)
 
     def infer_schema(self, source: Path, options: Mapping[str, str]) -> dict[str, Any]:
-        if options.get("dataset", FOLDER) == FOLDER and source.is_dir() and _class_folders(source):
-            classes = _class_folders(source)
+        classes = _class_folders(source) if options.get("dataset", FOLDER) == FOLDER and source.is_dir() else []
+        if classes:
             first = next((f for c in classes for f in _image_files(source / c)), None)
             if first is None:
                 raise DataError(f"{source}: its class sub-folders hold no PNG or JPEG images; add the images")
@@ -122,13 +123,11 @@ def _open(path: Path) -> Image.Image:
     from PIL import Image, UnidentifiedImageError
 
     try:
-        before = path.stat()
-        raw = path.read_bytes()
-        after = path.stat()
+        raw = read_unchanged(path)
+    except FileChangedError:
+        raise DataError(f"{path} changed while it was read; import the folder again once it is complete") from None
     except OSError as exc:
         raise DataError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) or len(raw) != after.st_size:
-        raise DataError(f"{path} changed while it was read; import the folder again once it is complete")
     try:
         image = Image.open(io.BytesIO(raw))
         image.load()

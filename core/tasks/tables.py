@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from numpy.typing import NDArray
 
+from quorumfl.core.files import FileChangedError, read_unchanged
 from quorumfl.errors import DataError
 
 __all__ = ["Table", "class_indices", "parse_number", "read_table"]
@@ -61,17 +62,15 @@ class Table:
 
 def _bytes(path: Path) -> bytes:
     try:
-        before = path.stat()
-        raw = path.read_bytes()
-        after = path.stat()
+        raw = read_unchanged(path)
+    except FileChangedError:
+        raise DataError(f"{path} changed while it was read; import it again once it is complete") from None
     except FileNotFoundError:
         raise DataError(f"{path} does not exist; pass the department's CSV, JSONL or Parquet file") from None
     except IsADirectoryError:
         raise DataError(f"{path} is a folder; pass the department's CSV, JSONL or Parquet file") from None
     except OSError as exc:
         raise DataError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns) or len(raw) != after.st_size:
-        raise DataError(f"{path} changed while it was read; import it again once it is complete")
     if not raw.strip():
         raise DataError(f"{path} is empty; export the department's table with a header row and data rows")
     return raw
