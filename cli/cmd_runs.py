@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import tomllib
 from collections.abc import Callable
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -207,6 +208,43 @@ def show(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (Qu
         console.print(table("Final models per department (own test split): the federation's model (global, or "
                             "its cluster's) and the personal one", view["departments"],
                             department_columns(view["departments"], primary)))
+
+
+class ReportFormat(StrEnum):
+    HTML = "html"
+    JSON = "json"
+
+
+@runs_app.command("report")
+def report(
+    ctx: typer.Context,
+    run: Annotated[int, typer.Argument(help="Run id (QuorumFL or Flower).")],
+    out: Annotated[Path, typer.Option("--out", help="Folder for run-ID.html (made if missing).")] = Path("."),
+    fmt: Annotated[ReportFormat, typer.Option("--format", help="html: one self-contained page; json: the same "
+                                              "data on stdout, nothing written.")] = ReportFormat.HTML,
+    open_page: Annotated[bool, typer.Option("--open", help="Open the page in the default browser.")] = False,
+) -> None:
+    """A run's report: metric and loss per round (and per cluster), each department's final model, time per
+    round by stage, who took part in each round, bytes up and down, ε against each department's budget,
+    model versions with rollbacks. Figures are embedded PNG: the page works offline."""
+    from quorumfl.server.report import render_html, report_data
+
+    data = report_data(settings(ctx).repository(), run)
+    if fmt is ReportFormat.JSON:
+        print_json(data)
+        return
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a folder for the report")
+    out.mkdir(parents=True, exist_ok=True)
+    page = out / f"run-{data['run']['id']}.html"
+    partial = page.with_name(f".{page.name}.partial")
+    partial.write_text(render_html(data), encoding="utf-8")
+    partial.replace(page)  # an earlier report is replaced whole or not at all
+    console.print(f"report of run {data['run']['id']} written to {page}")
+    if open_page:
+        import webbrowser
+
+        webbrowser.open(page.resolve().as_uri())
 
 
 @runs_app.command("stop")

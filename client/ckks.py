@@ -50,7 +50,7 @@ from quorumfl.protocol.ckks_wire import (
     encode_partial,
     encode_reveal,
 )
-from quorumfl.protocol.wire import METRICS, NODE
+from quorumfl.protocol.wire import METRICS, NODE, clear_metrics
 
 MAX_DECRYPTIONS_KEY = "ckks-max-decryptions"  # run-config key (declared in the server's config defaults)
 MIN_GROUP_KEY = "secagg-min-group"  # run-config key: the fewest contributors a decrypted sum may have
@@ -143,7 +143,7 @@ def encrypted_train_reply(msg: Message, context: Context, local: LocalTraining) 
     return RecordDict({
         ENCRYPTED: arrays,
         CKKS: config,
-        METRICS: MetricRecord({"train-seconds": local.metrics["train-seconds"]}),
+        METRICS: MetricRecord(clear_metrics(local.metrics)),
         NODE: node_record(context, local.department),
     })
 

@@ -238,10 +238,12 @@ def pick_round(
 class PrivacyGate:
     """The department's ledger as a DP round uses it: ``charge`` a round's mechanism (σ, q, steps) and
     get the department's ε after it, or raise past the budget; ``noise_for`` finds σ for a target ε
-    (``privacy.accounting.noise_for_target``'s arguments; the ledger's keeps what it found)."""
+    (``privacy.accounting.noise_for_target``'s arguments; the ledger's keeps what it found); ``budget``:
+    the department's total ε (node config ``dp-budget``), reported beside the ε spent."""
 
     charge: Callable[[tuple[float, float, int]], float]
     noise_for: Callable[[float, float, float, int], float] | None = None
+    budget: float | None = None
 
 
 def train_job(config: TrainConfig, *, seed: int) -> TrainJob:
@@ -299,6 +301,8 @@ def train_round(
                           noise_multiplier=config.dp_noise_multiplier, noise_for=privacy.noise_for)
         dp_metrics["dp-epsilon"] = privacy.charge(plan.entry)  # refuses (raises) past the budget, before any training
         dp_metrics["dp-noise-multiplier"] = plan.noise_multiplier
+        if privacy.budget is not None:
+            dp_metrics["dp-budget"] = privacy.budget
         devices = plan_devices(engine or EngineSettings(), cuda_devices=torch.cuda.device_count())
         if devices.world > 1:  # Opacus' DPDDP: the same schedule, so the same ledger entry
             from quorumfl.training.dp_ddp import train_private_ddp
@@ -316,6 +320,8 @@ def train_round(
             # the node cannot check how the server samples.
             dp_metrics["dp-epsilon"] = privacy.charge((config.dp_noise_multiplier, 1.0, 1))
             dp_metrics["dp-noise-multiplier"] = config.dp_noise_multiplier
+            if privacy.budget is not None:
+                dp_metrics["dp-budget"] = privacy.budget
         run = train_model(model, train_data, job, engine, checkpoint=checkpoint,
                           correction=scaffold.correction if scaffold is not None else None)
         result, workers = run.loop, run.plan.world

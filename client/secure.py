@@ -37,7 +37,7 @@ from quorumfl.protocol.secure_wire import (
     encode_masked,
     encode_unmask_reply,
 )
-from quorumfl.protocol.wire import METRICS, NODE, ROSTER_KEY
+from quorumfl.protocol.wire import METRICS, NODE, ROSTER_KEY, clear_metrics
 
 if TYPE_CHECKING:
     from quorumfl.client.steps import LocalTraining
@@ -202,7 +202,7 @@ def masked_train_reply(msg: Message, context: Context, local: LocalTraining) -> 
         {
             MASKED: arrays,
             SECAGG: config,
-            METRICS: MetricRecord({"train-seconds": local.metrics["train-seconds"]}),
+            METRICS: MetricRecord(clear_metrics(local.metrics)),
             NODE: node_record(context, local.department),
         }
     )

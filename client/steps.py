@@ -131,7 +131,7 @@ def _privacy_gate(context: Context, config: TrainConfig) -> PrivacyGate | None:
     run, number = run_state_key(context), config.server_round
     return PrivacyGate(charge=lambda entry: ledger.reserve(run, number, entry, delta=config.dp_delta,
                                                            budget=float(budget)),
-                       noise_for=ledger.noise_for_target)
+                       noise_for=ledger.noise_for_target, budget=float(budget))
 
 
 def _admit_secure_round(msg: Message, context: Context, models: list[Arrays], config: TrainConfig) -> int | None:

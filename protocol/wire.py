@@ -26,6 +26,7 @@ from quorumfl.errors import ConfigError
 
 __all__ = [
     "ARRAYS", "COMPRESSION", "CONFIG", "METRICS", "NODE", "REFUSAL", "ROSTER_KEY", "UPDATE", "TrainConfig", "decode_update", "encode_update", "candidate_models", "cluster_key", "department_of",
+    "CLEAR_METRICS", "array_bytes", "clear_metrics",
     "from_array_record", "to_array_record",
 ]
 
@@ -211,6 +212,22 @@ def to_array_record(arrays: dict[str, NDArray[np.generic]]) -> ArrayRecord:
 
 def from_array_record(record: ArrayRecord) -> dict[str, NDArray[np.generic]]:
     return {k: v.numpy() for k, v in record.items()}
+
+
+# What a secure round's reply says in plaintext besides its encoded update: the node's training time
+# and, in DP runs, its department's ε spent and budget (its ledger's totals, not a property of the data).
+CLEAR_METRICS = ("train-seconds", "dp-epsilon", "dp-budget")
+
+
+def clear_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """The part of a secure round's node metrics that travels in plaintext (``CLEAR_METRICS``)."""
+    return {k: float(metrics[k]) for k in CLEAR_METRICS if k in metrics}
+
+
+def array_bytes(content: RecordDict) -> int:
+    """Bytes of the arrays a message carries (every array record's data; config records not counted):
+    the report's uplink and downlink figures."""
+    return sum(len(a.data) for record in content.array_records.values() for a in record.values())
 
 
 def department_of(content: RecordDict) -> str | None:

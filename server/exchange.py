@@ -24,7 +24,15 @@ from numpy.typing import NDArray
 
 from quorumfl.aggregation.secagg.identity import Roster, department_message
 from quorumfl.errors import SecureAggregationError, StateError
-from quorumfl.protocol.wire import ARRAYS, CONFIG, NODE, TrainConfig, cluster_key, to_array_record
+from quorumfl.protocol.wire import (
+    ARRAYS,
+    CONFIG,
+    NODE,
+    TrainConfig,
+    array_bytes,
+    cluster_key,
+    to_array_record,
+)
 from quorumfl.server.pulling import ReplyPuller
 from quorumfl.server.state.repository import Repository
 
@@ -69,6 +77,7 @@ class Exchange:
         self.arrivals: dict[int, float] = {}  # seconds from sending the train request to each reply
         self.cut_at: float | None = None  # when the train stage stopped waiting for the over-selected
         self.stray: list[tuple[int, str]] = []  # replies this round refused as answering no request
+        self.sent_bytes = 0  # bytes of arrays in every request sent so far (the report's downlink)
 
     def start_train_stage(self, quota: int | None) -> None:
         """A new round's train stage: stop after ``quota`` good replies (None: wait for all)."""
@@ -117,6 +126,7 @@ class Exchange:
         expected = {int(m.metadata.dst_node_id) for m in messages}
         request = {int(m.metadata.dst_node_id): m for m in messages}
         message_ids = list(self.grid.push_messages(messages))  # Flower sends an object shared by messages once
+        self.sent_bytes += sum(array_bytes(m.content) for m in messages)  # what each node downloads
         destination = {mid: int(m.metadata.dst_node_id) for mid, m in zip(message_ids, messages, strict=True)}
         good: list[tuple[int, Message]] = []
         attempts: dict[int, int] = retried if retried is not None else {}
@@ -187,6 +197,7 @@ class Exchange:
                 if again:
                     copies = [Message(content=request[n].content, dst_node_id=n,
                                       message_type=request[n].metadata.message_type) for n in again]
+                    self.sent_bytes += sum(array_bytes(m.content) for m in copies)
                     for mid, node in zip(self.grid.push_messages(copies), again, strict=True):
                         destination[mid] = node
                         waiting.add(mid)

@@ -3,6 +3,7 @@ and who failed in the round."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -11,7 +12,7 @@ from flwr.app import RecordDict
 from numpy.typing import NDArray
 
 from quorumfl.aggregation.secagg import SecureMean, flatten, unflatten
-from quorumfl.protocol.wire import METRICS, department_of
+from quorumfl.protocol.wire import CLEAR_METRICS, METRICS, array_bytes, department_of
 
 __all__ = ["RoundOutcome", "TrainPhase", "cluster_groups"]
 
@@ -76,15 +77,15 @@ class TrainPhase:
         self.eval_loss = eval_loss_sum / weight if weight else float("nan")
 
     def note_node(self, node: int, content: RecordDict) -> None:
-        """Keep what a secure-mode reply says in plaintext: the node's training time and department,
-        and the size of the arrays it sent (``uplink-bytes``)."""
+        """Keep what a secure-mode reply says in plaintext (``CLEAR_METRICS``: training time, ε spent
+        and budget), its department and the size of the arrays it sent (``uplink-bytes``)."""
         metrics = content.metric_records.get(METRICS)
-        seconds = metrics.get("train-seconds") if metrics is not None else None
         noted = self.node_metrics.setdefault(node, {})
-        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
-            noted["train-seconds"] = float(seconds)
-        noted["uplink-bytes"] = float(sum(len(a.data) for record in content.array_records.values()
-                                          for a in record.values()))
+        for key in CLEAR_METRICS:
+            value = metrics.get(key) if metrics is not None else None
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                noted[key] = float(value)
+        noted["uplink-bytes"] = float(array_bytes(content))
         self.departments[node] = department_of(content)
 
 

@@ -266,6 +266,7 @@ class Federation:
         selected = sorted(selection.nodes)
         rnd = self.repo.start_round(run_id, number, selected)
         self.exchange.round_id = rnd.id
+        sent_before = self.exchange.sent_bytes
         outcome = RoundOutcome()
         timings: dict[str, float] = {}
 
@@ -316,6 +317,7 @@ class Federation:
             "train-loss": phase.train_loss,
             "participants": float(len(phase.accepted)),
             "examples": phase.total_examples,
+            "downlink-bytes": float(self.exchange.sent_bytes - sent_before),  # arrays in every request of the round
             # Peak RSS of the ServerApp process so far (Linux reports KiB).
             "server-peak-rss-mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         }

@@ -89,8 +89,8 @@ def round_view(rnd: Round, departments: dict[int, str | None]) -> dict[str, Any]
     }
 
 
-def _department_accuracy(metrics: list[Metric], departments: dict[int, str | None]) -> list[dict[str, Any]]:
-    """Per department: accuracy of the final global model on its own test split."""
+def department_finals(metrics: list[Metric], departments: dict[int, str | None]) -> list[dict[str, Any]]:
+    """Per department: the final global (and personal) model's metrics on its own test split."""
     rows: dict[int, dict[str, Any]] = {}
     for metric in metrics:
         if metric.node_id is None or not metric.name.startswith("final-"):
@@ -127,7 +127,7 @@ def run_view(repo: Repository, ref: int) -> dict[str, Any]:
         **run_summary(repo, run),
         "config": run.config,
         "rounds": rounds,
-        "departments": _department_accuracy(metrics, departments),
+        "departments": department_finals(metrics, departments),
     }
 
 

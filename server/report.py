@@ -1,0 +1,318 @@
+"""Run reports: everything the state DB holds about one run, as one JSON-able dict and as one
+self-contained HTML page (``quorumfl runs report``).
+
+``report_data`` reads the run, its rounds, failures, metrics and model versions and arranges them
+per round and per department; ``render_html`` draws the figures with matplotlib (Agg, PNG embedded
+as base64: no network, no CDN, opens offline) beside tables of the same numbers. The HTML is
+rendered from the dict alone, so the page and ``--format json`` cannot disagree.
+
+What a participation cell means, from the round's participants and its failure records:
+``trained`` (its update was aggregated), ``late`` (over-selection cut or round deadline),
+``rejected`` (the server refused its update: invalid, or answering no request), ``refused`` (the
+node refused the round, e.g. past its privacy budget), ``dropped`` (any other failure: no reply, an
+error on the node, a secure-aggregation stage it did not complete), and no
+entry when the node was not selected.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from collections.abc import Iterable
+from typing import Any
+
+from quorumfl.server.services import (
+    department_columns,
+    department_finals,
+    round_metric,
+    run_summary,
+)
+from quorumfl.server.state.orm import Metric, ModelVersion, Round
+from quorumfl.server.state.repository import Repository, RoundStatus
+
+__all__ = ["PARTICIPATION", "participation_state", "render_html", "report_data"]
+
+# Participation states in the order the map's colour scale uses them.
+PARTICIPATION = ("trained", "late", "rejected", "refused", "dropped")
+NOT_STAGES = frozenset({"local_train_max"})  # timings that are not a stage of the round's wall time
+
+
+def participation_state(stage: str, reason: str) -> str:
+    """A failure record's participation state (see the module docstring)."""
+    if stage in ("late", "deadline"):
+        return "late"
+    if stage in ("rejected", "aggregate"):  # the server refused the update (invalid, or answered no request)
+        return "rejected"
+    if stage == "dp-budget" or reason.startswith("refused"):
+        return "refused"
+    return "dropped"
+
+
+def _last_attempts(rounds: Iterable[Round]) -> dict[int, Round]:
+    """Each round number's last attempt (an aborted attempt is replaced by its redo)."""
+    last: dict[int, Round] = {}
+    for rnd in rounds:
+        if rnd.number not in last or rnd.attempt >= last[rnd.number].attempt:
+            last[rnd.number] = rnd
+    return last
+
+
+def _versions(versions: list[ModelVersion]) -> list[dict[str, Any]]:
+    """The run's model versions; ``rollback`` names the version a round started from when that was
+    not the version the round before produced in the same lineage (an admin rolled the head back)."""
+    by_id = {v.id: v for v in versions}
+    rows = []
+    for v in sorted(versions, key=lambda v: v.id):
+        parent = by_id.get(v.parent_id) if v.parent_id is not None else None
+        rolled = parent is not None and parent.round < v.round - 1
+        rows.append({"version": v.id, "round": v.round, "parent": v.parent_id, "architecture": v.architecture,
+                     "metrics": dict(v.metrics), "tags": list(v.tags), "size_bytes": v.size_bytes,
+                     "rollback_to": v.parent_id if rolled else None})
+    return rows
+
+
+def _per_node(metrics: list[Metric], name: str) -> dict[int, dict[int, float]]:
+    out: dict[int, dict[int, float]] = {}
+    for m in metrics:
+        if m.node_id is not None and m.name == name:
+            out.setdefault(m.round, {})[m.node_id] = m.value
+    return out
+
+
+def report_data(repo: Repository, ref: int) -> dict[str, Any]:
+    """The report of run ``ref`` (QuorumFL or Flower id) as plain JSON-able data."""
+    run = repo.get_run(ref)
+    names = {n.node_id: n.department for n in repo.list_nodes()}
+    metrics = repo.metrics(run.id)
+    summary = run_summary(repo, run)
+    primary = str(summary["primary_metric"])
+
+    def name(node: int) -> str:
+        return names.get(node) or str(node)
+
+    global_metrics: dict[int, dict[str, float]] = {}
+    for m in metrics:
+        if m.node_id is None:
+            global_metrics.setdefault(m.round, {})[m.name] = m.value
+    uplink = _per_node(metrics, "uplink-bytes")
+    rounds = []
+    for rnd in run.rounds:
+        aborted = rnd.status == RoundStatus.ABORTED
+        up = uplink.get(rnd.number, {}) if not aborted else {}
+        rounds.append({
+            "round": rnd.number, "attempt": rnd.attempt, "status": rnd.status,
+            "selected": [name(n) for n in rnd.selected], "participants": [name(n) for n in rnd.participants],
+            "stages_s": {k: v for k, v in rnd.timings.items() if k not in NOT_STAGES},
+            "slowest_training_s": rnd.timings.get("local_train_max"),
+            "metrics": global_metrics.get(rnd.number, {}) if not aborted else {},
+            "uplink_bytes": sum(up.values()) if up else None,
+            "downlink_bytes": global_metrics.get(rnd.number, {}).get("downlink-bytes") if not aborted else None,
+            "failures": [{"node": name(f.node_id), "stage": f.stage, "reason": f.reason,
+                          "state": participation_state(f.stage, f.reason)} for f in rnd.failures],
+        })
+
+    cells: dict[str, dict[str, str]] = {}
+    for number, rnd in sorted(_last_attempts(run.rounds).items()):
+        for node in rnd.selected:
+            cells.setdefault(name(node), {})[str(number)] = "selected"
+        for node in rnd.participants:
+            cells.setdefault(name(node), {})[str(number)] = "trained"
+        for f in rnd.failures:
+            cells.setdefault(name(f.node_id), {})[str(number)] = participation_state(f.stage, f.reason)
+    cells = {node: {r: s for r, s in row.items() if s != "selected"} for node, row in sorted(cells.items())}
+
+    epsilon, budget = _per_node(metrics, "dp-epsilon"), _per_node(metrics, "dp-budget")
+    privacy: dict[str, dict[str, Any]] = {}
+    for number in sorted(epsilon):
+        for node, value in epsilon[number].items():
+            privacy[name(node)] = {"department": name(node), "round": number, "epsilon": value,
+                                   "budget": budget.get(number, {}).get(node)}
+    federation_epsilon = {str(r): v["dp-federation-epsilon"] for r, v in sorted(global_metrics.items())
+                          if "dp-federation-epsilon" in v}
+    return {
+        "run": summary,
+        "config": run.config,
+        "primary_metric": primary,
+        "round_metric": round_metric(primary, [m.name for m in metrics if m.node_id is None]),
+        "rounds": rounds,
+        "participation": {"rounds": sorted(_last_attempts(run.rounds)), "nodes": cells},
+        "departments": department_finals(metrics, names),
+        "privacy": sorted(privacy.values(), key=lambda p: str(p["department"])),
+        "federation_epsilon": federation_epsilon,
+        "versions": _versions(repo.list_model_versions(run_id=run.id)),
+    }
+
+
+# ---- HTML ----------------------------------------------------------------------------------------
+
+def _png(fig: Any) -> str:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=96, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return f'<img alt="" src="data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()}">'
+
+
+def _whole_rounds(axis: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _completed(data: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in data["rounds"] if r["status"] == RoundStatus.COMPLETED]
+
+
+def _metric_figure(data: dict[str, Any]) -> str:
+    import matplotlib.pyplot as plt
+
+    rounds = _completed(data)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    primary, shown = data["primary_metric"], data["round_metric"]
+    series = sorted({k for r in rounds for k in r["metrics"]
+                     if k in (shown, f"federated-{primary}") or k.startswith(f"{primary}-cluster-")})
+    for key in series:
+        points = [(r["round"], r["metrics"][key]) for r in rounds if key in r["metrics"]]
+        top.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=key)
+    top.set_ylabel(primary)
+    for key in ("loss", "federated-loss", "train-loss"):
+        points = [(r["round"], r["metrics"][key]) for r in rounds if key in r["metrics"]]
+        if points:
+            bottom.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=key)
+    bottom.set_ylabel("loss")
+    bottom.set_xlabel("round")
+    _whole_rounds(bottom)
+    for axis in (top, bottom):
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=8)
+    return _png(fig)
+
+
+def _stage_figure(data: dict[str, Any]) -> str:
+    import matplotlib.pyplot as plt
+
+    rounds = _completed(data)
+    stages = list(dict.fromkeys(k for r in rounds for k in r["stages_s"]))
+    fig, axis = plt.subplots(figsize=(7, 3))
+    bottom = [0.0] * len(rounds)
+    for stage in stages:
+        values = [r["stages_s"].get(stage, 0.0) for r in rounds]
+        axis.bar([r["round"] for r in rounds], values, bottom=bottom, label=stage)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    axis.set_xlabel("round")
+    axis.set_ylabel("seconds")
+    _whole_rounds(axis)
+    if stages:
+        axis.legend(fontsize=8, ncol=3)
+    return _png(fig)
+
+
+def _participation_figure(data: dict[str, Any]) -> str:
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    numbers = data["participation"]["rounds"]
+    nodes = list(data["participation"]["nodes"])
+    colours = ["#2e7d32", "#f9a825", "#c62828", "#6a1b9a", "#757575"]
+    grid = [[float("nan")] * len(numbers) for _ in nodes]
+    for i, node in enumerate(nodes):
+        for j, number in enumerate(numbers):
+            state = data["participation"]["nodes"][node].get(str(number))
+            if state is not None:
+                grid[i][j] = float(PARTICIPATION.index(state))
+    fig, axis = plt.subplots(figsize=(7, 0.4 * len(nodes) + 1.2))
+    axis.imshow(grid, cmap=ListedColormap(colours), vmin=0, vmax=len(colours) - 1, aspect="auto")
+    axis.set_yticks(range(len(nodes)), nodes)
+    axis.set_xticks(range(len(numbers)), [str(n) for n in numbers])
+    axis.set_xlabel("round (blank: not selected)")
+    axis.legend(handles=[Patch(color=c, label=s) for c, s in zip(colours, PARTICIPATION, strict=True)],
+                fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _png(fig)
+
+
+def _bytes_figure(data: dict[str, Any]) -> str:
+    import matplotlib.pyplot as plt
+
+    rounds = _completed(data)
+    fig, axis = plt.subplots(figsize=(7, 3))
+    xs = [r["round"] for r in rounds]
+    axis.bar([x - 0.2 for x in xs], [(r["uplink_bytes"] or 0) / 1e6 for r in rounds], width=0.4, label="up (nodes → server)")
+    axis.bar([x + 0.2 for x in xs], [(r["downlink_bytes"] or 0) / 1e6 for r in rounds], width=0.4, label="down (server → nodes)")
+    axis.set_xlabel("round")
+    axis.set_ylabel("MB of arrays")
+    _whole_rounds(axis)
+    axis.legend(fontsize=8)
+    return _png(fig)
+
+
+def _privacy_figure(data: dict[str, Any]) -> str:
+    import matplotlib.pyplot as plt
+
+    rows = data["privacy"]
+    fig, axis = plt.subplots(figsize=(7, 0.4 * len(rows) + 1.2))
+    axis.barh([r["department"] for r in rows], [r["epsilon"] for r in rows], label="ε spent")
+    budgets = [(i, r["budget"]) for i, r in enumerate(rows) if r["budget"] is not None]
+    if budgets:
+        axis.scatter([b for _, b in budgets], [i for i, _ in budgets], marker="|", s=400, color="black", label="budget")
+    axis.set_xlabel("ε (all runs, as each department's ledger counts it)")
+    axis.legend(fontsize=8)
+    return _png(fig)
+
+
+def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:,.0f}" if value.is_integer() and abs(value) >= 1000 else f"{value:.4g}"
+        if isinstance(value, (list, dict)):
+            return html.escape(", ".join(map(str, value)) if isinstance(value, list)
+                               else ", ".join(f"{k} {cell(v)}" for k, v in value.items()))
+        return html.escape("" if value is None else str(value))
+
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{cell(r.get(c))}</td>" for c in columns) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+STYLE = ("body{font-family:sans-serif;max-width:60em;margin:2em auto;color:#222}"
+         "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:.2em .5em;"
+         "text-align:left;font-size:90%}th{background:#f0f0f0}img{max-width:100%}")
+
+
+def render_html(data: dict[str, Any]) -> str:
+    """The report page for ``report_data``'s dict: one file, figures embedded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    run = data["run"]
+    primary = data["primary_metric"]
+    title = f"QuorumFL run {run['id']}: {run['strategy']}, {run['rounds_completed']}/{run['rounds_planned']} rounds, {run['status']}"
+    round_rows = [{**r, **{k: v for k, v in r["metrics"].items()},
+                   "seconds": round(sum(r["stages_s"].values()), 2), "failures": len(r["failures"])} for r in data["rounds"]]
+    metric_keys = list(dict.fromkeys(k for r in data["rounds"] for k in r["metrics"]))
+    failures = [{"round": r["round"], **f} for r in data["rounds"] for f in r["failures"]]
+    dept_columns = department_columns(data["departments"], primary)
+    sections = [
+        ("summary", "Run", _table([run], ["id", "status", "strategy", "dataset", "model", "rounds_completed",
+                                          "rounds_planned", "round_metric", "final_metric", "started_at", "finished_at", "error"])),
+        ("metric", f"{primary} and loss per round", _metric_figure(data)
+         + _table(round_rows, ["round", "attempt", "status", *metric_keys, "seconds", "failures"])),
+        ("departments", "Each department's final model", _table(data["departments"], dept_columns)),
+        ("stages", "Time per round by stage", _stage_figure(data)),
+        ("participation", "Who took part", _participation_figure(data)
+         + (_table(failures, ["round", "node", "state", "stage", "reason"]) if failures
+            else "<p>Every selected department took part in every round.</p>")),
+        ("bytes", "Bytes per round", _bytes_figure(data)
+         + _table(round_rows, ["round", "attempt", "uplink_bytes", "downlink_bytes"])),
+        ("privacy", "Privacy budget (ε)", (_privacy_figure(data) if data["privacy"] else "<p>No department reported a "
+                                           "differentially private round in this run.</p>")
+         + _table(data["privacy"], ["department", "round", "epsilon", "budget"])),
+        ("versions", "Model versions", _table(data["versions"], ["version", "round", "parent", "rollback_to",
+                                                                 "architecture", "metrics", "tags", "size_bytes"])),
+    ]
+    body = "".join(f'<section id="{sid}"><h2>{html.escape(heading)}</h2>{content}</section>'
+                   for sid, heading, content in sections)
+    return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{body}</body></html>")
