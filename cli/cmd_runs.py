@@ -215,14 +215,19 @@ class ReportFormat(StrEnum):
     JSON = "json"
 
 
+OutOpt = Annotated[Path, typer.Option("--out", help="Folder for the HTML page (made if missing).")]
+ReportFormatOpt = Annotated[ReportFormat, typer.Option("--format", help="html: one self-contained page; json: "
+                                                       "the same data on stdout, nothing written.")]
+OpenOpt = Annotated[bool, typer.Option("--open", help="Open the page in the default browser.")]
+
+
 @runs_app.command("report")
 def report(
     ctx: typer.Context,
     run: Annotated[int, typer.Argument(help="Run id (QuorumFL or Flower).")],
-    out: Annotated[Path, typer.Option("--out", help="Folder for run-ID.html (made if missing).")] = Path("."),
-    fmt: Annotated[ReportFormat, typer.Option("--format", help="html: one self-contained page; json: the same "
-                                              "data on stdout, nothing written.")] = ReportFormat.HTML,
-    open_page: Annotated[bool, typer.Option("--open", help="Open the page in the default browser.")] = False,
+    out: OutOpt = Path("."),
+    fmt: ReportFormatOpt = ReportFormat.HTML,
+    open_page: OpenOpt = False,
 ) -> None:
     """A run's report: metric and loss per round (and per cluster), each department's final model, time per
     round by stage, who took part in each round, bytes up and down, ε against each department's budget,
@@ -233,14 +238,39 @@ def report(
     if fmt is ReportFormat.JSON:
         print_json(data)
         return
+    _write_page(out, f"run-{data['run']['id']}.html", lambda: render_html(data), open_page=open_page)
+
+
+@runs_app.command("compare")
+def compare(
+    ctx: typer.Context,
+    runs: Annotated[list[int], typer.Argument(help="Two or more run ids (QuorumFL or Flower).")],
+    out: OutOpt = Path("."),
+    fmt: ReportFormatOpt = ReportFormat.HTML,
+    open_page: OpenOpt = False,
+) -> None:
+    """Overlay runs: metric and loss per round, their summaries, and the run-config keys that differ."""
+    from quorumfl.server.report import compare_data, render_compare_html
+
+    data = compare_data(settings(ctx).repository(), runs)
+    if fmt is ReportFormat.JSON:
+        print_json(data)
+        return
+    name = "compare-" + "-".join(str(r["run"]["id"]) for r in data["runs"]) + ".html"
+    _write_page(out, name, lambda: render_compare_html(data), open_page=open_page)
+
+
+def _write_page(out: Path, name: str, render: Callable[[], str], *, open_page: bool) -> None:
+    """Write a report page into folder ``out`` (made if missing); an earlier page of that name is replaced
+    whole or not at all."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file; give a folder for the report")
     out.mkdir(parents=True, exist_ok=True)
-    page = out / f"run-{data['run']['id']}.html"
-    partial = page.with_name(f".{page.name}.partial")
-    partial.write_text(render_html(data), encoding="utf-8")
-    partial.replace(page)  # an earlier report is replaced whole or not at all
-    console.print(f"report of run {data['run']['id']} written to {page}")
+    page = out / name
+    partial = page.with_name(f".{name}.partial")
+    partial.write_text(render(), encoding="utf-8")
+    partial.replace(page)
+    console.print(f"report written to {page}")
     if open_page:
         import webbrowser
 

@@ -19,9 +19,11 @@ from __future__ import annotations
 import base64
 import html
 import io
+import json
 from collections.abc import Iterable
 from typing import Any
 
+from quorumfl.errors import ConfigError
 from quorumfl.server.services import (
     department_columns,
     department_finals,
@@ -31,7 +33,7 @@ from quorumfl.server.services import (
 from quorumfl.server.state.orm import Metric, ModelVersion, Round
 from quorumfl.server.state.repository import Repository, RoundStatus
 
-__all__ = ["PARTICIPATION", "participation_state", "render_html", "report_data"]
+__all__ = ["PARTICIPATION", "compare_data", "participation_state", "render_compare_html", "render_html", "report_data"]
 
 # Participation states in the order the map's colour scale uses them.
 PARTICIPATION = ("trained", "late", "rejected", "refused", "dropped")
@@ -281,6 +283,14 @@ STYLE = ("body{font-family:sans-serif;max-width:60em;margin:2em auto;color:#222}
          "text-align:left;font-size:90%}th{background:#f0f0f0}img{max-width:100%}")
 
 
+def _page(title: str, sections: list[tuple[str, str, str]]) -> str:
+    """One HTML document: the title, then each (id, heading, content) as a section."""
+    body = "".join(f'<section id="{sid}"><h2>{html.escape(heading)}</h2>{content}</section>'
+                   for sid, heading, content in sections)
+    return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
+            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{body}</body></html>")
+
+
 def render_html(data: dict[str, Any]) -> str:
     """The report page for ``report_data``'s dict: one file, figures embedded."""
     import matplotlib
@@ -312,7 +322,61 @@ def render_html(data: dict[str, Any]) -> str:
         ("versions", "Model versions", _table(data["versions"], ["version", "round", "parent", "rollback_to",
                                                                  "architecture", "metrics", "tags", "size_bytes"])),
     ]
-    body = "".join(f'<section id="{sid}"><h2>{html.escape(heading)}</h2>{content}</section>'
-                   for sid, heading, content in sections)
-    return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{body}</body></html>")
+    return _page(title, sections)
+
+
+# ---- several runs --------------------------------------------------------------------------------
+
+def compare_data(repo: Repository, refs: list[int]) -> dict[str, Any]:
+    """Each run's report, and the run-config keys whose values differ between them."""
+    if len(refs) < 2:
+        raise ConfigError(f"runs compare needs at least two runs, got {len(refs)}; give more run ids")
+    reports = [report_data(repo, ref) for ref in refs]
+    ids = [r["run"]["id"] for r in reports]
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"runs compare got the same run twice ({', '.join(map(str, refs))}); give distinct runs")
+    keys = sorted({k for r in reports for k in r["config"]})
+    differ = {k: [r["config"].get(k) for r in reports] for k in keys
+              if len({json.dumps(r["config"].get(k), sort_keys=True) for r in reports}) > 1}
+    return {"runs": reports, "config_differences": differ}
+
+
+def _overlay_figure(data: dict[str, Any]) -> str:
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    for report in data["runs"]:
+        rounds, label = _completed(report), f"run {report['run']['id']} ({report['run']['strategy']})"
+        for axis, key in ((top, report["round_metric"]), (bottom, "loss" if report["round_metric"] == report["primary_metric"]
+                                                             else "train-loss")):
+            points = [(r["round"], r["metrics"][key]) for r in rounds if key in r["metrics"]]
+            axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{label}: {key}")
+    top.set_ylabel(data["runs"][0]["primary_metric"])
+    bottom.set_ylabel("loss")
+    bottom.set_xlabel("round")
+    _whole_rounds(bottom)
+    for axis in (top, bottom):
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=8)
+    return _png(fig)
+
+
+def render_compare_html(data: dict[str, Any]) -> str:
+    """One page overlaying ``compare_data``'s runs: metric and loss per round, summaries, what differs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    ids = [str(r["run"]["id"]) for r in data["runs"]]
+    title = f"QuorumFL runs {', '.join(ids)} compared"
+    summaries = [{**r["run"], "seconds": round(sum(sum(x["stages_s"].values()) for x in r["rounds"]), 2)}
+                 for r in data["runs"]]
+    differ = [{"key": k, **{f"run {i}": v for i, v in zip(ids, values, strict=True)}}
+              for k, values in data["config_differences"].items()]
+    sections = [
+        ("metric", "Metric and loss per round", _overlay_figure(data)),
+        ("summary", "Runs", _table(summaries, ["id", "status", "strategy", "rounds_completed", "round_metric",
+                                               "final_metric", "seconds", "started_at"])),
+        ("config", "Run-config keys that differ", _table(differ, ["key", *[f"run {i}" for i in ids]]) if differ
+         else "<p>The runs share every run-config key.</p>"),
+    ]
+    return _page(title, sections)

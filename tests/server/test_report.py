@@ -168,3 +168,23 @@ def test_report_input_errors_are_one_line(recorded: tuple[str, int], tmp_path: P
 ])
 def test_participation_states(stage: str, reason: str, state: str) -> None:
     assert participation_state(stage, reason) == state
+
+
+def test_compare_overlays_runs_and_names_what_differs(recorded: tuple[str, int], tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    url, second = recorded
+    code, out, err = cli(monkeypatch, capsys, "--db", url, "runs", "compare", "1", str(second), "--format", "json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert [r["run"]["id"] for r in data["runs"]] == [1, second]
+    assert data["config_differences"]["num-rounds"] == [2, 1]
+    assert data["config_differences"]["start-from"] == ["fresh", "head"]
+    assert "seed" not in data["config_differences"]  # the same in both
+    code, _, err = cli(monkeypatch, capsys, "--db", url, "runs", "compare", "1", str(second), "--out", str(tmp_path))
+    assert code == 0, err
+    page = (tmp_path / f"compare-1-{second}.html").read_text(encoding="utf-8")
+    assert all(f'<section id="{s}">' in page for s in ("metric", "summary", "config"))
+    assert len(re.findall(r'src="data:image/png;base64,', page)) == 1
+    code, _, err = cli(monkeypatch, capsys, "--db", url, "runs", "compare", "1", "--format", "json")
+    assert code != 0 and "at least two runs" in err
