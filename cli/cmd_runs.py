@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 import tomllib
 from collections.abc import Callable
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -13,7 +12,19 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from quorumfl.cli.context import DEFAULT_SUPERLINK, settings
-from quorumfl.cli.output import Format, console, err_console, print_json, short_time, table
+from quorumfl.cli.output import (
+    Format,
+    OpenOpt,
+    OutOpt,
+    ReportFormat,
+    ReportFormatOpt,
+    console,
+    err_console,
+    print_json,
+    short_time,
+    table,
+    write_page,
+)
 from quorumfl.core.tasks.objective import primary_among
 from quorumfl.errors import ConfigError, NotFoundError, StateError
 from quorumfl.server.services import (
@@ -210,17 +221,6 @@ def show(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (Qu
                             department_columns(view["departments"], primary)))
 
 
-class ReportFormat(StrEnum):
-    HTML = "html"
-    JSON = "json"
-
-
-OutOpt = Annotated[Path, typer.Option("--out", help="Folder for the HTML page (made if missing).")]
-ReportFormatOpt = Annotated[ReportFormat, typer.Option("--format", help="html: one self-contained page; json: "
-                                                       "the same data on stdout, nothing written.")]
-OpenOpt = Annotated[bool, typer.Option("--open", help="Open the page in the default browser.")]
-
-
 @runs_app.command("report")
 def report(
     ctx: typer.Context,
@@ -238,7 +238,7 @@ def report(
     if fmt is ReportFormat.JSON:
         print_json(data)
         return
-    _write_page(out, f"run-{data['run']['id']}.html", lambda: render_html(data), open_page=open_page)
+    write_page(out, f"run-{data['run']['id']}.html", lambda: render_html(data), open_page=open_page)
 
 
 @runs_app.command("compare")
@@ -257,24 +257,7 @@ def compare(
         print_json(data)
         return
     name = "compare-" + "-".join(str(r["run"]["id"]) for r in data["runs"]) + ".html"
-    _write_page(out, name, lambda: render_compare_html(data), open_page=open_page)
-
-
-def _write_page(out: Path, name: str, render: Callable[[], str], *, open_page: bool) -> None:
-    """Write a report page into folder ``out`` (made if missing); an earlier page of that name is replaced
-    whole or not at all."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file; give a folder for the report")
-    out.mkdir(parents=True, exist_ok=True)
-    page = out / name
-    partial = page.with_name(f".{name}.partial")
-    partial.write_text(render(), encoding="utf-8")
-    partial.replace(page)
-    console.print(f"report written to {page}")
-    if open_page:
-        import webbrowser
-
-        webbrowser.open(page.resolve().as_uri())
+    write_page(out, name, lambda: render_compare_html(data), open_page=open_page)
 
 
 @runs_app.command("stop")

@@ -8,7 +8,18 @@ from typing import Annotated
 import typer
 
 from quorumfl.cli.context import settings
-from quorumfl.cli.output import Format, console, print_json, short_time, table
+from quorumfl.cli.output import (
+    Format,
+    OpenOpt,
+    OutOpt,
+    ReportFormat,
+    ReportFormatOpt,
+    console,
+    print_json,
+    short_time,
+    table,
+    write_page,
+)
 from quorumfl.core.tasks.objective import primary_among
 from quorumfl.errors import ModelStoreError
 from quorumfl.server.services import export_model, model_view, models_view, nodes_view
@@ -51,6 +62,27 @@ def _set_enabled(ctx: typer.Context, ref: str, enabled: bool) -> None:
     word = "enabled" if enabled else "disabled (never selected)"
     for node in nodes:
         console.print(f"node {node.node_id} ({node.department}) {word}")
+
+
+@nodes_app.command("report")
+def report(
+    ctx: typer.Context,
+    department: Annotated[str, typer.Argument(help="Department name (or one of its node ids).")],
+    out: OutOpt = Path("."),
+    fmt: ReportFormatOpt = ReportFormat.HTML,
+    open_page: OpenOpt = False,
+) -> None:
+    """A department's record for its data-protection officer: every run and round it took part in, the
+    secure mode and threshold, ε spent against its budget, the model versions made from its updates and
+    where they were published to edge devices."""
+    from quorumfl.server.department_record import department_record, render_department_html
+
+    data = department_record(settings(ctx).repository(), department)
+    if fmt is ReportFormat.JSON:
+        print_json(data)
+        return
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in str(data["department"]))
+    write_page(out, f"department-{safe}.html", lambda: render_department_html(data), open_page=open_page)
 
 
 @nodes_app.command("disable")

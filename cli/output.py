@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import StrEnum
-from typing import Any
+from pathlib import Path
+from typing import Annotated, Any
 
+import typer
 from rich.console import Console
 from rich.table import Table
 
-__all__ = ["Format", "console", "err_console", "print_json", "short_time", "table"]
+from quorumfl.errors import ConfigError
+
+__all__ = ["Format", "OpenOpt", "OutOpt", "ReportFormat", "ReportFormatOpt", "console", "err_console", "print_json",
+           "short_time", "table", "write_page"]
 
 console = Console()
 err_console = Console(stderr=True)
@@ -66,3 +71,33 @@ def table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[str], *,
     for row in cells:
         out.add_row(*(row[c] for c in shown))
     return out
+
+
+class ReportFormat(StrEnum):
+    """A report page's format: one HTML file, or the same data as JSON on stdout."""
+
+    HTML = "html"
+    JSON = "json"
+
+
+OutOpt = Annotated[Path, typer.Option("--out", help="Folder for the HTML page (made if missing).")]
+ReportFormatOpt = Annotated[ReportFormat, typer.Option("--format", help="html: one self-contained page; json: "
+                                                       "the same data on stdout, nothing written.")]
+OpenOpt = Annotated[bool, typer.Option("--open", help="Open the page in the default browser.")]
+
+
+def write_page(out: Path, name: str, render: Callable[[], str], *, open_page: bool) -> None:
+    """Write a report page into folder ``out`` (made if missing); an earlier page of that name is replaced
+    whole or not at all."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a folder for the report")
+    out.mkdir(parents=True, exist_ok=True)
+    page = out / name
+    partial = page.with_name(f".{name}.partial")
+    partial.write_text(render(), encoding="utf-8")
+    partial.replace(page)
+    console.print(f"report written to {page}")
+    if open_page:
+        import webbrowser
+
+        webbrowser.open(page.resolve().as_uri())

@@ -16,14 +16,12 @@ entry when the node was not selected.
 
 from __future__ import annotations
 
-import base64
-import html
-import io
 import json
 from collections.abc import Iterable
 from typing import Any
 
 from quorumfl.errors import ConfigError
+from quorumfl.server.pages import figure, page, png, table, whole_rounds
 from quorumfl.server.services import (
     department_columns,
     department_finals,
@@ -33,7 +31,8 @@ from quorumfl.server.services import (
 from quorumfl.server.state.orm import Metric, ModelVersion, Round
 from quorumfl.server.state.repository import Repository, RoundStatus
 
-__all__ = ["PARTICIPATION", "compare_data", "participation_state", "render_compare_html", "render_html", "report_data"]
+__all__ = ["PARTICIPATION", "compare_data", "participation_state", "render_compare_html",
+           "render_html", "report_data"]
 
 # Participation states in the order the map's colour scale uses them.
 PARTICIPATION = ("trained", "late", "rejected", "refused", "dropped")
@@ -148,30 +147,13 @@ def report_data(repo: Repository, ref: int) -> dict[str, Any]:
 
 # ---- HTML ----------------------------------------------------------------------------------------
 
-def _png(fig: Any) -> str:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=96, bbox_inches="tight")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return f'<img alt="" src="data:image/png;base64,{base64.b64encode(buffer.getvalue()).decode()}">'
-
-
-def _whole_rounds(axis: Any) -> None:
-    from matplotlib.ticker import MaxNLocator
-
-    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
-
-
 def _completed(data: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in data["rounds"] if r["status"] == RoundStatus.COMPLETED]
 
 
 def _metric_figure(data: dict[str, Any]) -> str:
-    import matplotlib.pyplot as plt
-
     rounds = _completed(data)
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    fig, (top, bottom) = figure(2, 1, figsize=(7, 5), sharex=True)
     primary, shown = data["primary_metric"], data["round_metric"]
     series = sorted({k for r in rounds for k in r["metrics"]
                      if k in (shown, f"federated-{primary}") or k.startswith(f"{primary}-cluster-")})
@@ -185,19 +167,17 @@ def _metric_figure(data: dict[str, Any]) -> str:
             bottom.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=key)
     bottom.set_ylabel("loss")
     bottom.set_xlabel("round")
-    _whole_rounds(bottom)
+    whole_rounds(bottom)
     for axis in (top, bottom):
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=8)
-    return _png(fig)
+    return png(fig)
 
 
 def _stage_figure(data: dict[str, Any]) -> str:
-    import matplotlib.pyplot as plt
-
     rounds = _completed(data)
     stages = list(dict.fromkeys(k for r in rounds for k in r["stages_s"]))
-    fig, axis = plt.subplots(figsize=(7, 3))
+    fig, axis = figure(figsize=(7, 3))
     bottom = [0.0] * len(rounds)
     for stage in stages:
         values = [r["stages_s"].get(stage, 0.0) for r in rounds]
@@ -205,14 +185,13 @@ def _stage_figure(data: dict[str, Any]) -> str:
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     axis.set_xlabel("round")
     axis.set_ylabel("seconds")
-    _whole_rounds(axis)
+    whole_rounds(axis)
     if stages:
         axis.legend(fontsize=8, ncol=3)
-    return _png(fig)
+    return png(fig)
 
 
 def _participation_figure(data: dict[str, Any]) -> str:
-    import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
@@ -225,77 +204,43 @@ def _participation_figure(data: dict[str, Any]) -> str:
             state = data["participation"]["nodes"][node].get(str(number))
             if state is not None:
                 grid[i][j] = float(PARTICIPATION.index(state))
-    fig, axis = plt.subplots(figsize=(7, 0.4 * len(nodes) + 1.2))
+    fig, axis = figure(figsize=(7, 0.4 * len(nodes) + 1.2))
     axis.imshow(grid, cmap=ListedColormap(colours), vmin=0, vmax=len(colours) - 1, aspect="auto")
     axis.set_yticks(range(len(nodes)), nodes)
     axis.set_xticks(range(len(numbers)), [str(n) for n in numbers])
     axis.set_xlabel("round (blank: not selected)")
     axis.legend(handles=[Patch(color=c, label=s) for c, s in zip(colours, PARTICIPATION, strict=True)],
                 fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return _png(fig)
+    return png(fig)
 
 
 def _bytes_figure(data: dict[str, Any]) -> str:
-    import matplotlib.pyplot as plt
-
     rounds = _completed(data)
-    fig, axis = plt.subplots(figsize=(7, 3))
+    fig, axis = figure(figsize=(7, 3))
     xs = [r["round"] for r in rounds]
     axis.bar([x - 0.2 for x in xs], [(r["uplink_bytes"] or 0) / 1e6 for r in rounds], width=0.4, label="up (nodes → server)")
     axis.bar([x + 0.2 for x in xs], [(r["downlink_bytes"] or 0) / 1e6 for r in rounds], width=0.4, label="down (server → nodes)")
     axis.set_xlabel("round")
     axis.set_ylabel("MB of arrays")
-    _whole_rounds(axis)
+    whole_rounds(axis)
     axis.legend(fontsize=8)
-    return _png(fig)
+    return png(fig)
 
 
 def _privacy_figure(data: dict[str, Any]) -> str:
-    import matplotlib.pyplot as plt
-
     rows = data["privacy"]
-    fig, axis = plt.subplots(figsize=(7, 0.4 * len(rows) + 1.2))
+    fig, axis = figure(figsize=(7, 0.4 * len(rows) + 1.2))
     axis.barh([r["department"] for r in rows], [r["epsilon"] for r in rows], label="ε spent")
     budgets = [(i, r["budget"]) for i, r in enumerate(rows) if r["budget"] is not None]
     if budgets:
         axis.scatter([b for _, b in budgets], [i for i, _ in budgets], marker="|", s=400, color="black", label="budget")
     axis.set_xlabel("ε (all runs, as each department's ledger counts it)")
     axis.legend(fontsize=8)
-    return _png(fig)
-
-
-def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    def cell(value: Any) -> str:
-        if isinstance(value, float):
-            return f"{value:,.0f}" if value.is_integer() and abs(value) >= 1000 else f"{value:.4g}"
-        if isinstance(value, (list, dict)):
-            return html.escape(", ".join(map(str, value)) if isinstance(value, list)
-                               else ", ".join(f"{k} {cell(v)}" for k, v in value.items()))
-        return html.escape("" if value is None else str(value))
-
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{cell(r.get(c))}</td>" for c in columns) + "</tr>" for r in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
-
-
-STYLE = ("body{font-family:sans-serif;max-width:60em;margin:2em auto;color:#222}"
-         "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:.2em .5em;"
-         "text-align:left;font-size:90%}th{background:#f0f0f0}img{max-width:100%}")
-
-
-def _page(title: str, sections: list[tuple[str, str, str]]) -> str:
-    """One HTML document: the title, then each (id, heading, content) as a section."""
-    body = "".join(f'<section id="{sid}"><h2>{html.escape(heading)}</h2>{content}</section>'
-                   for sid, heading, content in sections)
-    return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
-            f"<style>{STYLE}</style></head><body><h1>{html.escape(title)}</h1>{body}</body></html>")
+    return png(fig)
 
 
 def render_html(data: dict[str, Any]) -> str:
     """The report page for ``report_data``'s dict: one file, figures embedded."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     run = data["run"]
     primary = data["primary_metric"]
     title = f"QuorumFL run {run['id']}: {run['strategy']}, {run['rounds_completed']}/{run['rounds_planned']} rounds, {run['status']}"
@@ -305,24 +250,24 @@ def render_html(data: dict[str, Any]) -> str:
     failures = [{"round": r["round"], **f} for r in data["rounds"] for f in r["failures"]]
     dept_columns = department_columns(data["departments"], primary)
     sections = [
-        ("summary", "Run", _table([run], ["id", "status", "strategy", "dataset", "model", "rounds_completed",
+        ("summary", "Run", table([run], ["id", "status", "strategy", "dataset", "model", "rounds_completed",
                                           "rounds_planned", "round_metric", "final_metric", "started_at", "finished_at", "error"])),
         ("metric", f"{primary} and loss per round", _metric_figure(data)
-         + _table(round_rows, ["round", "attempt", "status", *metric_keys, "seconds", "failures"])),
-        ("departments", "Each department's final model", _table(data["departments"], dept_columns)),
+         + table(round_rows, ["round", "attempt", "status", *metric_keys, "seconds", "failures"])),
+        ("departments", "Each department's final model", table(data["departments"], dept_columns)),
         ("stages", "Time per round by stage", _stage_figure(data)),
         ("participation", "Who took part", _participation_figure(data)
-         + (_table(failures, ["round", "node", "state", "stage", "reason"]) if failures
+         + (table(failures, ["round", "node", "state", "stage", "reason"]) if failures
             else "<p>Every selected department took part in every round.</p>")),
         ("bytes", "Bytes per round", _bytes_figure(data)
-         + _table(round_rows, ["round", "attempt", "uplink_bytes", "downlink_bytes"])),
+         + table(round_rows, ["round", "attempt", "uplink_bytes", "downlink_bytes"])),
         ("privacy", "Privacy budget (ε)", (_privacy_figure(data) if data["privacy"] else "<p>No department reported a "
                                            "differentially private round in this run.</p>")
-         + _table(data["privacy"], ["department", "round", "epsilon", "budget"])),
-        ("versions", "Model versions", _table(data["versions"], ["version", "round", "parent", "rollback_to",
+         + table(data["privacy"], ["department", "round", "epsilon", "budget"])),
+        ("versions", "Model versions", table(data["versions"], ["version", "round", "parent", "rollback_to",
                                                                  "architecture", "metrics", "tags", "size_bytes"])),
     ]
-    return _page(title, sections)
+    return page(title, sections)
 
 
 # ---- several runs --------------------------------------------------------------------------------
@@ -342,9 +287,7 @@ def compare_data(repo: Repository, refs: list[int]) -> dict[str, Any]:
 
 
 def _overlay_figure(data: dict[str, Any]) -> str:
-    import matplotlib.pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
+    fig, (top, bottom) = figure(2, 1, figsize=(7, 5), sharex=True)
     for report in data["runs"]:
         rounds, label = _completed(report), f"run {report['run']['id']} ({report['run']['strategy']})"
         for axis, key in ((top, report["round_metric"]), (bottom, "loss" if report["round_metric"] == report["primary_metric"]
@@ -354,18 +297,15 @@ def _overlay_figure(data: dict[str, Any]) -> str:
     top.set_ylabel(data["runs"][0]["primary_metric"])
     bottom.set_ylabel("loss")
     bottom.set_xlabel("round")
-    _whole_rounds(bottom)
+    whole_rounds(bottom)
     for axis in (top, bottom):
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=8)
-    return _png(fig)
+    return png(fig)
 
 
 def render_compare_html(data: dict[str, Any]) -> str:
     """One page overlaying ``compare_data``'s runs: metric and loss per round, summaries, what differs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     ids = [str(r["run"]["id"]) for r in data["runs"]]
     title = f"QuorumFL runs {', '.join(ids)} compared"
     summaries = [{**r["run"], "seconds": round(sum(sum(x["stages_s"].values()) for x in r["rounds"]), 2)}
@@ -374,9 +314,9 @@ def render_compare_html(data: dict[str, Any]) -> str:
               for k, values in data["config_differences"].items()]
     sections = [
         ("metric", "Metric and loss per round", _overlay_figure(data)),
-        ("summary", "Runs", _table(summaries, ["id", "status", "strategy", "rounds_completed", "round_metric",
+        ("summary", "Runs", table(summaries, ["id", "status", "strategy", "rounds_completed", "round_metric",
                                                "final_metric", "seconds", "started_at"])),
-        ("config", "Run-config keys that differ", _table(differ, ["key", *[f"run {i}" for i in ids]]) if differ
+        ("config", "Run-config keys that differ", table(differ, ["key", *[f"run {i}" for i in ids]]) if differ
          else "<p>The runs share every run-config key.</p>"),
     ]
-    return _page(title, sections)
+    return page(title, sections)

@@ -17,6 +17,8 @@ from quorumfl.errors import ConfigError
 from quorumfl.privacy.accounting import epsilon
 from quorumfl.privacy.ledger import Ledger
 from quorumfl.server.config import RunConfig
+from quorumfl.server.department_record import department_record
+from quorumfl.server.report import report_data
 from quorumfl.server.state.repository import RunStatus
 
 from .test_rounds import LoopbackGrid, _federation, task_identity  # noqa: F401  (an autouse fixture)
@@ -60,6 +62,16 @@ def test_dp_rounds_charge_the_ledgers_and_a_node_over_budget_refuses(tmp_path: P
         assert reported[2] == pytest.approx(spends[-1].epsilon_total)
     refused = Ledger.open(Path(str(contexts[housing].node_config["data-path"])))
     assert refused.spends() == [] and [r.round for r in refused.refusals()] == [1, 2]
+
+    # The run report and the department records show each ledger's ε against its budget.
+    privacy = {p["department"]: p for p in report_data(repo, run_id)["privacy"]}
+    record = department_record(repo, "tax-office")
+    tax = Ledger.open(Path(str(contexts[1000].node_config["data-path"]))).spends()[-1].epsilon_total
+    assert privacy["tax-office"]["epsilon"] == pytest.approx(tax) == record["epsilon_spent"]
+    assert privacy["tax-office"]["budget"] == 10.0 == record["budget"]
+    assert "housing" not in privacy
+    housing_rounds = department_record(repo, str(housing))["runs"][0]["rounds"]  # named only once it trains
+    assert [(r["took_part"], [f["state"] for f in r["failures"]]) for r in housing_rounds] == [(False, ["refused"])] * 2
 
     # The admin's view of one department's ledger.
     out = subprocess.run([sys.executable, "-m", "quorumfl.cli", "node", "budget", "--data",

@@ -19,7 +19,11 @@ from PIL import Image
 from sqlalchemy import create_engine, text
 
 from quorumfl.cli.main import main
+from quorumfl.server.department_record import department_record
 from quorumfl.server.report import participation_state
+from quorumfl.server.state.artifacts import ArtifactRecords, NewArtifact
+from quorumfl.server.state.database import connect
+from quorumfl.server.state.repository import Repository
 
 from .test_rounds import (  # noqa: F401  (fixtures)
     LoopbackGrid,
@@ -188,3 +192,42 @@ def test_compare_overlays_runs_and_names_what_differs(recorded: tuple[str, int],
     assert len(re.findall(r'src="data:image/png;base64,', page)) == 1
     code, _, err = cli(monkeypatch, capsys, "--db", url, "runs", "compare", "1", "--format", "json")
     assert code != 0 and "at least two runs" in err
+
+
+def test_department_record_follows_its_updates_into_versions_and_edge_channels(
+        recorded: tuple[str, int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    url, second = recorded
+    repo = Repository(connect(url))
+    [(silent_id,)] = _sql(url, "select distinct node_id from round_failures where reason like 'no reply%'")
+    run_two = repo.list_model_versions(run_id=second)[0]
+    ArtifactRecords(repo.sessions).add(version=1, channel="stable", model_version_id=run_two.id, items=[
+        NewArtifact(format="onnx", size_bytes=10, sha256="ab" * 32, signature="cd" * 64, manifest="{}", path="/x")])
+
+    code, out, err = cli(monkeypatch, capsys, "--db", url, "nodes", "report", "tax-office", "--format", "json")
+    assert code == 0, err
+    record = json.loads(out)
+    [(tax_id,)] = _sql(url, "select node_id from nodes where department = 'tax-office'")
+    took = {(run["run"], r["round"]) for run in record["runs"] for r in run["rounds"] if r["took_part"]}
+    expected = {(run, number) for run, number, participants in
+                _sql(url, "select run_id, number, participants from rounds") if int(str(tax_id)) in json.loads(str(participants))}
+    assert took == expected == {(1, 1), (1, 2), (second, 1)}
+    made = {v for run, number in took for (v,) in _sql(url, "select id from model_versions where run_id = :r and round = :n",
+                                                           r=run, n=number)}
+    assert set(record["contributed_versions"]) == made
+    assert [(p["channel"], p["model_version"]) for p in record["published"]] == [("stable", run_two.id)]
+    assert all(run["secure_aggregation"] == "none" for run in record["runs"])
+
+    # the node silent through run 1: its rounds there are failures, its updates reach run 2's version only
+    silent = department_record(repo, str(silent_id))
+    first = next(run for run in silent["runs"] if run["run"] == 1)
+    assert [(r["took_part"], [f["state"] for f in r["failures"]]) for r in first["rounds"]] == [(False, ["dropped"])] * 2
+    assert silent["contributed_versions"] == [run_two.id]
+    assert [p["model_version"] for p in silent["published"]] == [run_two.id]
+
+    code, _, err = cli(monkeypatch, capsys, "--db", url, "nodes", "report", "tax-office", "--out", str(tmp_path))
+    assert code == 0, err
+    page = (tmp_path / "department-tax-office.html").read_text(encoding="utf-8")
+    assert all(f'<section id="{s}">' in page for s in ("summary", "rounds", "versions", "published"))
+    code, _, err = cli(monkeypatch, capsys, "--db", url, "nodes", "report", "no-such-dept", "--format", "json")
+    assert code != 0 and "no-such-dept" in err and len(err.strip().splitlines()) == 1
