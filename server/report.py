@@ -263,7 +263,7 @@ def render_html(data: dict[str, Any]) -> str:
          + table(round_rows, ["round", "attempt", "uplink_bytes", "downlink_bytes"])),
         ("privacy", "Privacy budget (ε)", (_privacy_figure(data) if data["privacy"] else "<p>No department reported a "
                                            "differentially private round in this run.</p>")
-         + table(data["privacy"], ["department", "round", "epsilon", "budget"])),
+         + (table(data["privacy"], ["department", "round", "epsilon", "budget"]) if data["privacy"] else "")),
         ("versions", "Model versions", table(data["versions"], ["version", "round", "parent", "rollback_to",
                                                                  "architecture", "metrics", "tags", "size_bytes"])),
     ]
