@@ -12,6 +12,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from quorumfl.protocol.pull_backoff import shorten_pull_backoff
+from quorumfl.server.board import run_observed
 from quorumfl.server.config import RunConfig
 from quorumfl.server.model_store import ModelStore
 from quorumfl.server.rounds import Federation
@@ -32,5 +33,5 @@ def main(grid: Grid, context: Context) -> None:
     repo = Repository(connect(config.resolved_state_url(), migrate=True))
     store = ModelStore(config.resolved_model_dir())
     federation = Federation(grid, config, repo, store, flower_run_id=int(context.run_id))
-    run_id = federation.run()
+    run_id = run_observed(federation)
     log.info("run %s (Flower run %s) completed", run_id, context.run_id)

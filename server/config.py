@@ -188,6 +188,9 @@ class RunConfig:
         StartFrom.HEAD, "`head`: continue from the architecture's head model version; `fresh`: new weights from `seed`")
     state_url: str = key("", "the state DB URL (default: `$QUORUMFL_DB_URL` or `~/.quorumfl/quorumfl.db`)")
     model_dir: str = key("", "the model folder (default: `$QUORUMFL_MODEL_DIR` or `~/.quorumfl/models`)")
+    tensorboard_dir: str = key(
+        "", "write the run report's series as TensorBoard scalars under this folder, one `run-ID` folder per run "
+        "(empty = off); see Watching a federation")
     resume_run: int = key(0, "set by `quorumfl runs resume`: the stopped run this one continues", low=0)
     max_reply_mb: float = key(1024.0, "largest reply the server accepts from one node, in MB (0 = no limit)",
                               low=0.0)

@@ -183,9 +183,10 @@ class Federation:
 
 
     # ---- the loop ---------------------------------------------------------------------------
-    def run(self, *, on_round: Callable[[int, dict[str, float]], None] | None = None) -> int:
+    def run(self, *, on_round: Callable[[int, int, dict[str, float]], None] | None = None) -> int:
         """Run all rounds; returns the QuorumFL run id. The run is marked failed on any error.
-        With ``resume-run``, an interrupted run continues after its last finished round."""
+        With ``resume-run``, an interrupted run continues after its last finished round. ``on_round``
+        gets (run id, round number, the round's metrics; empty when it failed) after each round."""
         config = self.config
         if config.resume_run:
             run = take_up(self.repo, config, config.resume_run, self.flower_run_id)
@@ -219,7 +220,7 @@ class Federation:
                 models, parents, metrics = self._round(run.id, number, lineages, models, parents, model, seen)
                 completed += bool(metrics)
                 if on_round is not None:
-                    on_round(number, metrics)
+                    on_round(run.id, number, metrics)
             if completed == 0:
                 raise FederationError(
                     f"none of the {config.num_rounds} round(s) completed; 'quorumfl rounds list' shows why"
