@@ -219,8 +219,9 @@ def from_array_record(record: ArrayRecord) -> dict[str, NDArray[np.generic]]:
 CLEAR_METRICS = ("train-seconds", "dp-epsilon", "dp-budget")
 
 
-def clear_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """The part of a secure round's node metrics that travels in plaintext (``CLEAR_METRICS``)."""
+def clear_metrics(metrics: dict[str, float]) -> dict[str, int | float | list[int] | list[float]]:
+    """The part of a secure round's node metrics that travels in plaintext (``CLEAR_METRICS``), as a
+    ``MetricRecord`` takes it."""
     return {k: float(metrics[k]) for k in CLEAR_METRICS if k in metrics}
 
 
