@@ -39,7 +39,7 @@ from quorumfl.deploy.registration import record_registrations, sync_registration
 from quorumfl.deploy.resume import resume_interrupted
 from quorumfl.deploy.supernode import DEFAULT_POLL_S, POLL_ENV
 from quorumfl.deploy.warm import warm_env
-from quorumfl.errors import CredentialError, DataError, FederationError
+from quorumfl.errors import ConfigError, CredentialError, DataError, FederationError
 from quorumfl.server.config import SecureMode
 from quorumfl.server.services import budget_view, department_columns, run_closing, run_view
 from quorumfl.server.state.database import connect
@@ -109,10 +109,14 @@ def server_start(
     insecure: InsecureOpt = False,
     resume: Annotated[bool, typer.Option(help="Resume the runs a crashed server left running (from their last "
                                               "completed round).")] = True,
+    metrics_port: Annotated[int, typer.Option(help="Serve Prometheus metrics (rounds, stage times, nodes, bytes, "
+                                                   "ε) from the state DB on this port (0 = off).")] = 0,
+    metrics_host: Annotated[str, typer.Option(help="Address of the metrics endpoint (it has no credential "
+                                                   "check: keep it on loopback or a monitoring network).")] = "127.0.0.1",
 ) -> None:
     """Run the Flower SuperLink with TLS and SuperNode authentication, and the QuorumFL state DB, until
     Ctrl-C. Registers the node keys of the credentials folder and unregisters retired ones; resumes
-    the runs an interrupted server left behind."""
+    the runs an interrupted server left behind; optionally serves Prometheus metrics."""
     state = settings(ctx)
     creds: Credentials | None = None
     if insecure:
@@ -125,7 +129,16 @@ def server_start(
                                   "reaches the port; make it with 'quorumfl certs admin-key' on the admin's machine "
                                   "and copy admin.pub there")
     check_port_free(host, port)  # before "listening on" could describe another program's port
+    if metrics_port:
+        if not 0 < metrics_port < 65536 or metrics_port == port:
+            raise ConfigError(f"--metrics-port {metrics_port} must be a free port other than --port {port} (1-65535)")
+        check_port_free(metrics_host, metrics_port)
     connect(state.db_url, migrate=True)
+    if metrics_port:
+        from quorumfl.server.metrics_endpoint import serve_metrics
+
+        serve_metrics(state.repository(), port=metrics_port, host=metrics_host)
+        console.print(f"Prometheus metrics on http://{metrics_host}:{metrics_port}/metrics")
     cmd = superlink_command(port=port, host=host, database=state.home / "superlink.db", tls=creds)
     local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 

@@ -2,8 +2,8 @@
 
 ``Repository`` is the records of each aggregate put together, one module each: runs
 (``runs.py``), rounds (``rounds.py``), CKKS key ceremonies and decryptions (``ceremonies.py``), nodes
-(``nodes.py``), metrics (``metrics.py``), model versions (``versions.py``) and client selection
-(``selection.py``); transactions and status values are in ``access.py``.
+(``nodes.py``), metrics (``metrics.py``), model versions (``versions.py``), client selection
+(``selection.py``) and totals for the metrics endpoint (``totals.py``); transactions and status values are in ``access.py``.
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ from quorumfl.server.state.metrics import MetricRecords
 from quorumfl.server.state.nodes import NodeRecords
 from quorumfl.server.state.rounds import RoundRecords
 from quorumfl.server.state.selection import SelectionRecords
+from quorumfl.server.state.totals import TotalRecords
 from quorumfl.server.state.versions import ModelRecords
 
 __all__ = ["INTERRUPTED", "CeremonyStatus", "Repository", "RoundStatus", "RunStatus", "read", "utcnow", "write"]
 
 
-class Repository(RoundRecords, KeyRecords, NodeRecords, MetricRecords, ModelRecords, SelectionRecords):
-    """Typed access to runs, rounds, CKKS ceremonies, nodes, metrics, model versions and selection."""
+class Repository(RoundRecords, KeyRecords, NodeRecords, MetricRecords, ModelRecords, SelectionRecords, TotalRecords):
+    """Typed access to runs, rounds, CKKS ceremonies, nodes, metrics, model versions and selection, and
+    totals over all of them."""

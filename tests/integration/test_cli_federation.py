@@ -9,7 +9,10 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from quorumfl.deploy.processes import free_port, wait_for_port
 
@@ -43,7 +46,8 @@ def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
         return proc
 
     try:
-        server = start("server", "server", "start", "--port", str(port))
+        metrics_port = free_port()
+        server = start("server", "server", "start", "--port", str(port), "--metrics-port", str(metrics_port))
         wait_for_port("127.0.0.1", port, timeout=90)
         for dept in ("tax-office", "parks"):
             start(dept, "node", "start", "--department", dept, "--data", str(tmp_path / "parts" / dept),
@@ -74,6 +78,14 @@ def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
         nodes = json.loads(subprocess.run(_cli(home, "nodes", "list", "--format", "json"), capture_output=True, text=True,
                                           timeout=120, check=False).stdout)
         assert sorted(n["department"] for n in nodes) == ["parks", "tax-office"]
+        # The server's Prometheus endpoint counts what the state DB holds.
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+            samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                       for family in text_string_to_metric_families(response.read().decode()) for s in family.samples}
+        assert samples[("quorumfl_rounds_total", (("status", "completed"),))] == 2
+        assert samples[("quorumfl_runs", (("status", "completed"),))] == 1
+        assert samples[("quorumfl_nodes", (("state", "known"),))] == 2
+        assert samples[("quorumfl_bytes_total", (("direction", "up"),))] > 0
         # A run that fails is an error for scripts: --follow exits with the code of the cause (7: the
         # model store), not 0.
         (tmp_path / "not-a-folder").write_text("")
