@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Self
 
 from quorumfl.aggregation.ckks import MAX_DECRYPTIONS, CkksParams
+from quorumfl.aggregation.monitor import RobustRule
 from quorumfl.core.settings import Key, declared, defaults, key, markdown_table, read, setting
 from quorumfl.errors import ConfigError
 
@@ -140,6 +141,15 @@ class RunConfig:
     server_lr: float = key(1.0, "the server's step on the round's mean change (FedOpt's η; 1 with `server-momentum` "
                            "0 is plain averaging)", low=0.0, open_low=True, high=10.0,
                            applies="fedavg, fedprox, fedper, ditto")
+    robust_aggregation: RobustRule = key(
+        RobustRule.NONE, "plaintext rounds: combine the updates by `norm-bound` (each change scaled to at most "
+        "`norm-bound-factor` × the round's median), `trimmed-mean`, `median` or `krum` instead of the weighted mean "
+        "(README \"Watching a federation\"); the server then holds the round's updates in memory",
+        applies="fedavg, fedprox, fedper, ditto")
+    robust_fraction: float = key(0.2, "the share trimmed at each end (`trimmed-mean`) or assumed Byzantine (`krum`)",
+                                 low=0.0, high=0.49, applies="trimmed-mean, krum")
+    norm_bound_factor: float = key(2.0, "`norm-bound`: the largest change kept, as a multiple of the round's median "
+                                   "change norm", low=1.0, applies="norm-bound")
     # ---- rounds and training
     num_rounds: int = key(5, "training rounds", low=1, high=10_000, node=True)
     task: str = key("image", "what is learned: `image`, `tabular`, `text`, your own task as `module:attribute`, or "
@@ -349,6 +359,12 @@ class RunConfig:
                             "server-momentum = 0 and server-lr = 1")
         if config.dp is DpMode.DISTRIBUTED and config.compression is not Compression.NONE:
             problems.append("dp 'distributed' with compression is not supported; set compression = 'none'")
+        if config.robust_aggregation is not RobustRule.NONE and (
+                config.secure_aggregation is not SecureMode.NONE
+                or config.strategy in (StrategyName.IFCA, StrategyName.SCAFFOLD)):
+            problems.append(f"robust-aggregation {config.robust_aggregation.value} needs every update in plaintext and "
+                            "one global model; it does not combine with secure aggregation, ifca or scaffold, so set "
+                            "robust-aggregation = 'none'")
         return problems
 
     def resolved(self) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from quorumfl.server.exchange import Exchange, requests
 from quorumfl.server.phase import RoundOutcome, TrainPhase
 from quorumfl.server.replies import (
     ReplyError,
+    Robust,
     aggregate_train_replies,
     cluster_of_metrics,
     describe_repairs,
@@ -89,7 +90,9 @@ class PlaintextMode:
         start = self.clock()
         phase = aggregate_train_replies(self.strategy, number, models, replies, outcome.failures, retried,
                                         max_reply_mb=self.config.max_reply_mb,
-                                        max_weight=self.config.secagg_max_weight)
+                                        max_weight=self.config.secagg_max_weight,
+                                        robust=Robust(self.config.robust_aggregation, self.config.robust_fraction,
+                                                      self.config.norm_bound_factor))
         timings["aggregate"] = self.clock() - start
         return phase
 

@@ -44,6 +44,7 @@ class TrainPhase:
     node_metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     departments: dict[int, str | None] = field(default_factory=dict)
     error: str | None = None
+    flags: dict[int, str] = field(default_factory=dict)  # plaintext: nodes whose update stood out, and why
     # Clustered runs (IFCA): every cluster's model after the round, and each accepted node's cluster.
     models: list[dict[str, NDArray[np.generic]]] | None = None
     assignments: dict[int, int] = field(default_factory=dict)

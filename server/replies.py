@@ -18,6 +18,7 @@ from numpy.typing import NDArray
 
 from quorumfl.aggregation import NodeUpdate, aggregate_weighted_metrics
 from quorumfl.aggregation.clustering import Repair
+from quorumfl.aggregation.monitor import RobustRule, monitor_updates, robust_combine
 from quorumfl.errors import QuorumError
 from quorumfl.protocol.wire import (
     ARRAYS,
@@ -34,6 +35,7 @@ from quorumfl.server.strategies import Strategy
 
 __all__ = [
     "RefusedError",
+    "Robust",
     "ReplyError",
     "TrainReply",
     "aggregate_train_replies",
@@ -131,10 +133,12 @@ def parse_train_reply(
 def aggregate_train_replies(
     strategy: Strategy, number: int, models: list[Arrays], replies: Sequence[tuple[int, Message]],
     failures: dict[int, tuple[str, str]], retried: dict[int, int] | None = None, *, max_reply_mb: float = 0.0,
-    max_weight: float = 0.0,
+    max_weight: float = 0.0, robust: Robust | None = None,
 ) -> TrainPhase:
     """Parse, validate and aggregate one round's train replies (per cluster with IFCA); every refused
-    reply goes into ``failures`` as (stage, reason) and leaves the aggregate untouched."""
+    reply goes into ``failures`` as (stage, reason) and leaves the aggregate untouched. With one global
+    model, the accepted updates are monitored (``update-norm``, ``update-cosine``, ``update-flagged`` in
+    the node metrics) and, with a ``robust`` rule, combined by it instead of the weighted mean."""
     retried = retried or {}
     parsed: list[TrainReply] = []
     clusters: dict[int, int] = {}
@@ -173,8 +177,40 @@ def aggregate_train_replies(
     phase.train_loss = train_metrics.get("train-loss", math.nan)
     phase.node_metrics = {p.node_id: {**p.metrics, **({"train-retries": float(retried[p.node_id])}
                                                         if p.node_id in retried else {})} for p in accepted}
+    if phase.arrays is not None and accepted:
+        _monitor_and_combine(phase, models[0], accepted, robust or Robust())
     phase.departments = {p.node_id: p.department for p in parsed}
     return phase
+
+
+@dataclass(frozen=True)
+class Robust:
+    """The run's robust-aggregation settings (``robust-aggregation``, ``robust-fraction``, ``norm-bound-factor``)."""
+
+    rule: RobustRule = RobustRule.NONE
+    fraction: float = 0.2
+    norm_factor: float = 2.0
+
+
+def _monitor_and_combine(phase: TrainPhase, reference: Arrays, accepted: list[TrainReply], robust: Robust) -> None:
+    """The robust rule's model in place of the weighted mean, then each update's norm, cosine to the
+    round's change and loss, with robust z-scores (SCAFFOLD's control variates are left out)."""
+    assert phase.arrays is not None
+    model_names = [k for k in reference if not k.startswith("control:")]
+    if robust.rule is not RobustRule.NONE:
+        combined = robust_combine(robust.rule, {k: reference[k] for k in model_names},
+                                  [({k: p.update.arrays[k] for k in model_names}, p.update.weight) for p in accepted],
+                                  fraction=robust.fraction, norm_factor=robust.norm_factor)
+        phase.arrays = {**phase.arrays, **combined}
+    stats = monitor_updates({k: reference[k] for k in model_names},
+                            {p.node_id: {k: p.update.arrays[k] for k in model_names} for p in accepted},
+                            {k: phase.arrays[k] for k in model_names},
+                            {p.node_id: p.metrics.get("train-loss", math.nan) for p in accepted})
+    for node, stat in stats.items():
+        phase.node_metrics[node].update({"update-norm": stat.norm, "update-cosine": stat.cosine,
+                                         "update-flagged": float(stat.flagged)})
+        if stat.flagged:
+            phase.flags[node] = "; ".join(stat.reasons)
 
 
 def describe_repairs(repairs: Iterable[Repair]) -> list[str]:

@@ -17,7 +17,7 @@ entry when the node was not selected.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from quorumfl.errors import ConfigError
@@ -81,6 +81,18 @@ def _per_node(metrics: list[Metric], name: str) -> dict[int, dict[int, float]]:
     return out
 
 
+def _monitoring(metrics: list[Metric], name: Callable[[int], str]) -> list[dict[str, Any]]:
+    """Plaintext rounds' update monitoring: per round and department, the update's norm, its cosine to
+    the round's change, and whether it was flagged (``aggregation.monitor``)."""
+    rows: dict[tuple[int, int], dict[str, Any]] = {}
+    keys = {"update-norm": "norm", "update-cosine": "cosine", "update-flagged": "flagged"}
+    for m in metrics:
+        if m.node_id is not None and m.name in keys:
+            row = rows.setdefault((m.round, m.node_id), {"round": m.round, "department": name(m.node_id)})
+            row[keys[m.name]] = bool(m.value) if m.name == "update-flagged" else m.value
+    return [rows[k] for k in sorted(rows)]
+
+
 def report_data(repo: Repository, ref: int) -> dict[str, Any]:
     """The report of run ``ref`` (QuorumFL or Flower id) as plain JSON-able data."""
     run = repo.get_run(ref)
@@ -141,6 +153,7 @@ def report_data(repo: Repository, ref: int) -> dict[str, Any]:
         "departments": department_finals(metrics, names),
         "privacy": sorted(privacy.values(), key=lambda p: str(p["department"])),
         "federation_epsilon": federation_epsilon,
+        "monitoring": _monitoring(metrics, name),
         "versions": _versions(repo.list_model_versions(run_id=run.id)),
     }
 
@@ -227,6 +240,29 @@ def _bytes_figure(data: dict[str, Any]) -> str:
     return png(fig)
 
 
+def _monitoring_section(data: dict[str, Any]) -> str:
+    rows = data["monitoring"]
+    if not rows:
+        return ("<p>No per-update figures: the server sees single updates only in plaintext rounds (under "
+                "masking or CKKS it sees the sum alone).</p>")
+    fig, axis = figure(figsize=(7, 3))
+    for department in sorted({r["department"] for r in rows}):
+        points = [(r["round"], r["norm"]) for r in rows if r["department"] == department and "norm" in r]
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=department)
+    flagged = [(r["round"], r["norm"]) for r in rows if r.get("flagged") and "norm" in r]
+    if flagged:
+        axis.scatter([p[0] for p in flagged], [p[1] for p in flagged], s=160, facecolors="none", edgecolors="red",
+                     label="flagged")
+    axis.set_yscale("log")
+    axis.set_xlabel("round")
+    axis.set_ylabel("‖update − model‖")
+    whole_rounds(axis)
+    axis.legend(fontsize=7, ncol=2)
+    marked = [r for r in rows if r.get("flagged")]
+    return png(fig) + (table(marked, ["round", "department", "norm", "cosine"]) if marked
+                       else "<p>No update stood out (norm, cosine to the round's change, loss).</p>")
+
+
 def _privacy_figure(data: dict[str, Any]) -> str:
     rows = data["privacy"]
     fig, axis = figure(figsize=(7, 0.4 * len(rows) + 1.2))
@@ -264,6 +300,7 @@ def render_html(data: dict[str, Any]) -> str:
         ("privacy", "Privacy budget (ε)", (_privacy_figure(data) if data["privacy"] else "<p>No department reported a "
                                            "differentially private round in this run.</p>")
          + (table(data["privacy"], ["department", "round", "epsilon", "budget"]) if data["privacy"] else "")),
+        ("monitoring", "Update monitoring", _monitoring_section(data)),
         ("versions", "Model versions", table(data["versions"], ["version", "round", "parent", "rollback_to",
                                                                  "architecture", "metrics", "tags", "size_bytes"])),
     ]

@@ -115,6 +115,13 @@ def test_json_report_numbers_are_the_state_dbs(recorded: tuple[str, int], monkey
         [row] = [d for d in data["departments"] if d["node_id"] == str(node)]
         assert row[str(name).removeprefix("final-")] == value
 
+    # update monitoring: each accepted update's norm, cosine and flag
+    norms = _sql(url, "select round, node_id, value from metrics where run_id = 1 and name = 'update-norm'")
+    assert len(norms) == len(data["monitoring"]) > 0
+    for number, node, value in norms:
+        [row] = [m for m in data["monitoring"] if m["round"] == number and m["department"] == (names.get(int(str(node))) or str(node))]
+        assert row["norm"] == value and isinstance(row["flagged"], bool)
+
     # model versions of the run
     versions = _sql(url, "select id, round, parent_id from model_versions where run_id = 1 order by id")
     assert [(v["version"], v["round"], v["parent"]) for v in data["versions"]] == versions
@@ -138,11 +145,12 @@ def test_html_report_has_every_section_and_works_offline(recorded: tuple[str, in
     code, _, err = cli(monkeypatch, capsys, "--db", url, "runs", "report", "1", "--out", str(out))
     assert code == 0, err
     page = (out / "run-1.html").read_text(encoding="utf-8")
-    for section in ("summary", "metric", "departments", "stages", "participation", "bytes", "privacy", "versions"):
+    for section in ("summary", "metric", "departments", "stages", "participation", "bytes", "privacy", "monitoring",
+                    "versions"):
         assert f'<section id="{section}">' in page, section
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page)  # nothing fetched from the network
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', page)
-    assert len(images) == 4  # metric, stages, participation, bytes (no DP in this run: no ε figure)
+    assert len(images) == 5  # metric, stages, participation, bytes, update norms (no DP in this run: no ε figure)
     for encoded in images:
         with Image.open(io.BytesIO(base64.b64decode(encoded))) as image:
             assert image.format == "PNG" and image.width > 100

@@ -1,0 +1,173 @@
+"""Update monitoring and robust combination of plaintext updates (pure math, no I/O).
+
+Monitoring: for each accepted update, the L2 norm of its change Δᵢ = xᵢ − w (w: the model the round
+started from), the cosine between Δᵢ and the round's aggregate change Δ̄, and the node's train loss.
+Each figure gets a robust z-score against the round's other nodes, z = 0.6745·(v − median)/MAD
+(Iglewicz and Hoaglin's modified z-score). A node is flagged when a figure is out by both measures:
+norm z above ``THRESHOLD`` and over ``NORM_RATIO`` × the median norm; loss z above ``THRESHOLD`` and
+over ``LOSS_RATIO`` × the median loss; cosine z below −``THRESHOLD`` and under half the median
+cosine. The ratios are there because departments with skewed data honestly differ by tens of
+percent, which a z-score alone over a handful of nodes calls an outlier. With fewer than
+``MIN_NODES`` updates nothing is flagged: a median of three says little. A node whose update is ×50 its peers', or whose labels are
+flipped (its change points away from the others', its loss is higher), stands out this way; a node
+that shifts its update a little, within the spread of honest nodes, does not.
+
+Robust combination (run config ``robust-aggregation``) replaces the weighted mean:
+
+- ``norm-bound``: each Δᵢ is scaled down to at most ``factor`` × the median ‖Δ‖ of the round, then
+  the example-weighted mean is taken (a scaled-up update can then move the model no further than an
+  honest one);
+- ``trimmed-mean``, ``median``, ``krum``: Flower's ``aggregate_trimmed_avg``, ``aggregate_median``
+  and ``aggregate_krum`` (``flwr.server.strategy.aggregate``), on updates that already passed
+  ``WeightedMean``'s validation (names, shapes, finite values, weight).
+
+These need every update at once, so with a robust rule the server holds the round's updates in
+memory (nodes × model), which plaintext rounds do already when parsing replies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+from numpy.typing import NDArray
+
+from quorumfl.errors import AggregationError
+
+__all__ = ["LOSS_RATIO", "MIN_NODES", "NORM_RATIO", "THRESHOLD", "RobustRule", "UpdateStats", "monitor_updates", "robust_combine", "robust_z"]
+
+Arrays = Mapping[str, NDArray[np.generic]]
+THRESHOLD = 3.5  # Iglewicz and Hoaglin's cut for the modified z-score
+NORM_RATIO = 3.0
+LOSS_RATIO = 2.0
+MIN_NODES = 4
+
+
+class RobustRule(StrEnum):
+    NONE = "none"
+    NORM_BOUND = "norm-bound"
+    TRIMMED_MEAN = "trimmed-mean"
+    MEDIAN = "median"
+    KRUM = "krum"
+
+
+@dataclass(frozen=True)
+class UpdateStats:
+    norm: float
+    cosine: float
+    loss: float
+    z_norm: float
+    z_cosine: float
+    z_loss: float
+    flagged: bool
+    reasons: tuple[str, ...]
+
+
+def _delta(update: Arrays, reference: Arrays) -> NDArray[np.float64]:
+    return np.concatenate([(np.asarray(update[k], np.float64) - np.asarray(reference[k], np.float64)).ravel()
+                           for k in sorted(reference)])
+
+
+def _median(values: Mapping[int, float]) -> float:
+    finite = [v for v in values.values() if math.isfinite(v)]
+    return float(np.median(finite)) if finite else math.nan
+
+
+def robust_z(values: Mapping[int, float]) -> dict[int, float]:
+    """Modified z-scores 0.6745·(v − median)/MAD; a value equal to the median scores 0, and any other
+    value scores ±inf when the MAD is 0 (all others agree exactly). NaN values score NaN."""
+    finite = [v for v in values.values() if math.isfinite(v)]
+    if not finite:
+        return {k: math.nan for k in values}
+    median = float(np.median(finite))
+    mad = float(np.median([abs(v - median) for v in finite]))
+    out: dict[int, float] = {}
+    for key, value in values.items():
+        deviation = value - median
+        if not math.isfinite(value):
+            out[key] = math.nan
+        elif mad > 0:
+            out[key] = 0.6745 * deviation / mad
+        else:
+            out[key] = 0.0 if deviation == 0 else math.copysign(math.inf, deviation)
+    return out
+
+
+def monitor_updates(reference: Arrays, updates: Mapping[int, Arrays], aggregate: Arrays,
+                    losses: Mapping[int, float]) -> dict[int, UpdateStats]:
+    """Norm, cosine to the aggregate's change and loss of each update, their z-scores and flags."""
+    mean_change = _delta(aggregate, reference)
+    mean_norm = float(np.linalg.norm(mean_change))
+    norms, cosines = {}, {}
+    for node, arrays in updates.items():
+        change = _delta(arrays, reference)
+        norm = float(np.linalg.norm(change))
+        norms[node] = norm
+        cosines[node] = float(change @ mean_change) / (norm * mean_norm) if norm > 0 and mean_norm > 0 else math.nan
+    loss = {node: float(losses.get(node, math.nan)) for node in updates}
+    z_norm, z_cos, z_loss = robust_z(norms), robust_z(cosines), robust_z(loss)
+    judged = len(updates) >= MIN_NODES
+    median_norm, median_loss, median_cos = (_median(v) for v in (norms, loss, cosines))
+    stats = {}
+    for node in updates:
+        reasons = []
+        if judged and z_norm[node] > THRESHOLD and norms[node] > NORM_RATIO * median_norm:
+            reasons.append(f"update norm {norms[node]:.3g}, {norms[node] / median_norm:.1f}× the median "
+                           f"(z {z_norm[node]:.1f})")
+        if judged and z_cos[node] < -THRESHOLD and cosines[node] < 0.5 * median_cos:
+            reasons.append(f"cosine to the aggregate {cosines[node]:.2f} against a median {median_cos:.2f} "
+                           f"(z {z_cos[node]:.1f})")
+        if judged and z_loss[node] > THRESHOLD and loss[node] > LOSS_RATIO * median_loss:
+            reasons.append(f"train loss {loss[node]:.3g}, {loss[node] / median_loss:.1f}× the median "
+                           f"(z {z_loss[node]:.1f})")
+        stats[node] = UpdateStats(norms[node], cosines[node], loss[node], z_norm[node], z_cos[node], z_loss[node],
+                                  bool(reasons), tuple(reasons))
+    return stats
+
+
+def robust_combine(rule: RobustRule, reference: Arrays, updates: Sequence[tuple[Arrays, float]], *,
+                   fraction: float = 0.2, norm_factor: float = 2.0) -> dict[str, NDArray[np.generic]]:
+    """The round's model by ``rule`` from validated updates (arrays, example weight); see the module
+    docstring. ``fraction``: the share trimmed at each end (trimmed mean) or assumed Byzantine (Krum)."""
+    if not updates:
+        raise AggregationError("no update to combine")
+    names = sorted(reference)
+    dtypes = {k: np.asarray(reference[k]).dtype for k in names}
+    if rule is RobustRule.NORM_BOUND:
+        changes = [(_delta(arrays, reference), weight) for arrays, weight in updates]
+        bound = norm_factor * float(np.median([np.linalg.norm(c) for c, _ in changes]))
+        total = sum(w for _, w in changes)
+        mean = np.zeros_like(changes[0][0])
+        for change, weight in changes:
+            norm = float(np.linalg.norm(change))
+            scale = min(1.0, bound / norm) if norm > 0 else 1.0
+            mean += (weight / total) * scale * change
+        out, start = {}, 0
+        for k in names:
+            base = np.asarray(reference[k], np.float64)
+            out[k] = (base + mean[start:start + base.size].reshape(base.shape)).astype(dtypes[k])
+            start += base.size
+        return out
+    from flwr.server.strategy.aggregate import (
+        aggregate_krum,
+        aggregate_median,
+        aggregate_trimmed_avg,
+    )
+
+    results = [([np.asarray(arrays[k], np.float64) for k in names], int(max(1, round(weight)))) for arrays, weight in updates]
+    if rule is RobustRule.TRIMMED_MEAN:
+        combined = aggregate_trimmed_avg(results, proportiontocut=fraction)
+    elif rule is RobustRule.MEDIAN:
+        combined = aggregate_median(results)
+    elif rule is RobustRule.KRUM:
+        byzantine = int(math.floor(fraction * len(results)))
+        if len(results) < 2 * byzantine + 3:
+            raise AggregationError(f"Krum with {byzantine} Byzantine node(s) needs at least {2 * byzantine + 3} "
+                                   f"updates, got {len(results)}")
+        combined = aggregate_krum(results, num_malicious=byzantine, to_keep=0)
+    else:
+        raise AggregationError(f"robust rule {rule.value!r} does not combine updates")
+    return {k: np.asarray(v).astype(dtypes[k]) for k, v in zip(names, combined, strict=True)}

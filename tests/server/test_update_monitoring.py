@@ -1,0 +1,67 @@
+"""Update monitoring and robust aggregation in real rounds (loopback grid, real local training): a
+department whose updates are scaled ×50 is flagged in the round it starts and in no other node;
+``norm-bound`` keeps the model near the clean run's while the weighted mean is dragged away; a
+robust rule is refused where the server never sees single updates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Message
+
+from quorumfl.errors import ConfigError
+from quorumfl.protocol.wire import ARRAYS, from_array_record
+from quorumfl.server.config import RunConfig
+
+from .test_rounds import LoopbackGrid, _contexts, _federation, _with_arrays, task_identity  # noqa: F401
+
+SCALE = 50.0
+
+
+def scaled(request: Message, reply: Message) -> Message:
+    """The node sends the model it received plus 50× the change it trained."""
+    start = from_array_record(request.content.array_records[ARRAYS])
+    return _with_arrays(request, reply, lambda a: {k: (start[k] + SCALE * (v - start[k])).astype(v.dtype) for k, v in a.items()})
+
+
+def _run(tmp_path: Path, parts: dict[str, Path], *, attack: bool, **config: object) -> tuple[dict[int, dict[str, float]], list[float], int]:
+    contexts = _contexts(parts)
+    bad = list(contexts)[2]
+    grid = LoopbackGrid(contexts, {bad: scaled} if attack else {})
+    federation, repo = _federation(tmp_path, grid, **{"num-rounds": 3, "local-epochs": 1, "seed": 0, **config})
+    run_id = federation.run()
+    flags: dict[int, dict[str, float]] = {}
+    for metric in repo.metrics(run_id, name="update-flagged"):
+        flags.setdefault(metric.round, {})[int(metric.node_id or 0)] = metric.value
+    accuracy = [m.value for m in repo.metrics(run_id, name="accuracy")]
+    counted = [m.value for m in repo.metrics(run_id, name="flagged-nodes")]
+    assert len(counted) == 3
+    return flags, accuracy, bad
+
+
+def test_a_scaled_department_is_flagged_from_its_first_round(tmp_path: Path, six_parts: dict[str, Path]) -> None:
+    flags, _, bad = _run(tmp_path / "attacked", six_parts, attack=True)
+    for number in (1, 2, 3):
+        assert flags[number][bad] == 1.0, number
+        assert all(v == 0.0 for node, v in flags[number].items() if node != bad), flags[number]
+    clean, _, _ = _run(tmp_path / "clean", six_parts, attack=False)
+    assert all(v == 0.0 for rnd in clean.values() for v in rnd.values())  # no false flags on the honest run
+
+
+def test_norm_bound_resists_the_scaled_department(tmp_path: Path, six_parts: dict[str, Path]) -> None:
+    _, clean, _ = _run(tmp_path / "clean", six_parts, attack=False)
+    _, attacked, _ = _run(tmp_path / "fedavg", six_parts, attack=True)
+    _, bounded, _ = _run(tmp_path / "bounded", six_parts, attack=True, **{"robust-aggregation": "norm-bound"})
+    _, median, _ = _run(tmp_path / "median", six_parts, attack=True, **{"robust-aggregation": "median"})
+    assert attacked[-1] < clean[-1] - 0.05  # the weighted mean is dragged away
+    assert bounded[-1] > clean[-1] - 0.05 and median[-1] > clean[-1] - 0.1
+    assert np.all(np.isfinite([*bounded, *median]))
+
+
+@pytest.mark.parametrize("conflict", [{"secure-aggregation": "masking"}, {"secure-aggregation": "ckks"},
+                                      {"strategy": "ifca"}, {"strategy": "scaffold"}])
+def test_robust_rules_are_refused_where_single_updates_are_not_seen(conflict: dict[str, str]) -> None:
+    with pytest.raises(ConfigError, match="robust-aggregation"):
+        RunConfig.from_mapping({"robust-aggregation": "median", **conflict})
