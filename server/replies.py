@@ -9,7 +9,7 @@ no input may raise anything but a recorded refusal, and no refused input may cha
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +18,7 @@ from numpy.typing import NDArray
 
 from quorumfl.aggregation import NodeUpdate, aggregate_weighted_metrics
 from quorumfl.aggregation.clustering import Repair
-from quorumfl.aggregation.monitor import RobustRule, monitor_updates, robust_combine
+from quorumfl.aggregation.monitor import RobustRule, UpdateStats, monitor_updates, robust_combine
 from quorumfl.errors import QuorumError
 from quorumfl.protocol.wire import (
     ARRAYS,
@@ -31,7 +31,7 @@ from quorumfl.protocol.wire import (
     from_array_record,
 )
 from quorumfl.server.phase import TrainPhase
-from quorumfl.server.strategies import Strategy
+from quorumfl.server.strategies import AggregateResult, Strategy
 
 __all__ = [
     "RefusedError",
@@ -40,6 +40,7 @@ __all__ = [
     "TrainReply",
     "aggregate_train_replies",
     "check_refusal",
+    "combine_updates",
     "describe_repairs",
     "cluster_of_metrics",
     "parse_train_reply",
@@ -152,6 +153,7 @@ def aggregate_train_replies(
             continue
         parsed.append(item)
     phase = TrainPhase(arrays=None)
+    monitored: dict[int, UpdateStats] = {}
     if len(models) > 1:
         clustered = strategy.aggregate_clusters(number, models, ((clusters[p.node_id], p.update) for p in parsed))
         rejected, accepted_ids = clustered.rejected, clustered.accepted
@@ -161,7 +163,9 @@ def aggregate_train_replies(
             phase.repairs = describe_repairs(clustered.repairs)
         phase.total_examples = clustered.total_examples
     else:
-        result = strategy.aggregate_train(models[0], (p.update for p in parsed))
+        result, monitored = combine_updates(strategy, models[0], [p.update for p in parsed],
+                                            {p.node_id: p.metrics.get("train-loss", math.nan) for p in parsed},
+                                            robust or Robust())
         rejected, accepted_ids = result.rejected, result.accepted
         phase.arrays = result.arrays
         phase.total_examples = result.total_examples
@@ -177,8 +181,11 @@ def aggregate_train_replies(
     phase.train_loss = train_metrics.get("train-loss", math.nan)
     phase.node_metrics = {p.node_id: {**p.metrics, **({"train-retries": float(retried[p.node_id])}
                                                         if p.node_id in retried else {})} for p in accepted}
-    if phase.arrays is not None and accepted:
-        _monitor_and_combine(phase, models[0], accepted, robust or Robust())
+    for node, stat in monitored.items():  # one global model: each accepted update, monitored
+        phase.node_metrics[node].update({"update-norm": stat.norm, "update-cosine": stat.cosine,
+                                         "update-flagged": float(stat.flagged)})
+        if stat.flagged:
+            phase.flags[node] = "; ".join(stat.reasons)
     phase.departments = {p.node_id: p.department for p in parsed}
     return phase
 
@@ -192,25 +199,25 @@ class Robust:
     norm_factor: float = 2.0
 
 
-def _monitor_and_combine(phase: TrainPhase, reference: Arrays, accepted: list[TrainReply], robust: Robust) -> None:
-    """The robust rule's model in place of the weighted mean, then each update's norm, cosine to the
-    round's change and loss, with robust z-scores (SCAFFOLD's control variates are left out)."""
-    assert phase.arrays is not None
-    model_names = [k for k in reference if not k.startswith("control:")]
+def combine_updates(strategy: Strategy, reference: Arrays, updates: Sequence[NodeUpdate], losses: Mapping[int, float],
+                    robust: Robust) -> tuple[AggregateResult, dict[int, UpdateStats]]:
+    """One global model's round: the strategy validates and averages the updates; then the robust rule's
+    model replaces the mean (when one is set) and each accepted update is monitored: norm, cosine to the
+    round's change, loss, robust z-scores (SCAFFOLD's control variates are left out of both)."""
+    result = strategy.aggregate_train(reference, iter(updates))
+    if result.arrays is None or not result.accepted:
+        return result, {}
+    kept = set(result.accepted)
+    accepted = [u for u in updates if int(u.node) in kept]
+    names = [k for k in reference if not k.startswith("control:")]
     if robust.rule is not RobustRule.NONE:
-        combined = robust_combine(robust.rule, {k: reference[k] for k in model_names},
-                                  [({k: p.update.arrays[k] for k in model_names}, p.update.weight) for p in accepted],
+        combined = robust_combine(robust.rule, {k: reference[k] for k in names},
+                                  [({k: u.arrays[k] for k in names}, u.weight) for u in accepted],
                                   fraction=robust.fraction, norm_factor=robust.norm_factor)
-        phase.arrays = {**phase.arrays, **combined}
-    stats = monitor_updates({k: reference[k] for k in model_names},
-                            {p.node_id: {k: p.update.arrays[k] for k in model_names} for p in accepted},
-                            {k: phase.arrays[k] for k in model_names},
-                            {p.node_id: p.metrics.get("train-loss", math.nan) for p in accepted})
-    for node, stat in stats.items():
-        phase.node_metrics[node].update({"update-norm": stat.norm, "update-cosine": stat.cosine,
-                                         "update-flagged": float(stat.flagged)})
-        if stat.flagged:
-            phase.flags[node] = "; ".join(stat.reasons)
+        result.arrays = {**result.arrays, **combined}
+    stats = monitor_updates({k: reference[k] for k in names}, {int(u.node): {k: u.arrays[k] for k in names} for u in accepted},
+                            {k: result.arrays[k] for k in names}, losses)
+    return result, stats
 
 
 def describe_repairs(repairs: Iterable[Repair]) -> list[str]:

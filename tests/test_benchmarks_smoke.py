@@ -130,3 +130,12 @@ def test_tasks_smoke() -> None:
                 assert (value > 0) if metric == "mae" else (0.0 <= value <= 1.0)
         assert isinstance(figures[f"{dataset}_iid_fedavg_vs_central_ok"], bool)
         assert isinstance(figures[f"{dataset}_{skewed}_best_ok"], bool)
+
+
+def test_robustness_smoke() -> None:
+    figures = _run("robustness.py")
+    keys = {"clean_acc", "attacked_fedavg_acc", "attacked_norm_bound_acc", "attacked_trimmed_mean_acc",
+            "attacked_median_acc", "attacked_krum_acc"}
+    assert keys <= set(figures) and {"flagged_round", "false_flags"} <= set(figures)
+    assert all(0.0 <= float(figures[k]) <= 1.0 for k in keys)  # type: ignore[arg-type]
+    assert figures["flagged_round"] == figures["attack_from"]  # flagged in the round the attack starts
