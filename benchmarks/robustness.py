@@ -15,7 +15,7 @@ global model's on a held-out test set no department holds. ``flagged_round``: th
 which the faulty department was flagged in the attacked FedAvg run (the goal: ``--attack-from``);
 ``false_flags``: flags on honest departments over the clean and the attacked FedAvg runs.
 
-    python benchmarks/robustness.py            # Fashion-MNIST if installed (else digits), 10 departments, 12 rounds
+    python benchmarks/robustness.py            # Fashion-MNIST (apt install dataset-fashion-mnist; else digits), 10 departments, 12 rounds
     python benchmarks/robustness.py --smoke    # digits, 6 departments, 4 rounds
     python benchmarks/robustness.py --json     # last line: one JSON object
 
@@ -63,7 +63,7 @@ def _data(dataset: str, departments: int, per_department: int, seed: int) -> tup
 
 
 def run(rule: str, *, attacked: bool, dataset: str, departments: int, per_department: int, rounds: int,
-        attack_from: int, model: str, seed: int) -> dict[str, Any]:
+        local_epochs: int, attack_from: int, model: str, seed: int) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
@@ -74,7 +74,7 @@ def run(rule: str, *, attacked: bool, dataset: str, departments: int, per_depart
     robust = Robust(config.robust_aggregation, config.robust_fraction, config.norm_bound_factor)
     net = build_model(model, parts[0].input_shape, parts[0].num_classes, seed=seed)
     arrays = model_to_arrays(net)
-    base = TrainConfig(server_round=0, model=model, local_epochs=1, batch_size=32, learning_rate=0.05,
+    base = TrainConfig(server_round=0, model=model, local_epochs=local_epochs, batch_size=32, learning_rate=0.05,
                        proximal_mu=0.0, seed=seed)
     faulty = departments // 2
     accuracy, flags = [], []
@@ -105,13 +105,16 @@ def main() -> None:
     args_parser.add_argument("--seed", type=int, default=0)
     args = args_parser.parse_args()
     if args.smoke:
-        setup = {"dataset": "digits", "departments": 6, "per_department": 200, "rounds": 4, "model": "mlp"}
+        setup = {"dataset": "digits", "departments": 6, "per_department": 200, "rounds": 4, "local_epochs": 2,
+                 "model": "mlp"}
     else:
         try:
             load_dataset("fashion-mnist")
-            setup = {"dataset": "fashion-mnist", "departments": 10, "per_department": 600, "rounds": 12, "model": "cnn"}
+            setup = {"dataset": "fashion-mnist", "departments": 10, "per_department": 600, "rounds": 12,
+                     "local_epochs": 1, "model": "cnn"}
         except Exception:  # noqa: BLE001 - the Debian package is optional; digits is embedded
-            setup = {"dataset": "digits", "departments": 10, "per_department": 140, "rounds": 12, "model": "mlp"}
+            setup = {"dataset": "digits", "departments": 10, "per_department": 140, "rounds": 12,
+                     "local_epochs": 5, "model": "mlp"}
     attack_from = min(args.attack_from, setup["rounds"])
     common = {**setup, "attack_from": attack_from, "seed": args.seed}
     started = time.perf_counter()
