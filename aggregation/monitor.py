@@ -21,6 +21,12 @@ Robust combination (run config ``robust-aggregation``) replaces the weighted mea
   and ``aggregate_krum`` (``flwr.server.strategy.aggregate``), on updates that already passed
   ``WeightedMean``'s validation (names, shapes, finite values, weight).
 
+Secure rounds (masking, CKKS): the server never sees one update, only the revealed sum, into which
+every node adds a one in the bucket of its update norm and one in the bucket of its train loss
+(``aggregation.secagg.payload``: half-decade buckets). ``histogram_flags`` reads the two histograms:
+nodes two or more buckets (≥ 10×) above the median bucket are counted as standing out. The server
+learns how many, and in which buckets, not which nodes.
+
 These need every update at once, so with a robust rule the server holds the round's updates in
 memory (nodes × model), which plaintext rounds do already when parsing replies.
 """
@@ -37,7 +43,8 @@ from numpy.typing import NDArray
 
 from quorumfl.errors import AggregationError
 
-__all__ = ["LOSS_RATIO", "MIN_NODES", "NORM_RATIO", "THRESHOLD", "RobustRule", "UpdateStats", "monitor_updates", "robust_combine", "robust_z"]
+__all__ = ["LOSS_RATIO", "MIN_NODES", "NORM_RATIO", "THRESHOLD", "RobustRule", "UpdateStats", "histogram_flags",
+           "monitor_updates", "robust_combine", "robust_z"]
 
 Arrays = Mapping[str, NDArray[np.generic]]
 THRESHOLD = 3.5  # Iglewicz and Hoaglin's cut for the modified z-score
@@ -126,6 +133,30 @@ def monitor_updates(reference: Arrays, updates: Mapping[int, Arrays], aggregate:
         stats[node] = UpdateStats(norms[node], cosines[node], loss[node], z_norm[node], z_cos[node], z_loss[node],
                                   bool(reasons), tuple(reasons))
     return stats
+
+
+def histogram_flags(norm_histogram: Sequence[float], loss_histogram: Sequence[float], *,
+                    edges: tuple[Sequence[float], Sequence[float]]) -> tuple[int, list[str]]:
+    """A secure round's histograms (nodes per bucket): how many nodes lie two or more buckets above the
+    median bucket in norm or in loss, and why (bucket ranges from ``edges``: norm and loss edges)."""
+    flagged, reasons = 0, []
+    for name, histogram, bounds in (("update norm", norm_histogram, edges[0]), ("train loss", loss_histogram, edges[1])):
+        counts = [int(round(c)) for c in histogram]
+        total = sum(counts)
+        if total < MIN_NODES:
+            continue
+        cumulative, median = 0, 0
+        for index, count in enumerate(counts):
+            cumulative += count
+            if 2 * cumulative >= total:
+                median = index
+                break
+        high = sum(counts[median + 2:])
+        if high:
+            floor = bounds[median + 1] if median + 1 < len(bounds) else float("inf")
+            reasons.append(f"{high} node(s) with {name} at least {floor:.3g} (≥ 10× the median bucket's)")
+            flagged = max(flagged, high)
+    return flagged, reasons
 
 
 def robust_combine(rule: RobustRule, reference: Arrays, updates: Sequence[tuple[Arrays, float]], *,

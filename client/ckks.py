@@ -134,7 +134,8 @@ def encrypted_train_reply(msg: Message, context: Context, local: LocalTraining) 
     me = identity(context)
     update = flatten(local.trained) - flatten(local.received)
     payload = weighted_payload(update, examples=local.num_examples, loss=local.train_loss, max_weight=request.max_weight,
-                               clip=request.clip, value=local.eval_value, eval_loss=local.eval_loss)
+                               clip=request.clip, value=local.eval_value, eval_loss=local.eval_loss,
+                               norm_bound=local.config.update_norm_bound)
     payload = np.clip(payload, -request.clip, request.clip)
     polys = encrypt_vector(request.params, share.public_key, payload, primes=request.primes)
     tag = contribute(share, polys[:, 1], round_number=request.round_number, group=request.group, signer=me.signer(),

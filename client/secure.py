@@ -194,7 +194,8 @@ def masked_train_reply(msg: Message, context: Context, local: LocalTraining) -> 
                              share=local.config.dp_noise_share, rng=np.random.default_rng(secrets.randbits(128)))
         examples = max_weight
     payload = weighted_payload(update, examples=examples, loss=local.train_loss, max_weight=max_weight,
-                               clip=state.params.clip, value=local.eval_value, eval_loss=local.eval_loss)
+                               clip=state.params.clip, value=local.eval_value, eval_loss=local.eval_loss,
+                               norm_bound=local.config.update_norm_bound)
     masked = state.mask(request, payload, np.random.default_rng(secrets.randbits(128)))
     _store(context, state)
     arrays, config = encode_masked(masked, epoch=request.epoch, slot=request.slot)

@@ -14,7 +14,9 @@ node refuses a request that:
   else (distributed DP) the σ that the run's ε target gives over its rounds — the same accountant
   call the server makes (``privacy.accounting.noise_for_target``);
 - in a FedPer run, names other personal layers or no personalisation (the personal layers would
-  then leave the node).
+  then leave the node);
+- in a masked or CKKS round, names another ``update-norm-bound`` (a looser bound would let a broken
+  department's update weigh more than the admin allowed).
 
 A key the run config does not hold is not checked (an in-process test federation without a signed
 bundle); a deployed run's signed config holds every key (the app's defaults are written into it).
@@ -60,6 +62,10 @@ def check_train_request(run: Mapping[str, object], config: TrainConfig, *, maske
                                      f"'{run.get('personal-layers')}', but this request asks for personalisation "
                                      f"'{config.personalisation}' with '{config.personal_layers}'; the personal layers "
                                      "stay on the node and nothing is sent", node=node)
+    bound = _number(run, "update-norm-bound")
+    if bound is not None and (masked or encrypted) and config.update_norm_bound != bound:
+        raise SecureAggregationError(f"the train request asks for update-norm-bound {config.update_norm_bound:g}, the "
+                                     f"admin-signed run config sets {bound:g}; the update is withheld", node=node)
     signed_dp = run.get("dp")
     if isinstance(signed_dp, str) and config.dp != signed_dp:
         raise PrivacyBudgetError(f"the train request asks for dp = '{config.dp}', the admin-signed run config sets "

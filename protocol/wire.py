@@ -67,6 +67,7 @@ class TrainConfig:
     dp_noise_share: int = 0  # distributed DP: the node adds N(0, σ²C²/this); the server sends the threshold t
     task: str = "image"  # what is learned (quorumfl.core.tasks): built-in name, module:attribute or entry point
     schema: str = ""  # the run's schema (JSON) every department's data must fit; "" = the node's image dataset's
+    update_norm_bound: float = 0.0  # secure rounds: the node scales its update down to this L2 norm (0 = off)
 
     def to_record(self) -> ConfigRecord:
         return ConfigRecord(
@@ -97,6 +98,7 @@ class TrainConfig:
                 "dp-noise-share": self.dp_noise_share,
                 "task": self.task,
                 "schema": self.schema,
+                "update-norm-bound": self.update_norm_bound,
             }
         )
 
@@ -141,6 +143,7 @@ class TrainConfig:
             dp_noise_share=get("dp-noise-share", int, 0),
             task=get("task", str, "image"),
             schema=get("schema", str, ""),
+            update_norm_bound=get("update-norm-bound", float, 0.0),
         )
 
 

@@ -215,6 +215,10 @@ class RunConfig:
                                    low=1, high=10_000, applies="masking")
     secagg_clip: float = key(8.0, "fixed-point encoding: updates clipped to ±clip", low=0.0, open_low=True,
                              applies="masking, ckks")
+    update_norm_bound: float = key(
+        0.0, "masking and ckks: each node scales its update down to this L2 norm before encoding (0 = off); the "
+        "round's norm histogram still counts the norm it had (README \"Watching a federation\")", low=0.0, node=True,
+        applies="masking, ckks")
     secagg_max_weight: float = key(
         10000.0, "the example count a node claims is capped at this in every mode (plaintext too), so no node "
         "outweighs the others by its word alone", low=0.0, open_low=True)

@@ -11,7 +11,9 @@ import numpy as np
 from flwr.app import RecordDict
 from numpy.typing import NDArray
 
+from quorumfl.aggregation.monitor import histogram_flags
 from quorumfl.aggregation.secagg import SecureMean, flatten, unflatten
+from quorumfl.aggregation.secagg.payload import LOSS_EDGES, NORM_EDGES
 from quorumfl.protocol.wire import CLEAR_METRICS, METRICS, array_bytes, department_of
 
 __all__ = ["RoundOutcome", "TrainPhase", "cluster_groups"]
@@ -45,6 +47,9 @@ class TrainPhase:
     departments: dict[int, str | None] = field(default_factory=dict)
     error: str | None = None
     flags: dict[int, str] = field(default_factory=dict)  # plaintext: nodes whose update stood out, and why
+    # secure rounds: nodes per update-norm bucket and per train-loss bucket, summed over the groups
+    norm_histogram: list[float] = field(default_factory=list)
+    loss_histogram: list[float] = field(default_factory=list)
     # Clustered runs (IFCA): every cluster's model after the round, and each accepted node's cluster.
     models: list[dict[str, NDArray[np.generic]]] | None = None
     assignments: dict[int, int] = field(default_factory=dict)
@@ -55,7 +60,7 @@ class TrainPhase:
         """A secure round's revealed group means (cluster → (members, mean)) as the round's result: each
         group's model moved by its mean update, who is in it, the examples (the weights were divided by
         ``max_weight`` on the nodes), the weighted train loss and the weighted evaluation of the received
-        model. Groups not in ``means`` keep their model."""
+        model, and the groups' norm and loss histograms added up. Groups not in ``means`` keep their model."""
         new_models = [dict(m) for m in models]
         weight, loss_sum, value_sum, eval_loss_sum = 0.0, 0.0, 0.0, 0.0
         for k, (members, mean) in sorted(means.items()):
@@ -66,6 +71,9 @@ class TrainPhase:
             loss_sum += mean.train_loss * mean.total_weight
             value_sum += mean.eval_value * mean.total_weight
             eval_loss_sum += mean.eval_loss * mean.total_weight
+            for mine, theirs in ((self.norm_histogram, mean.norm_histogram), (self.loss_histogram, mean.loss_histogram)):
+                if theirs:
+                    mine[:] = [a + b for a, b in zip(mine or [0.0] * len(theirs), theirs, strict=True)]
         self.accepted.sort()
         if clustered:
             self.models = new_models
@@ -76,6 +84,22 @@ class TrainPhase:
         self.train_loss = loss_sum / weight if weight else float("nan")
         self.eval_value = value_sum / weight if weight else float("nan")
         self.eval_loss = eval_loss_sum / weight if weight else float("nan")
+
+    def monitoring(self) -> tuple[dict[str, float], list[str]]:
+        """The round's monitoring figures and what stood out: in plaintext, the flagged nodes (from
+        ``aggregation.monitor.monitor_updates``); in secure rounds, the revealed norm and loss histograms
+        (non-empty buckets as ``norm-histogram-NN``/``loss-histogram-NN``) and how many nodes stand out."""
+        if any("update-flagged" in m for m in self.node_metrics.values()):
+            notes = [f"node {node}'s update stands out: {why}" for node, why in self.flags.items()]
+            return {"flagged-nodes": float(len(self.flags))}, notes
+        if not self.norm_histogram:
+            return {}, []
+        count, reasons = histogram_flags(self.norm_histogram, self.loss_histogram,
+                                         edges=(NORM_EDGES.tolist(), LOSS_EDGES.tolist()))
+        figures = {"flagged-nodes": float(count)}
+        for name, histogram in (("norm", self.norm_histogram), ("loss", self.loss_histogram)):
+            figures.update({f"{name}-histogram-{i:02d}": c for i, c in enumerate(histogram) if c})
+        return figures, [f"the secure sum's histograms: {r}" for r in reasons]
 
     def note_node(self, node: int, content: RecordDict) -> None:
         """Keep what a secure-mode reply says in plaintext (``CLEAR_METRICS``: training time, ε spent

@@ -93,6 +93,23 @@ def _monitoring(metrics: list[Metric], name: Callable[[int], str]) -> list[dict[
     return [rows[k] for k in sorted(rows)]
 
 
+def _histograms(global_metrics: dict[int, dict[str, float]]) -> list[dict[str, Any]]:
+    """Secure rounds' revealed histograms: per round, nodes per norm and per loss bucket (by the bucket's
+    lower edge; ``aggregation.secagg.payload``), and how many stood out."""
+    from quorumfl.aggregation.secagg.payload import LOSS_EDGES, NORM_EDGES
+
+    rows = []
+    for number, values in sorted(global_metrics.items()):
+        row: dict[str, Any] = {"round": number, "flagged": values.get("flagged-nodes")}
+        for kind, edges in (("norm", NORM_EDGES), ("loss", LOSS_EDGES)):
+            prefix = f"{kind}-histogram-"
+            row[kind] = {(f"≥{edges[int(k[len(prefix):]) - 1]:.3g}" if int(k[len(prefix):]) else f"<{edges[0]:.3g}"): v
+                         for k, v in sorted(values.items()) if k.startswith(prefix)}
+        if row["norm"] or row["loss"]:
+            rows.append(row)
+    return rows
+
+
 def report_data(repo: Repository, ref: int) -> dict[str, Any]:
     """The report of run ``ref`` (QuorumFL or Flower id) as plain JSON-able data."""
     run = repo.get_run(ref)
@@ -154,6 +171,7 @@ def report_data(repo: Repository, ref: int) -> dict[str, Any]:
         "privacy": sorted(privacy.values(), key=lambda p: str(p["department"])),
         "federation_epsilon": federation_epsilon,
         "monitoring": _monitoring(metrics, name),
+        "histograms": _histograms(global_metrics),
         "versions": _versions(repo.list_model_versions(run_id=run.id)),
     }
 
@@ -242,9 +260,13 @@ def _bytes_figure(data: dict[str, Any]) -> str:
 
 def _monitoring_section(data: dict[str, Any]) -> str:
     rows = data["monitoring"]
+    if not rows and data["histograms"]:
+        return ("<p>A secure run: the server saw no single update, only each round's histograms of the nodes' "
+                "update norms and train losses (nodes per half-decade bucket), summed with the updates. "
+                "<em>flagged</em> counts nodes two or more buckets above the median.</p>"
+                + table(data["histograms"], ["round", "flagged", "norm", "loss"]))
     if not rows:
-        return ("<p>No per-update figures: the server sees single updates only in plaintext rounds (under "
-                "masking or CKKS it sees the sum alone).</p>")
+        return "<p>No per-update figures were recorded in this run.</p>"
     fig, axis = figure(figsize=(7, 3))
     for department in sorted({r["department"] for r in rows}):
         points = [(r["round"], r["norm"]) for r in rows if r["department"] == department and "norm" in r]
@@ -282,7 +304,8 @@ def render_html(data: dict[str, Any]) -> str:
     title = f"QuorumFL run {run['id']}: {run['strategy']}, {run['rounds_completed']}/{run['rounds_planned']} rounds, {run['status']}"
     round_rows = [{**r, **{k: v for k, v in r["metrics"].items()},
                    "seconds": round(sum(r["stages_s"].values()), 2), "failures": len(r["failures"])} for r in data["rounds"]]
-    metric_keys = list(dict.fromkeys(k for r in data["rounds"] for k in r["metrics"]))
+    metric_keys = list(dict.fromkeys(k for r in data["rounds"] for k in r["metrics"]
+                                     if not k.startswith(("norm-histogram-", "loss-histogram-"))))
     failures = [{"round": r["round"], **f} for r in data["rounds"] for f in r["failures"]]
     dept_columns = department_columns(data["departments"], primary)
     sections = [

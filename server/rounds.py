@@ -322,10 +322,10 @@ class Federation:
             # Peak RSS of the ServerApp process so far (Linux reports KiB).
             "server-peak-rss-mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         }
-        if any("update-flagged" in m for m in phase.node_metrics.values()):  # plaintext update monitoring
-            round_metrics["flagged-nodes"] = float(len(phase.flags))
-            for node, why in phase.flags.items():
-                log.warning("round %s: node %s's update stands out: %s", number, node, why)
+        watched, notes = phase.monitoring()  # updates or (secure rounds) histograms that stand out
+        round_metrics.update(watched)
+        for note in notes:
+            log.warning("round %s: %s", number, note)
         if self.dp_noise is not None:  # distributed DP: the federation's ε after this many rounds
             round_metrics["dp-federation-epsilon"] = self._federation_epsilon(number)
         if len(new_models) > 1:

@@ -118,3 +118,25 @@ def test_krum_picks_an_honest_update_and_needs_enough_nodes() -> None:
     assert any(all(np.array_equal(chosen[k], u[k]) for k in reference) for n, u in updates.items() if n != 0)
     with pytest.raises(AggregationError, match="Krum"):
         robust_combine(RobustRule.KRUM, reference, [(u, 1.0) for u in list(updates.values())[:4]], fraction=0.49)
+
+
+def test_histogram_flags_count_nodes_two_buckets_above_the_median() -> None:
+    from quorumfl.aggregation.monitor import histogram_flags
+    from quorumfl.aggregation.secagg.payload import BUCKETS, LOSS_EDGES, NORM_EDGES
+
+    edges = (NORM_EDGES, LOSS_EDGES)
+
+    def hist(**counts: int) -> list[float]:
+        out = [0.0] * BUCKETS
+        for index, count in counts.items():
+            out[int(index[1:])] = float(count)
+        return out
+
+    calm = hist(b6=3, b7=2)
+    assert histogram_flags(calm, calm, edges=edges) == (0, [])
+    count, reasons = histogram_flags(hist(b6=3, b7=2, b10=1), calm, edges=edges)
+    assert count == 1 and "update norm at least" in reasons[0]
+    assert histogram_flags(hist(b6=3, b7=3), calm, edges=edges)[0] == 0  # one bucket up: an honest spread
+    count, reasons = histogram_flags(calm, hist(b6=4, b9=2), edges=edges)
+    assert count == 2 and "train loss" in reasons[0]
+    assert histogram_flags(hist(b6=2, b12=1), hist(b6=3), edges=edges)[0] == 0  # fewer than MIN_NODES

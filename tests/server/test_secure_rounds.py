@@ -200,9 +200,15 @@ def test_the_range_check_passes_every_honest_sum_and_names_each_broken_bound() -
     def replaced(index: int, value: float) -> np.ndarray:
         return np.concatenate([honest[:index], [value], honest[index + 1:]])
 
+    from quorumfl.aggregation.secagg.payload import BUCKETS, HEADER, SCALARS
+
+    filled = int(np.nonzero(honest[SCALARS:SCALARS + BUCKETS])[0][0]) + SCALARS  # a norm bucket with nodes in it
     for bad, reason in ((replaced(0, 6.0), "total weight"), (replaced(0, -9.0), "total weight"),
                         (replaced(1, -1.0), "weighted loss"), (replaced(2, -1.0), "weighted evaluated value"),
-                        (replaced(3, above), "weighted evaluated loss"), (replaced(4, above), "above clip")):
+                        (replaced(3, above), "weighted evaluated loss"), (replaced(HEADER, above), "above clip"),
+                        (replaced(SCALARS, 6.0), "histogram bucket is outside"),
+                        (replaced(filled, honest[filled] + 1), "norm histogram counts 6"),
+                        (replaced(SCALARS + BUCKETS + 3, -1.0), "loss histogram counts 4")):
         with pytest.raises(SecureAggregationError, match=reason):
             read_payload(bad, min_weight=1e-6, contributors=5, clip=2.0, tolerance=1e-9)
 
@@ -224,3 +230,26 @@ def test_the_secure_sum_reveals_the_weighted_means_of_the_nodes_evaluations() ->
     assert mean.train_loss == pytest.approx(1.0)
     nan = weighted_payload(np.zeros(3), examples=10.0, loss=float("nan"), max_weight=200.0, clip=2.0)
     assert list(nan[:4]) == [0.05, 0.0, 0.0, 0.0]
+
+
+def test_the_secure_sum_reveals_norm_and_loss_histograms_and_the_node_bounds_its_norm() -> None:
+    """The revealed histograms equal a plain count of each node's norm and loss bucket (numpy reference);
+    with a norm bound the update is scaled to it while its bucket keeps the norm it had."""
+    from quorumfl.aggregation.secagg import read_payload, weighted_payload
+    from quorumfl.aggregation.secagg.payload import BUCKETS, HEADER, LOSS_EDGES, NORM_EDGES
+
+    rng = np.random.default_rng(5)
+    updates = [rng.normal(0, s, 40) for s in (0.01, 0.02, 0.015, 0.02, 1.0)]  # the last one stands out
+    losses = [0.4, 0.5, 0.45, 0.5, 30.0]
+    total = sum(weighted_payload(u, examples=50.0, loss=loss, max_weight=100.0, clip=0.5, norm_bound=0.2)
+                for u, loss in zip(updates, losses, strict=True))
+    mean = read_payload(total, min_weight=1e-6, contributors=5, clip=0.5, tolerance=1e-9)
+    norms = [float(np.linalg.norm(u)) for u in updates]
+    assert list(mean.norm_histogram) == list(np.bincount(np.searchsorted(NORM_EDGES, norms, side="right"),
+                                                         minlength=BUCKETS).astype(float))
+    assert list(mean.loss_histogram) == list(np.bincount(np.searchsorted(LOSS_EDGES, losses, side="right"),
+                                                         minlength=BUCKETS).astype(float))
+    bounded = weighted_payload(updates[4], examples=100.0, loss=1.0, max_weight=100.0, norm_bound=0.2)
+    assert float(np.linalg.norm(bounded[HEADER:])) == pytest.approx(0.2)
+    assert float(np.linalg.norm(weighted_payload(updates[0], examples=100.0, loss=1.0, max_weight=100.0,
+                                                 norm_bound=0.2)[HEADER:])) == pytest.approx(norms[0])

@@ -5,15 +5,19 @@ robust rule is refused where the server never sees single updates."""
 
 from __future__ import annotations
 
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 from flwr.app import Message
 
+from quorumfl.core.data.store import read_partition, write_partition
 from quorumfl.errors import ConfigError
 from quorumfl.protocol.wire import ARRAYS, from_array_record
 from quorumfl.server.config import RunConfig
+from quorumfl.server.report import report_data
 
 from .test_rounds import LoopbackGrid, _contexts, _federation, _with_arrays, task_identity  # noqa: F401
 
@@ -65,3 +69,34 @@ def test_norm_bound_resists_the_scaled_department(tmp_path: Path, six_parts: dic
 def test_robust_rules_are_refused_where_single_updates_are_not_seen(conflict: dict[str, str]) -> None:
     with pytest.raises(ConfigError, match="robust-aggregation"):
         RunConfig.from_mapping({"robust-aggregation": "median", **conflict})
+
+
+def _break_export(part: Path) -> None:
+    """The department's images arrive ×50 (pixels 0–255 read as if 0–5.1 were the scale)."""
+    broken = read_partition(part)
+    write_partition(part, replace(broken, train=replace(broken.train, x=broken.train.x * 50),
+                                  test=replace(broken.test, x=broken.test.x * 50)))
+
+
+@pytest.mark.parametrize("mode", ["masking", "ckks"])
+def test_under_secure_aggregation_the_histograms_show_a_broken_department(tmp_path: Path, six_parts: dict[str, Path],
+                                                                           mode: str) -> None:
+    secure = {"secure-aggregation": mode, "secagg-threshold": 0.6, "num-rounds": 2, "local-epochs": 1}
+    counts = {}
+    for name, broken in (("clean", False), ("broken", True)):
+        parts = dict(six_parts)
+        if broken:
+            copy = tmp_path / "broken-housing"
+            shutil.copytree(parts["housing"], copy)
+            _break_export(copy)
+            parts["housing"] = copy
+        federation, repo = _federation(tmp_path / name, LoopbackGrid(_contexts(parts)), **secure)
+        run_id = federation.run()
+        counts[name] = [m.value for m in repo.metrics(run_id, name="flagged-nodes")]
+        assert not repo.metrics(run_id, name="update-norm")  # no single update was seen
+        histogram = [m for m in repo.metrics(run_id) if m.name.startswith("norm-histogram-") and m.round == 1]
+        assert sum(m.value for m in histogram) == 6  # one count per department, no more
+        shown = report_data(repo, run_id)["histograms"]
+        assert [(h["round"], h["flagged"], sum(h["norm"].values())) for h in shown] == [
+            (r, counts[name][r - 1], 6.0) for r in (1, 2)]
+    assert counts == {"clean": [0.0, 0.0], "broken": [1.0, 1.0]}
