@@ -15,6 +15,8 @@ import pytest
 
 from quorumfl.client.signed_config import check_train_request
 from quorumfl.errors import FederationError, PrivacyBudgetError, SecureAggregationError
+from quorumfl.protocol.ckks_wire import ENCRYPTED
+from quorumfl.protocol.secure_wire import MASKED
 from quorumfl.protocol.wire import ARRAYS, UPDATE, TrainConfig
 from quorumfl.server.config import RunConfig
 
@@ -128,3 +130,20 @@ def test_a_request_that_would_take_fedpers_personal_layers_is_refused(tmp_path: 
     with pytest.raises(SecureAggregationError, match="personal layers"):
         check_train_request(signed, _config(dp="none", personalisation="fedper", personal_layers="0"),
                             masked=False, encrypted=False, node="1")
+
+
+@pytest.mark.parametrize("mode", ["masking", "ckks"])
+def test_a_looser_update_norm_bound_than_the_signed_one_is_refused(tmp_path: Path, six_parts: dict[str, Path],
+                                                                   mode: str) -> None:
+    """The admin bounded every department's update; a server that lifts the bound (to let a broken or
+    hostile department's update weigh more) gets no update."""
+    secure = {"secure-aggregation": mode, "secagg-threshold": 0.6}
+    grid, run = _attack(tmp_path, six_parts, _signed(**secure, **{"update-norm-bound": 1.0}),
+                        **secure, **{"update-norm-bound": 0.0})
+    sent = [r for r in grid.replies if not r.has_error()
+            and ({MASKED, ENCRYPTED, ARRAYS, UPDATE} & set(r.content.array_records))]
+    assert sent == [], "a department sent its update under a bound the admin did not sign"
+    failures = run.rounds[0].failures
+    assert len(failures) == len(six_parts)
+    assert all(f.stage == "train" and "update-norm-bound 0, the admin-signed run config sets 1" in f.reason
+               for f in failures)
