@@ -31,6 +31,7 @@ from quorumfl.server.services import (
     department_columns,
     follow_run,
     progress_line,
+    round_flags,
     round_metric,
     round_view,
     run_closing,
@@ -284,7 +285,10 @@ def list_rounds(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run
     """Rounds of a run: status, participants, phase timings, node failures with reasons."""
     repo = settings(ctx).repository()
     departments = {n.node_id: n.department for n in repo.list_nodes()}
-    rows = [round_view(r, departments) for r in repo.list_rounds(run)]
+    rounds = repo.list_rounds(run)
+    flags = round_flags(repo, rounds[0].run_id, departments) if rounds else {}
+    rows = [{**round_view(r, departments), "flagged": flags.get(r.number) if r.status == "completed" else None}
+            for r in rounds]
     if fmt is Format.JSON:
         print_json(rows)
         return
@@ -294,12 +298,17 @@ def list_rounds(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run
         slowest = max(stages, key=stages.__getitem__, default=None)
         flat.append({**r, "nodes": f"{len(r['participants'])}/{r['selected']}", "seconds": f"{sum(stages.values()):.1f}",
                      "slowest_stage": f"{slowest} {stages[slowest]:.1f}s" if slowest else None,
-                     "failures": len(r["failures"]), "participants": ", ".join(r["participants"])})
+                     "failures": len(r["failures"]), "participants": ", ".join(r["participants"]),
+                     "flagged": r["flagged"]["count"] if r["flagged"] else None})
     console.print(table(f"Rounds of run {run}", flat, ["round", "attempt", "status", "nodes", "seconds", "slowest_stage",
-                                                       "failures", "participants"],
-                        optional=["attempt", "slowest_stage", "participants"]))
+                                                       "failures", "flagged", "participants"],
+                        optional=["attempt", "slowest_stage", "flagged", "participants"]))
     for r in rows:  # the reasons, one line each, after the table (every stage's time: --format json)
         for f in r["failures"]:
             console.print(f"round {r['round']}: {f['node']} ({f['stage']}): {f['reason']}", highlight=False)
         if r["error"]:
             console.print(f"round {r['round']}: {r['error']}", highlight=False)
+        if r["flagged"] and r["flagged"]["count"]:
+            who = ", ".join(r["flagged"]["departments"]) or "in the secure sum's histograms"
+            console.print(f"round {r['round']}: {r['flagged']['count']} update(s) stood out ({who}); see 'runs report'",
+                          highlight=False)

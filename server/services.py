@@ -23,6 +23,7 @@ __all__ = [
     "models_view",
     "nodes_view",
     "progress_line",
+    "round_flags",
     "round_view",
     "run_closing",
     "run_outcome_error",
@@ -87,6 +88,19 @@ def round_view(rnd: Round, departments: dict[int, str | None]) -> dict[str, Any]
         ],
         "error": rnd.error,
     }
+
+
+def round_flags(repo: Repository, run_id: int, departments: dict[int, str | None]) -> dict[int, dict[str, Any]]:
+    """Per round, what the update monitoring flagged: ``count`` (plaintext: flagged updates; secure rounds:
+    departments counted in the histograms' high buckets) and, in plaintext, which ``departments``."""
+    flags: dict[int, dict[str, Any]] = {}
+    for metric in repo.metrics(run_id, name="flagged-nodes"):
+        flags.setdefault(metric.round, {"count": int(metric.value), "departments": []})["count"] = int(metric.value)
+    for metric in repo.metrics(run_id, name="update-flagged"):
+        if metric.value and metric.node_id is not None:
+            row = flags.setdefault(metric.round, {"count": 0, "departments": []})
+            row["departments"].append(departments.get(metric.node_id) or str(metric.node_id))
+    return flags
 
 
 def department_finals(metrics: list[Metric], departments: dict[int, str | None]) -> list[dict[str, Any]]:

@@ -5,6 +5,7 @@ robust rule is refused where the server never sees single updates."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from quorumfl.protocol.wire import ARRAYS, from_array_record
 from quorumfl.server.config import RunConfig
 from quorumfl.server.report import report_data
 
+from .test_report import cli
 from .test_rounds import LoopbackGrid, _contexts, _federation, _with_arrays, task_identity  # noqa: F401
 
 SCALE = 50.0
@@ -45,11 +47,20 @@ def _run(tmp_path: Path, parts: dict[str, Path], *, attack: bool, **config: obje
     return flags, accuracy, bad
 
 
-def test_a_scaled_department_is_flagged_from_its_first_round(tmp_path: Path, six_parts: dict[str, Path]) -> None:
+def test_a_scaled_department_is_flagged_from_its_first_round(tmp_path: Path, six_parts: dict[str, Path],
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
     flags, _, bad = _run(tmp_path / "attacked", six_parts, attack=True)
     for number in (1, 2, 3):
         assert flags[number][bad] == 1.0, number
         assert all(v == 0.0 for node, v in flags[number].items() if node != bad), flags[number]
+    # rounds list says so too, naming the department
+    url = f"sqlite:///{tmp_path / 'attacked' / 'state.db'}"
+    code, out, err = cli(monkeypatch, capsys, "--db", url, "rounds", "list", "1", "--format", "json")
+    assert code == 0, err
+    assert [r["flagged"]["count"] for r in json.loads(out)] == [1, 1, 1]
+    code, out, _ = cli(monkeypatch, capsys, "--db", url, "rounds", "list", "1")
+    assert "round 1: 1 update(s) stood out (public-works)" in out
     clean, _, _ = _run(tmp_path / "clean", six_parts, attack=False)
     assert all(v == 0.0 for rnd in clean.values() for v in rnd.values())  # no false flags on the honest run
 
