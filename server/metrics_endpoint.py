@@ -10,7 +10,9 @@ conventions: ``_total`` counters, base units, labels for kinds):
 - ``quorumfl_stage_seconds_total{stage}``: seconds spent per stage over every completed round;
 - ``quorumfl_last_round_stage_seconds{stage}``, ``quorumfl_last_round_nodes{state}`` (selected,
   trained, failed) and ``quorumfl_last_round_number``: the most recently started round;
-- ``quorumfl_nodes{state}``: nodes known to the server and those enabled for selection;
+- ``quorumfl_nodes{state}``: nodes known to the server (``known``), enabled for selection
+  (``enabled``), and seen connected in the last five minutes (``seen_5m``: every round records the
+  nodes connected when it selects);
 - ``quorumfl_bytes_total{direction}``: arrays sent up by departments and down by the server;
 - ``quorumfl_department_epsilon{department}``: the ε each department's ledger last reported.
 
@@ -57,8 +59,8 @@ class StateCollector(Collector):
                 stages.add_metric([stage], seconds)
         yield stages
         yield from self._last_round()
-        nodes = GaugeMetricFamily("quorumfl_nodes", "Nodes known to the server, and enabled for selection.",
-                                  labels=["state"])
+        nodes = GaugeMetricFamily("quorumfl_nodes", "Nodes known to the server, enabled for selection, and seen "
+                                  "connected in the last five minutes.", labels=["state"])
         for state, count in repo.node_counts().items():
             nodes.add_metric([state], count)
         yield nodes

@@ -6,10 +6,12 @@ Part of ``Repository`` (``repository.py``); every method is one transaction (``a
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from quorumfl.server.state.access import StateAccess
+from quorumfl.server.state.access import StateAccess, utcnow
 from quorumfl.server.state.orm import Metric, Node, Round, RoundFailure, Run
 
 __all__ = ["TotalRecords"]
@@ -65,12 +67,15 @@ class TotalRecords(StateAccess):
 
         return self._read(op)
 
-    def node_counts(self) -> dict[str, int]:
-        """Known and enabled nodes."""
+    def node_counts(self, *, recent_s: float = 300.0) -> dict[str, int]:
+        """Known nodes, those enabled for selection, and those the server saw connected within the last
+        ``recent_s`` seconds (a round's selection records every connected node as seen)."""
 
         def op(s: Session) -> dict[str, int]:
             known = s.scalar(select(func.count()).select_from(Node)) or 0
             enabled = s.scalar(select(func.count()).select_from(Node).where(Node.enabled.is_(True))) or 0
-            return {"known": int(known), "enabled": int(enabled)}
+            since = utcnow() - timedelta(seconds=recent_s)
+            seen = s.scalar(select(func.count()).select_from(Node).where(Node.last_seen >= since)) or 0
+            return {"known": int(known), "enabled": int(enabled), "seen_5m": int(seen)}
 
         return self._read(op)

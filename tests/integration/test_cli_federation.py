@@ -85,6 +85,7 @@ def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
         assert samples[("quorumfl_rounds_total", (("status", "completed"),))] == 2
         assert samples[("quorumfl_runs", (("status", "completed"),))] == 1
         assert samples[("quorumfl_nodes", (("state", "known"),))] == 2
+        assert samples[("quorumfl_nodes", (("state", "seen_5m"),))] == 2  # both connected during the run
         assert samples[("quorumfl_bytes_total", (("direction", "up"),))] > 0
         # A run that fails is an error for scripts: --follow exits with the code of the cause (7: the
         # model store), not 0.
