@@ -48,7 +48,7 @@ def table(rows: list[dict[str, Any]], columns: list[str]) -> str:
             return f"{value:,.0f}" if value.is_integer() and abs(value) >= 1000 else f"{value:.4g}"
         if isinstance(value, (list, dict)):
             return html.escape(", ".join(map(str, value)) if isinstance(value, list)
-                               else ", ".join(f"{k} {cell(v)}" for k, v in value.items()))
+                               else ", ".join(f"{k}: {cell(v)}" for k, v in value.items()))
         return html.escape("" if value is None else str(value))
 
     head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
