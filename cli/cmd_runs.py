@@ -19,11 +19,11 @@ from quorumfl.cli.output import (
     ReportFormat,
     ReportFormatOpt,
     console,
+    emit_report,
     err_console,
     print_json,
     short_time,
     table,
-    write_page,
 )
 from quorumfl.core.tasks.objective import primary_among
 from quorumfl.errors import ConfigError, NotFoundError, StateError
@@ -236,10 +236,7 @@ def report(
     from quorumfl.server.report import render_html, report_data
 
     data = report_data(settings(ctx).repository(), run)
-    if fmt is ReportFormat.JSON:
-        print_json(data)
-        return
-    write_page(out, f"run-{data['run']['id']}.html", lambda: render_html(data), open_page=open_page)
+    emit_report(data, fmt, out, f"run-{data['run']['id']}.html", lambda: render_html(data), open_page=open_page)
 
 
 @runs_app.command("compare")
@@ -254,11 +251,8 @@ def compare(
     from quorumfl.server.report import compare_data, render_compare_html
 
     data = compare_data(settings(ctx).repository(), runs)
-    if fmt is ReportFormat.JSON:
-        print_json(data)
-        return
     name = "compare-" + "-".join(str(r["run"]["id"]) for r in data["runs"]) + ".html"
-    write_page(out, name, lambda: render_compare_html(data), open_page=open_page)
+    emit_report(data, fmt, out, name, lambda: render_compare_html(data), open_page=open_page)
 
 
 @runs_app.command("stop")

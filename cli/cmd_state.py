@@ -15,10 +15,10 @@ from quorumfl.cli.output import (
     ReportFormat,
     ReportFormatOpt,
     console,
+    emit_report,
     print_json,
     short_time,
     table,
-    write_page,
 )
 from quorumfl.core.tasks.objective import primary_among
 from quorumfl.errors import ModelStoreError
@@ -78,11 +78,8 @@ def report(
     from quorumfl.server.department_record import department_record, render_department_html
 
     data = department_record(settings(ctx).repository(), department)
-    if fmt is ReportFormat.JSON:
-        print_json(data)
-        return
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in str(data["department"]))
-    write_page(out, f"department-{safe}.html", lambda: render_department_html(data), open_page=open_page)
+    emit_report(data, fmt, out, f"department-{safe}.html", lambda: render_department_html(data), open_page=open_page)
 
 
 @nodes_app.command("disable")

@@ -14,8 +14,8 @@ from rich.table import Table
 
 from quorumfl.errors import ConfigError
 
-__all__ = ["Format", "OpenOpt", "OutOpt", "ReportFormat", "ReportFormatOpt", "console", "err_console", "print_json",
-           "short_time", "table", "write_page"]
+__all__ = ["Format", "OpenOpt", "OutOpt", "ReportFormat", "ReportFormatOpt", "console", "emit_report", "err_console",
+           "print_json", "short_time", "table", "write_page"]
 
 console = Console()
 err_console = Console(stderr=True)
@@ -84,6 +84,16 @@ OutOpt = Annotated[Path, typer.Option("--out", help="Folder for the HTML page (m
 ReportFormatOpt = Annotated[ReportFormat, typer.Option("--format", help="html: one self-contained page; json: "
                                                        "the same data on stdout, nothing written.")]
 OpenOpt = Annotated[bool, typer.Option("--open", help="Open the page in the default browser.")]
+
+
+def emit_report(data: dict[str, Any], fmt: ReportFormat, out: Path, name: str, render: Callable[[], str], *,
+                open_page: bool) -> None:
+    """A report command's output: ``data`` as JSON on stdout, or the page ``render`` makes, written as
+    ``out/name``."""
+    if fmt is ReportFormat.JSON:
+        print_json(data)
+        return
+    write_page(out, name, render, open_page=open_page)
 
 
 def write_page(out: Path, name: str, render: Callable[[], str], *, open_page: bool) -> None:

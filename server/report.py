@@ -196,6 +196,11 @@ def _metric_figure(data: dict[str, Any]) -> str:
         points = [(r["round"], r["metrics"][key]) for r in rounds if key in r["metrics"]]
         if points:
             bottom.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=key)
+    return _metric_and_loss_png(fig, top, bottom)
+
+
+def _metric_and_loss_png(fig: Any, top: Any, bottom: Any) -> str:
+    """The metric-over-loss figure finished: loss axis labelled, whole rounds, legends, as PNG."""
     bottom.set_ylabel("loss")
     bottom.set_xlabel("round")
     whole_rounds(bottom)
@@ -355,13 +360,7 @@ def _overlay_figure(data: dict[str, Any]) -> str:
             points = [(r["round"], r["metrics"][key]) for r in rounds if key in r["metrics"]]
             axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{label}: {key}")
     top.set_ylabel(data["runs"][0]["primary_metric"])
-    bottom.set_ylabel("loss")
-    bottom.set_xlabel("round")
-    whole_rounds(bottom)
-    for axis in (top, bottom):
-        if axis.get_legend_handles_labels()[0]:
-            axis.legend(fontsize=8)
-    return png(fig)
+    return _metric_and_loss_png(fig, top, bottom)
 
 
 def render_compare_html(data: dict[str, Any]) -> str:

@@ -11,20 +11,19 @@ import base64
 import io
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 from PIL import Image
 from sqlalchemy import create_engine, text
 
-from quorumfl.cli.main import main
 from quorumfl.server.department_record import department_record
 from quorumfl.server.report import participation_state
 from quorumfl.server.state.artifacts import ArtifactRecords, NewArtifact
 from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository
 
+from .test_cli_truth import cli
 from .test_rounds import (  # noqa: F401  (fixtures)
     LoopbackGrid,
     _contexts,
@@ -35,17 +34,6 @@ from .test_rounds import (  # noqa: F401  (fixtures)
     silent,
     task_identity,
 )
-
-
-def cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["quorumfl", *args])
-    try:
-        main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from quorumfl.protocol.wire import ARRAYS, from_array_record
 from quorumfl.server.config import RunConfig
 from quorumfl.server.report import report_data
 
-from .test_report import cli
+from .test_cli_truth import cli
 from .test_rounds import LoopbackGrid, _contexts, _federation, _with_arrays, task_identity  # noqa: F401
 
 SCALE = 50.0
