@@ -22,6 +22,7 @@ from quorumfl.server.state.repository import Repository, RunStatus
 DEPARTMENTS = ["tax-office", "urban-planning", "public-works", "parks"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["none", "masking"])
 def test_a_broken_department_is_flagged_in_real_rounds(tmp_path: Path, mode: str) -> None:
     home = tmp_path / "home"
