@@ -65,6 +65,7 @@ def test_a_scaled_department_is_flagged_from_its_first_round(tmp_path: Path, six
     assert all(v == 0.0 for rnd in clean.values() for v in rnd.values())  # no false flags on the honest run
 
 
+@pytest.mark.slow
 def test_norm_bound_resists_the_scaled_department(tmp_path: Path, six_parts: dict[str, Path]) -> None:
     _, clean, _ = _run(tmp_path / "clean", six_parts, attack=False)
     _, attacked, _ = _run(tmp_path / "fedavg", six_parts, attack=True)
