@@ -7,14 +7,16 @@ aggregate. Memory is one float64 accumulator per parameter tensor (plus one floa
 float32 tensors), independent of the node count.
 
 Speed (large float32 tensors, ``LARGE`` elements and up — the weight matrices that are nearly all of
-a model's bytes): the finiteness check is one dot product (x·x is finite exactly when every element
-is, unless the squares overflow; only then does the element-wise check run), and w·x is accumulated
-in place (y ← y + w·x, one pass) into a float32 block that is added into the float64 sums every
-``BLOCK`` updates. Both run on torch's intra-op threads: numpy's dot is single-threaded, and torch's
-dot plus in-place add measured 0.031 s for 100 × 1M float32 against 0.039 s for BLAS ``sdot`` +
-``saxpy`` through scipy and 0.066 s for ``np.dot`` + ``saxpy`` (benchmarks/README.md). No library
-checks and accumulates in one pass; checking after the add is not an option, since a float32 add
-cannot be undone exactly and a rejected update must leave the sums exactly as they were.
+a model's bytes): w·x is accumulated in place (y ← y + w·x, one pass) into a float32 block that is
+added into the float64 sums every ``BLOCK`` updates, on torch's intra-op threads (numpy's dot is
+single-threaded). ``add`` checks finiteness first with one dot product per update (x·x is finite
+exactly when every element is, unless the squares overflow; only then does the element-wise check
+run): two passes over each update. ``extend``, which the server's FedAvg step uses, checks the block
+instead, once per ``BLOCK`` updates, since a NaN or ±inf in any term stays non-finite in the block;
+when the block is not finite it is cleared and its updates redone one by one through ``add``, so a
+rejected update still never touches the sums (a float32 add cannot be undone exactly, so nothing is
+subtracted). That makes the common case one pass over each update. Measured figures are in
+benchmarks/README.md (``aggregate_throughput.py``).
 Error bound of that blocked summation: every coordinate of the result is within
 (BLOCK + 2)·2⁻²⁴·Σ|wᵢxᵢ|/Σwᵢ of the exact weighted mean (float32 rounding of each term and of each
 partial sum, then one float64 add per block and the float32 result), about 10⁻⁶ of the mean
@@ -121,8 +123,10 @@ class WeightedMean:
     def total_weight(self) -> float:
         return self._total
 
-    def check(self, update: NodeUpdate) -> float:
-        """Validate ``update`` against the template; return its weight as float."""
+    def check(self, update: NodeUpdate, *, large_finite: bool = True) -> float:
+        """Validate ``update`` against the template; return its weight as float. With
+        ``large_finite=False`` the finiteness of large float32 tensors is left to the caller
+        (``extend`` checks it on the block they were added to)."""
         node = update.node
         weight = _check_weight(node, update.weight)
         names = set(update.arrays)
@@ -147,7 +151,7 @@ class WeightedMean:
                 raise AggregationError(
                     f"'{name}' has non-real dtype {arr.dtype}", node=node
                 )
-            if not _all_finite(arr):
+            if (large_finite or not _blas_path(arr)) and not _all_finite(arr):
                 bad = int(arr.size - np.count_nonzero(np.isfinite(arr)))
                 raise AggregationError(
                     f"'{name}' contains {bad} non-finite value(s) (NaN or Inf)", node=node
@@ -159,6 +163,73 @@ class WeightedMean:
         if update.node in self._nodes:
             raise AggregationError("a second update from the same node in one aggregation", node=update.node)
         weight = self.check(update)
+        self._accumulate_large(update, weight)
+        self._accumulate_small(update, weight)
+        self._total += weight
+        self._nodes.append(update.node)
+        self._in_block += 1
+        if self._in_block >= BLOCK:
+            self._flush()
+
+    def extend(self, updates: Iterable[NodeUpdate]) -> dict[str, str]:
+        """Validate and accumulate many updates; return ``{node: reason}`` for those rejected.
+
+        The accepted set and the result are those of ``add`` on each update in turn (within the error
+        bound), in about one pass over each update instead of two: the large float32 tensors of up to
+        ``BLOCK`` updates are added to the blocks unchecked, and the block is checked once (one dot
+        product). A non-finite value in any update makes its coordinate of the block non-finite for good
+        (NaN and ±inf absorb every later finite or infinite term), so a finite block proves every one of
+        its updates finite. A block that is not is cleared and its updates are added again one by one,
+        each checked first, exactly as ``add`` does: a rejected update never touches the sums. Up to
+        ``BLOCK`` updates are held meanwhile (references; the caller's arrays are not copied)."""
+        rejected: dict[str, str] = {}
+        pending: list[tuple[NodeUpdate, float]] = []
+        self._flush()  # the block holds only unchecked terms of this batch, so clearing it loses nothing
+        for update in updates:
+            if any(update.node == u.node for u, _ in pending):  # settled first: was the earlier one accepted?
+                rejected.update(self._settle(pending))
+                pending = []
+            try:
+                if update.node in self._nodes:
+                    raise AggregationError("a second update from the same node in one aggregation", node=update.node)
+                weight = self.check(update, large_finite=False)
+            except AggregationError as exc:
+                rejected[update.node] = str(exc)
+                continue
+            self._accumulate_large(update, weight)
+            pending.append((update, weight))
+            if len(pending) >= BLOCK:
+                rejected.update(self._settle(pending))
+                pending = []
+        rejected.update(self._settle(pending))
+        return rejected
+
+    def _settle(self, pending: list[tuple[NodeUpdate, float]]) -> dict[str, str]:
+        """Commit a batch whose large tensors are in the blocks, or redo it update by update."""
+        if not pending:
+            return {}
+        if all(math.isfinite(float(block.dot(block))) for block in self._blocks.values()):
+            for update, weight in pending:
+                self._accumulate_small(update, weight)
+                self._total += weight
+                self._nodes.append(update.node)
+            self._in_block = len(pending)
+            self._flush()
+            return {}
+        for block in self._blocks.values():
+            block.zero_()
+        self._in_block = 0
+        rejected: dict[str, str] = {}
+        for update, _ in pending:
+            try:
+                self.add(update)
+            except AggregationError as exc:
+                rejected[update.node] = str(exc)
+        self._flush()
+        return rejected
+
+    def _accumulate_large(self, update: NodeUpdate, weight: float) -> None:
+        """w·x into the float32 blocks, for the large float32 tensors."""
         for name, array in update.arrays.items():
             arr = np.asarray(array)
             if _blas_path(arr):
@@ -167,6 +238,12 @@ class WeightedMean:
                 if block is None:  # torch's allocation is 64-byte aligned; numpy's is not always
                     block = self._blocks[name] = torch.zeros(arr.size, dtype=torch.float32)
                 block.add_(torch.from_numpy(np.ascontiguousarray(arr).reshape(-1)), alpha=weight)
+
+    def _accumulate_small(self, update: NodeUpdate, weight: float) -> None:
+        """w·x into the float64 sums, for the other tensors."""
+        for name, array in update.arrays.items():
+            arr = np.asarray(array)
+            if _blas_path(arr):
                 continue
             # w·x in the update's own float precision (one rounding per term) into a reused buffer,
             # then added into the float64 sums: no allocation per update, and half the memory
@@ -177,14 +254,11 @@ class WeightedMean:
                 scratch = self._scratch[name] = np.empty(self._shapes[name], dtype=dtype)
             np.multiply(arr, dtype.type(weight), out=scratch)
             np.add(self._sums[name], scratch, out=self._sums[name])
-        self._total += weight
-        self._nodes.append(update.node)
-        self._in_block += 1
-        if self._in_block >= BLOCK:
-            self._flush()
 
     def _flush(self) -> None:
         """Add the float32 blocks into the float64 sums and start new blocks."""
+        if not self._in_block:
+            return
         for name, block in self._blocks.items():
             _torch().from_numpy(self._sums[name].reshape(-1)).add_(block)
             block.zero_()

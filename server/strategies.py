@@ -142,13 +142,8 @@ class FedAvg:
         """Weighted mean of the valid updates; an invalid update is rejected, never averaged."""
         mean = WeightedMean(template)
         result = AggregateResult(arrays=None)
-        for update in updates:
-            try:
-                mean.add(update)
-            except AggregationError as exc:
-                result.rejected[int(update.node)] = str(exc)
-            else:
-                result.accepted.append(int(update.node))
+        result.rejected.update({int(node): reason for node, reason in mean.extend(updates).items()})
+        result.accepted.extend(int(node) for node in mean.nodes)
         if result.accepted:
             result.arrays = mean.result()
             result.total_examples = mean.total_weight

@@ -168,3 +168,63 @@ def test_a_large_tensor_with_one_bad_value_is_refused_and_leaves_the_sums_untouc
 def test_huge_finite_values_whose_squares_overflow_are_still_accepted() -> None:
     big = np.full(LARGE, 1e30, np.float32)  # x·x overflows float32; the element-wise check decides
     assert aggregate_weighted_mean([NodeUpdate("a", {"w": big}, 1.0)])["w"][0] == np.float32(1e30)
+
+
+def _poison(update: NodeUpdate, name: str, index: int, value: float) -> NodeUpdate:
+    arrays = {k: v.copy() for k, v in update.arrays.items()}
+    arrays[name].reshape(-1)[index] = value
+    return NodeUpdate(update.node, arrays, update.weight)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 2 * BLOCK + 5), seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_extend_accepts_and_averages_exactly_what_add_one_by_one_does(n: int, seed: int, data: st.DataObject) -> None:
+    """The batched check (one dot product per block) against the per-update one: the same nodes are
+    rejected wherever the bad values sit (NaN, ±inf, one or several per batch, in the large or the
+    small tensor, a repeated node, a bad weight), and the accepted updates' mean is the numpy reference."""
+    rng = np.random.default_rng(seed)
+    updates = _updates(rng, n, LARGE_SHAPES)
+    for i in data.draw(st.sets(st.integers(0, n - 1), max_size=min(n, 6))):
+        kind = data.draw(st.sampled_from(["nan", "inf", "-inf", "small", "weight", "repeat"]))
+        if kind == "weight":
+            updates[i] = NodeUpdate(updates[i].node, updates[i].arrays, -1.0)
+        elif kind == "repeat" and i > 0:
+            updates[i] = NodeUpdate(updates[i - 1].node, updates[i].arrays, updates[i].weight)
+        elif kind == "small":
+            updates[i] = _poison(updates[i], "b", 3, np.nan)
+        elif kind != "repeat":
+            updates[i] = _poison(updates[i], "w", int(rng.integers(0, LARGE)), float(kind))
+    one_by_one = WeightedMean(updates[0].arrays)
+    accepted, expected_rejected = [], set()
+    for update in updates:
+        try:
+            one_by_one.add(update)
+        except AggregationError:
+            expected_rejected.add(update.node)
+        else:
+            accepted.append(update)
+    batched = WeightedMean(updates[0].arrays)
+    rejected = batched.extend(updates)
+    assert batched.nodes == one_by_one.nodes == [u.node for u in accepted]
+    assert set(rejected) == expected_rejected and all(rejected.values())
+    if not accepted:
+        with pytest.raises(EmptyAggregationError):
+            batched.result()
+        return
+    result, reference = batched.result(), _reference(accepted)
+    magnitudes = np.sum([u.weight * np.abs(u.arrays["w"].astype(np.float64)) for u in accepted], axis=0)
+    assert np.all(np.abs(result["w"].astype(np.float64) - reference["w"]) <= error_bound([u.weight for u in accepted],
+                                                                                          magnitudes))
+    np.testing.assert_allclose(result["b"], reference["b"], rtol=1e-5, atol=1e-6)
+
+
+def test_extend_after_add_keeps_what_add_accumulated() -> None:
+    """A batch with a bad update is redone; the updates added before it stay in the sums."""
+    good = np.full(LARGE, 2.0, np.float32)
+    mean = WeightedMean({"w": good})
+    mean.add(NodeUpdate("first", {"w": good}, 1.0))
+    rejected = mean.extend([NodeUpdate("bad", {"w": _poison(NodeUpdate("x", {"w": good}, 1), "w", 0, np.inf).arrays["w"]}, 1.0),
+                            NodeUpdate("second", {"w": 2 * good}, 1.0)])
+    assert list(rejected) == ["bad"] and "1 non-finite" in rejected["bad"]
+    assert mean.nodes == ["first", "second"]
+    np.testing.assert_array_equal(mean.result()["w"], np.full(LARGE, 3.0, np.float32))

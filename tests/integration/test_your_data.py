@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from quorumfl.core.data import read_partition
-from quorumfl.deploy.processes import free_port, wait_for_port
+from quorumfl.deploy.processes import ProcessGroup, free_port, wait_for_port
 from quorumfl.server.model_store import ModelStore
 from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository, RunStatus
@@ -41,44 +41,35 @@ def _run_section(tmp_path: Path, commands: list[str]) -> tuple[subprocess.Comple
     port = str(free_port())
     mine = [i for i, c in enumerate(commands) if "tax-office" in c and "certs init" not in c]
     setup, department, train = commands[: mine[0]], commands[mine[0] : mine[-1] + 1], commands[mine[-1] + 1 :]
-    started: list[subprocess.Popen[bytes]] = []
     logs = tmp_path / "logs"
-    logs.mkdir()
 
-    def run(line: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    def run(group: ProcessGroup, line: str, *extra: str) -> subprocess.CompletedProcess[str]:
         words = line.replace("9093", port).split()
         assert words[0] == "quorumfl"
         argv = [sys.executable, "-m", "quorumfl.cli", *words[1:], *extra]
         if any(k in line for k in LONG_RUNNING):
-            with open(logs / f"{len(started)}.log", "wb") as log:
-                started.append(subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT))
+            child = group.start(str(len(group.children)), argv, cwd=tmp_path)
             if "server start" in line:
-                wait_for_port("127.0.0.1", int(port), timeout=90)
+                wait_for_port("127.0.0.1", int(port), timeout=90, process=child.process)
             return subprocess.CompletedProcess(argv, 0, "", "")
         done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=500, check=False)
         if "runs start" not in line:
             assert done.returncode == 0, (line, done.stdout, done.stderr)
         return done
 
-    try:
+    # The servers and nodes run in a group of their own: leaving it stops each one's whole process tree
+    # (SuperLink, SuperNodes, SuperExecs), also where the test runner ignores SIGINT (a CI run in the
+    # background), which a Ctrl-C sent to `server start` alone would not reach.
+    with ProcessGroup(logs, env) as group:
         for line in setup:
-            run(line)
+            run(group, line)
         for name in DEPARTMENTS:
             for line in department:
-                run(line.replace("tax-office", name))
+                run(group, line.replace("tax-office", name))
         [admin] = train
-        final = run(admin, "--timeout", "400")
+        final = run(group, admin, "--timeout", "400")
         assert final.returncode == 0, final.stdout + final.stderr + "".join(
             p.read_text(errors="replace")[-3000:] for p in sorted(logs.iterdir()))
-    finally:
-        for proc in started:
-            proc.send_signal(2)
-        for proc in started:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
     repo = Repository(connect(f"sqlite:///{tmp_path / 'home' / 'quorumfl.db'}", migrate=False))
     return final, repo
 
