@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up QuorumFL in ./.venv on Python >= 3.11.
 #   ./setup.sh        the product (quorumfl command)
-#   ./setup.sh --dev  plus the test and lint tools
+#   ./setup.sh --dev  plus the test and lint tools, and Flower's simulation engine (Ray) the tests use
+#   ./setup.sh --simulation  plus Flower's simulation engine (Ray) for 'quorumfl simulate'
 #   ./setup.sh [--dev] --city-data  plus the real city data of the tabular/text demos and benchmarks:
 #                     Debian's r-cran-modeldata (Ames housing) and wordnet-base, unpacked into
 #                     .venv/share/quorumfl/datasets (apt-get download + dpkg-deb -x: no R, no root), and PyPI rdata
@@ -14,9 +15,10 @@ extras=""
 city_data=0
 for arg in "$@"; do
   case "$arg" in
-    --dev) extras="[dev]" ;;
+    --dev) extras="[dev,simulation]" ;;
+    --simulation) [ -n "$extras" ] || extras="[simulation]" ;;
     --city-data) city_data=1 ;;
-    *) echo "setup.sh: unknown option '$arg' (use --dev and/or --city-data)" >&2; exit 2 ;;
+    *) echo "setup.sh: unknown option '$arg' (use --dev, --simulation and/or --city-data)" >&2; exit 2 ;;
   esac
 done
 

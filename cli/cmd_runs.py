@@ -51,7 +51,7 @@ InsecureOpt = Annotated[bool, typer.Option("--insecure", help="The SuperLink run
 CaCertOpt = Annotated[Path | None, typer.Option("--ca-cert", help="Federation CA certificate (default HOME/certs/ca.crt).")]
 
 
-def _parse_override(item: str) -> tuple[str, Any]:
+def parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
         raise ConfigError(f"override '{item}' must look like key=value (e.g. -c num-rounds=10)")
     key, raw = item.split("=", 1)
@@ -113,7 +113,7 @@ def start(
     from quorumfl.server.run_task import inline_schema
 
     values = load_run_config_file(config) if config is not None else {}
-    values.update(dict(_parse_override(o) for o in override or []))
+    values.update(dict(parse_override(o) for o in override or []))
     resolved = RunConfig.from_mapping(values)
     if resolved.task_schema and not resolved.task_schema.lstrip().startswith("{"):
         values["task-schema"] = inline_schema(Path(resolved.task_schema))  # the server need not share our files

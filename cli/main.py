@@ -37,6 +37,14 @@ def _models_app() -> typer.Typer:
     return models_app
 
 
+def _simulate_app() -> typer.Typer:
+    from quorumfl.cli.cmd_simulate import simulate_command
+
+    single = typer.Typer()
+    single.command("simulate")(simulate_command)
+    return single
+
+
 def _demo_app() -> typer.Typer:
     from quorumfl.cli.cmd_federation import demo
 
@@ -50,6 +58,7 @@ def _demo_app() -> typer.Typer:
 # so `quorumfl --help` and the read-only commands start in well under a second.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("", "Run a real local federation: SuperLink + one SuperNode per department on 127.0.0.1."),
+    "simulate": ("", "Rehearse a run config on N virtual departments (Flower's simulation engine)."),
     "server": ("cmd_federation:server_app", "The coordinating server (Flower SuperLink + QuorumFL state)."),
     "node": ("cmd_federation:node_app", "A department node (Flower SuperNode running the QuorumFL ClientApp)."),
     "runs": ("cmd_runs:runs_app", "Start, follow, inspect and stop federated training runs."),
@@ -64,7 +73,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "edge": ("cmd_edge:edge_app", "Edge devices: signed INT8 artifacts and model sync."),
     "certs": ("cmd_certs:certs_app", "TLS certificates and SuperNode keys of the federation."),
 }
-_BUILDERS: dict[str, Callable[[], typer.Typer]] = {"demo": _demo_app, "models": _models_app}
+_BUILDERS: dict[str, Callable[[], typer.Typer]] = {"demo": _demo_app, "simulate": _simulate_app,
+                                                    "models": _models_app}
+_SINGLE = ("demo", "simulate")  # single commands, not groups
 
 
 def load_command(name: str) -> click.Command:
@@ -75,7 +86,7 @@ def load_command(name: str) -> click.Command:
     else:
         module, attr = where.split(":")
         sub = getattr(importlib.import_module(f"{__package__}.{module}"), attr)
-    if name == "demo":  # a single command, not a group
+    if name in _SINGLE:
         command = typer.main.get_command(sub)
     else:  # a group even when it has one sub-command (db upgrade)
         command = typer.main.get_group(sub)

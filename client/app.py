@@ -9,7 +9,8 @@ Handlers: ``train`` (plaintext reply, a masked one when the request carries ``se
 encrypted one when it carries ``ckks``), ``evaluate``, ``query.ifca_pick`` (IFCA's cluster choice,
 asked before a masked round), the masking stages
 ``query.secagg_advertise|secagg_share|secagg_confirm|secagg_unmask`` and the threshold-CKKS stages
-``query.ckks_commit|ckks_reveal|ckks_finish|ckks_decrypt``.
+``query.ckks_commit|ckks_reveal|ckks_finish|ckks_decrypt``. On Flower's simulation engine the mod
+``virtual_department`` gives each virtual node the node config a SuperNode would have.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from quorumfl.client import ckks, secure
+from quorumfl.client.virtual import virtual_department
 from quorumfl.core.slots import hold_host_slot
 from quorumfl.errors import PrivacyBudgetError, SecureAggregationError
 from quorumfl.protocol.ckks_wire import CKKS
@@ -34,7 +36,7 @@ from quorumfl.protocol.wire import (
 
 __all__ = ["app"]
 
-app = ClientApp()
+app = ClientApp(mods=[virtual_department])  # a no-op on deployed SuperNodes (client/virtual.py)
 
 
 @app.train()

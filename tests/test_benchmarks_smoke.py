@@ -139,3 +139,14 @@ def test_robustness_smoke() -> None:
     assert keys <= set(figures) and {"flagged_round", "false_flags"} <= set(figures)
     assert all(0.0 <= float(figures[k]) <= 1.0 for k in keys)  # type: ignore[arg-type]
     assert figures["flagged_round"] == figures["attack_from"]  # flagged in the round the attack starts
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("heavy-federations")  # one at a time (README: Tests)
+def test_scale_smoke() -> None:
+    figures = _run("scale.py")
+    keys = {"departments", "plain_round_s", "masked_round_s", "masked_over_plain", "ckks_round_s",
+            "server_peak_rss_mb", "stage_seconds", "memory_goal_mb"}
+    assert keys <= set(figures)
+    assert figures["participants"] == {"plain": [6, 6], "masked": [6, 6], "ckks": [4, 4]}
+    assert {"train", "secagg-unmask"} <= set(figures["stage_seconds"]["masked"])  # type: ignore[index]

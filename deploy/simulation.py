@@ -1,0 +1,170 @@
+"""Rehearse a federation on Flower's simulation engine: the same ServerApp and ClientApp, N virtual
+departments, recorded in the same state DB as a deployed run.
+
+``simulate`` splits the run's dataset across N virtual departments (or takes partition folders an
+admin made with ``quorumfl data split`` / ``data import``), writes the simulation folder the
+ClientApp's ``virtual_department`` mod reads (``client/virtual.py``), and runs Flower's simulation
+runtime in this process: the ServerApp in a thread, the ClientApps in Ray actors (one CPU each, as
+many actors as CPUs given), messages through Flower's in-memory link state. Everything QuorumFL does
+in a round (selection, validation, masking or CKKS, DP, the state DB and model store) is the
+deployed code; only the transport and the processes differ.
+
+Flower's ``run_simulation`` is the in-process entry point of that runtime. Flower marks it deprecated
+in favour of ``flwr run`` against its managed simulation SuperLink, which would build, ship and
+install the app as a FAB and keep the run config and state DB out of the admin's hands; the
+in-process call runs the installed package with the run config given here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quorumfl.client.virtual import SIMULATION_ROOT_ENV, NodeValue, write_layout
+from quorumfl.core.data import prepare_partitions
+from quorumfl.errors import ConfigError, FederationError, QuorumError
+from quorumfl.server.config import RunConfig
+from quorumfl.server.state.orm import Run
+from quorumfl.server.state.repository import Repository
+
+__all__ = ["SimulationSettings", "simulate", "virtual_departments"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SimulationSettings:
+    """What ``quorumfl simulate`` was asked: N virtual departments and how their data is made."""
+
+    departments: int
+    root: Path  # the simulation folder (partitions, node state); removed afterwards unless ``keep``
+    split: str = "iid"  # the built-in dataset's partitioner: iid, dirichlet or shards
+    alpha: float = 0.5
+    data: Path | None = None  # partition folders to use instead (one per department)
+    cpus: int = 0  # Ray's CPUs, one ClientApp actor each (0: all of this machine's)
+    node_config: Mapping[str, NodeValue] = field(default_factory=dict)
+    keep: bool = False
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        if self.departments < 1:
+            raise ConfigError(f"--departments must be at least 1, got {self.departments}")
+        if self.cpus < 0:
+            raise ConfigError(f"--cpus must be 0 (all) or more, got {self.cpus}")
+
+
+def virtual_departments(count: int) -> list[str]:
+    """The names of ``count`` virtual departments: dept-0000, dept-0001, …"""
+    width = max(4, len(str(count - 1)))
+    return [f"dept-{i:0{width}d}" for i in range(count)]
+
+
+def _partitions(settings: SimulationSettings, config: RunConfig) -> list[tuple[str, Path]]:
+    if settings.data is not None:
+        folders = sorted(p for p in settings.data.iterdir() if p.is_dir()) if settings.data.is_dir() else []
+        if len(folders) < settings.departments:
+            raise ConfigError(f"--data {settings.data} holds {len(folders)} partition folder(s), --departments asks "
+                              f"for {settings.departments}; split the data into that many ('quorumfl data split') "
+                              "or ask for fewer")
+        return [(p.name, p.resolve()) for p in folders[: settings.departments]]
+    if config.task != "image":
+        raise ConfigError(f"task '{config.task}': pass --data DIR with one partition folder per department "
+                          "('quorumfl data import' or 'data split' make them); only the built-in image datasets "
+                          "are split here")
+    names = virtual_departments(settings.departments)
+    parts = prepare_partitions(settings.root / "parts", names, dataset=config.dataset, method=settings.split,
+                               alpha=settings.alpha, seed=config.seed, data_dir=config.data_path())
+    return [(name, parts[name]) for name in names]
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables (inherited by Ray's workers) for the duration."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _server_app(values: Mapping[str, Any], seen: list[int]) -> Any:
+    """QuorumFL's ServerApp with this run config (``run_simulation`` hands the app an empty one)."""
+    from flwr.app import Context
+    from flwr.serverapp import Grid, ServerApp
+
+    from quorumfl.server.app import main as server_main
+
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        context.run_config = {**context.run_config, **values}
+        seen.append(int(context.run_id))
+        server_main(grid, context)
+
+    return app
+
+
+def simulate(values: Mapping[str, Any], settings: SimulationSettings, repo: Repository) -> Run:
+    """Run the run config ``values`` on ``settings.departments`` virtual departments; the recorded run."""
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("'quorumfl simulate' needs Flower's simulation engine (Ray), which is not installed: "
+                          "run './setup.sh --simulation' (or pip install 'quorumfl[simulation]')")
+    config = RunConfig.from_mapping(dict(values))
+    if settings.root.exists() and any(settings.root.iterdir()):
+        raise ConfigError(f"simulation folder {settings.root} is not empty; give another one")
+    try:
+        partitions = _partitions(settings, config)
+        write_layout(settings.root, partitions, dict(settings.node_config))
+        return _run(values, settings, repo)
+    finally:
+        if not settings.keep:
+            shutil.rmtree(settings.root, ignore_errors=True)
+
+
+def _run(values: Mapping[str, Any], settings: SimulationSettings, repo: Repository) -> Run:
+    from flwr.server.superlink.fleet.vce.backend.backend import BackendConfig
+    from flwr.simulation import run_simulation
+
+    from quorumfl.client.app import app as client_app
+
+    cpus = settings.cpus or os.cpu_count() or 1
+    backend: BackendConfig = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+               "init_args": {"num_cpus": cpus, "include_dashboard": False, "log_to_driver": settings.verbose}}
+    seen: list[int] = []
+    flower_log = logging.getLogger("flwr")
+    level = flower_log.level
+    if not settings.verbose:
+        flower_log.setLevel(logging.ERROR)  # Flower's deprecation banner and per-message debug lines
+    env = {SIMULATION_ROOT_ENV: str(settings.root.resolve()), "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+           "RAY_DEDUP_LOGS": "0"}
+    started = time.monotonic()
+    try:
+        with _environment(env):
+            run_simulation(server_app=_server_app(values, seen), client_app=client_app,
+                           num_supernodes=settings.departments, backend_config=backend)
+    except QuorumError:
+        raise
+    except Exception as exc:  # Ray or Flower gave up: one line, the cause kept for --debug
+        raise FederationError(f"the simulation stopped: {exc}") from exc
+    finally:
+        flower_log.setLevel(level)
+    if not seen:
+        raise FederationError("the simulation ended before its ServerApp started; rerun with --verbose to see why")
+    run = repo.get_run(seen[0])
+    log.info("simulated run %s on %s virtual departments in %.1f s", run.id, settings.departments,
+             time.monotonic() - started)
+    return run

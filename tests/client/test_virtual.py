@@ -1,0 +1,102 @@
+"""The ClientApp mod that makes a simulated node a department: what it maps, and that it never
+touches a deployed SuperNode's node config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from flwr.app import Context, Message, RecordDict
+
+from quorumfl.client.virtual import (
+    SIMULATION_ROOT_ENV,
+    virtual_department,
+    virtual_node_config,
+    write_layout,
+)
+from quorumfl.core.data.departments import propose_schema
+from quorumfl.deploy.simulation import SimulationSettings, simulate, virtual_departments
+from quorumfl.errors import ConfigError
+from tests.core.city_data import property_rows, write_csv
+
+
+@pytest.fixture(autouse=True)
+def task_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flower's Message needs the task's identity that a ClientApp process has."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    monkeypatch.setattr(TaskIdentity, "_run_id", 7)
+    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
+    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+
+
+def _seen(root: Path, node_config: dict[str, bool | int | float | str], monkeypatch: pytest.MonkeyPatch,
+          *, env: bool = True) -> dict[str, bool | int | float | str]:
+    if env:
+        monkeypatch.setenv(SIMULATION_ROOT_ENV, str(root))
+    else:
+        monkeypatch.delenv(SIMULATION_ROOT_ENV, raising=False)
+    context = Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={})
+    seen: dict[str, bool | int | float | str] = {}
+
+    def handler(msg: Message, ctx: Context) -> Message:
+        seen.update(ctx.node_config)
+        return msg
+
+    virtual_department(Message(RecordDict(), dst_node_id=7, message_type="train"), context, handler)
+    return seen
+
+
+def test_a_virtual_node_gets_its_departments_partition_name_and_state_folder(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "sim"
+    write_layout(root, [("tax-office", tmp_path / "a"), ("parks", tmp_path / "b")], {"reproducible-training": True})
+    seen = _seen(root, {"partition-id": 1, "num-partitions": 2}, monkeypatch)
+    assert seen == {"partition-id": 1, "num-partitions": 2, "data-path": str(tmp_path / "b"), "department": "parks",
+                    "state-dir": str(root / "nodes" / "parks"), "torch-threads": 1, "reproducible-training": True}
+
+
+def test_a_deployed_node_config_is_never_remapped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "sim"
+    write_layout(root, [("tax-office", tmp_path / "a")], {})
+    deployed = {"partition-id": 0, "data-path": "/srv/tax", "department": "tax-office"}
+    assert _seen(root, dict(deployed), monkeypatch) == deployed  # it has its own data-path
+    assert _seen(root, {"partition-id": 0}, monkeypatch, env=False) == {"partition-id": 0}  # not a simulation
+
+
+def test_a_partition_id_outside_the_simulation_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "sim"
+    write_layout(root, [("tax-office", tmp_path / "a")], {})
+    with pytest.raises(ConfigError, match="partition-id 1; the simulation has 1 departments"):
+        virtual_node_config({"partition-id": 1}, str(root))
+    with pytest.raises(ConfigError, match="no readable simulation.json"):
+        virtual_node_config({"partition-id": 0}, str(tmp_path / "elsewhere"))
+
+
+def test_virtual_department_names_sort_in_partition_order() -> None:
+    names = virtual_departments(10_001)
+    assert names[:2] == ["dept-00000", "dept-00001"] and names == sorted(names) and len(set(names)) == 10_001
+
+
+def test_bad_simulation_settings_name_the_option(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--departments must be at least 1"):
+        SimulationSettings(departments=0, root=tmp_path)
+    parts = tmp_path / "parts"
+    (parts / "only-one").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"--data .* holds 1 partition folder\(s\), --departments asks for 3"):
+        simulate({}, SimulationSettings(departments=3, root=tmp_path / "sim", data=parts), repo=None)  # type: ignore[arg-type]
+    assert not (tmp_path / "sim").exists()  # nothing left behind
+    schema = propose_schema(write_csv(tmp_path / "s.csv", property_rows(20, seed=1)), "tabular",
+                            {"label": "sale_price", "ignore": "parcel"})
+    with pytest.raises(ConfigError, match="task 'tabular': pass --data DIR"):
+        simulate({"task": "tabular", "task-schema": json.dumps(schema)}, SimulationSettings(departments=3, root=tmp_path / "sim"), repo=None)  # type: ignore[arg-type]
+
+
+def test_without_ray_simulate_says_how_to_install_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"needs Flower's simulation engine \(Ray\).*setup.sh --simulation"):
+        simulate({}, SimulationSettings(departments=2, root=tmp_path / "sim"), repo=None)  # type: ignore[arg-type]

@@ -1,0 +1,75 @@
+"""``quorumfl simulate`` against a deployment: the same run config on Flower's simulation engine and on
+real SuperNodes gives the same models (up to the fixed-point error of masking), and the simulated
+run is in the state DB for the same commands."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from quorumfl.core.data import prepare_partitions
+from quorumfl.deploy.local import local_federation
+from quorumfl.server.model_store import ModelStore
+from quorumfl.server.services import follow_run
+from quorumfl.server.state.database import connect
+from quorumfl.server.state.repository import Repository, RunStatus
+
+DEPARTMENTS = ["tax-office", "parks", "housing", "transit"]
+
+
+def _models(repo: Repository, run_id: int) -> dict[int, dict[str, np.ndarray]]:
+    return {v.round: ModelStore.load(v.path, v.sha256) for v in repo.list_model_versions(run_id=run_id)}
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("heavy-federations")
+@pytest.mark.timeout(900)
+def test_quorumfl_simulate_gives_the_deployed_runs_models(tmp_path: Path) -> None:
+    """One run config, masked, on 4 SuperNodes and then with ``quorumfl simulate`` on the same 4
+    partition folders: the same participants, and each round's model equal up to masking's
+    fixed-point error; the simulated run is in the state DB for ``runs show``."""
+    home = tmp_path / "home"
+    db_url = f"sqlite:///{home / 'quorumfl.db'}"
+    repo = Repository(connect(db_url, migrate=True))
+    parts = prepare_partitions(tmp_path / "parts", DEPARTMENTS, seed=0, method="dirichlet", alpha=0.5)
+    config = {"strategy": "fedavg", "num-rounds": 2, "local-epochs": 1, "min-nodes": 4, "start-from": "fresh",
+              "secure-aggregation": "masking", "secagg-threshold": 0.75, "seed": 3}
+    with local_federation(home, parts, db_url=db_url, node_config={"reproducible-training": True}) as federation:
+        flower_run_id = federation.control.start_run(
+            {**config, "state-url": db_url, "model-dir": str(home / "models")})
+        deployed = follow_run(repo, flower_run_id, timeout=600, alive=lambda: federation.alive(flower_run_id))
+    assert deployed.status == RunStatus.COMPLETED, deployed.error
+
+    toml = tmp_path / "run.toml"
+    toml.write_text("[run]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in config.items()))
+    done = subprocess.run([sys.executable, "-m", "quorumfl.cli", "--home", str(home), "simulate", str(toml),
+                           "--departments", "4", "--data", str(tmp_path / "parts"), "--reproducible"],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [simulated] = [r for r in repo.list_runs() if r.id != deployed.id]
+    assert f"Run {simulated.id} (simulated)" in done.stdout and "transit" in done.stdout, done.stdout
+    assert list((home / "simulations").iterdir()) == []  # the simulation folder went with the run
+    shown = subprocess.run([sys.executable, "-m", "quorumfl.cli", "--home", str(home), "runs", "show",
+                            str(simulated.id), "--format", "json"], capture_output=True, text=True, timeout=120,
+                           check=False)
+    view = json.loads(shown.stdout)
+    assert view["status"] == "completed" and view["config"]["secure-aggregation"] == "masking"
+    assert sorted(d["department"] for d in view["departments"]) == sorted(DEPARTMENTS)
+
+    names = {n.node_id: n.department for n in repo.list_nodes()}
+    for run in (deployed, repo.get_run(simulated.id)):
+        assert [len(r.participants) for r in run.rounds] == [4, 4]
+        assert sorted(names[n] or "" for n in run.rounds[-1].participants) == sorted(DEPARTMENTS)
+    ours, theirs = _models(repo, simulated.id), _models(repo, deployed.id)
+    assert sorted(ours) == sorted(theirs) == [1, 2]
+    for number in (1, 2):
+        for key, value in theirs[number].items():
+            # Masking encodes each update in fixed point with stochastic rounding; a second round
+            # trains from models that differ by that much.
+            np.testing.assert_allclose(ours[number][key], value, rtol=0, atol=5e-5 if number == 1 else 1e-4,
+                                       err_msg=f"round {number} {key}")
