@@ -35,6 +35,8 @@ def simulate_command(
                                            "(0: all).")] = 0,
     reproducible: Annotated[bool, typer.Option(help="Virtual departments train with the run's seed, as nodes "
                                                     "with node config reproducible-training do.")] = False,
+    dropout: Annotated[float, typer.Option(help="Each virtual department fails each message (key set-up, "
+                                                "training, unmasking, evaluation) with this probability.")] = 0.0,
     keep: Annotated[Path | None, typer.Option(help="Keep the simulation folder (partitions, node state) here; "
                                                     "by default it is removed when the run ends.")] = None,
     verbose: Annotated[bool, typer.Option(help="Show Flower's and Ray's logs and the ClientApps' output.")] = False,
@@ -54,7 +56,7 @@ def simulate_command(
         run_settings = SimulationSettings(
             departments=departments, root=keep if keep is not None else Path(scratch), split=split, alpha=alpha,
             data=data, cpus=cpus, node_config={"reproducible-training": True} if reproducible else {},
-            keep=keep is not None, verbose=verbose)
+            dropout=dropout, keep=keep is not None, verbose=verbose)
         err_console.print(f"[dim]starting Flower's simulation engine: {departments} virtual departments on "
                           f"{cpus or 'all'} CPU(s)[/dim]")
         run = simulate(values, run_settings, repo)

@@ -11,6 +11,11 @@ out, so the same handlers run unchanged::
                               (e.g. reproducible-training)
     ROOT/nodes/NAME           the department's node state (key shares, ledgers, checkpoints)
 
+With ``virtual-dropout = P`` in that node config, a virtual department fails each message it is
+sent with probability P (drawn from ``virtual-seed``, its name and the message id): its reply is an
+error, which the server records as a dropout at that stage (key set-up, masked input, unmask,
+evaluation), so a rehearsal shows what dropouts do to a configuration.
+
 The folder is named by ``$QUORUMFL_SIMULATION_ROOT`` (inherited by the simulation's worker
 processes). The mod does nothing unless that variable is set *and* the node config has a
 ``partition-id`` and no ``data-path``, so a deployed SuperNode is never remapped.
@@ -21,18 +26,25 @@ from __future__ import annotations
 import functools
 import json
 import os
+import random
 from collections.abc import Callable
 from pathlib import Path
 
 from flwr.app import Context, Message
 
-from quorumfl.errors import ConfigError
+from quorumfl.errors import ConfigError, FederationError
 
-__all__ = ["LAYOUT_FILE", "SIMULATION_ROOT_ENV", "NodeValue", "virtual_department", "virtual_node_config",
-           "write_layout"]
+__all__ = ["DROPOUT_KEY", "LAYOUT_FILE", "SEED_KEY", "SIMULATION_ROOT_ENV", "NodeValue", "VirtualDropoutError",
+           "drops", "virtual_department", "virtual_node_config", "write_layout"]
 
 SIMULATION_ROOT_ENV = "QUORUMFL_SIMULATION_ROOT"
 LAYOUT_FILE = "simulation.json"
+DROPOUT_KEY = "virtual-dropout"
+SEED_KEY = "virtual-seed"
+
+
+class VirtualDropoutError(FederationError):
+    """A virtual department's simulated dropout: its reply to this message is an error."""
 NodeValue = bool | int | float | str
 
 
@@ -69,9 +81,24 @@ def virtual_node_config(node_config: dict[str, NodeValue], root: str) -> dict[st
             "state-dir": str(Path(root) / "nodes" / name), "torch-threads": 1}
 
 
+def drops(node_config: dict[str, NodeValue], message_id: str) -> bool:
+    """Whether this virtual department drops out of the message ``message_id`` (``virtual-dropout``)."""
+    chance = node_config.get(DROPOUT_KEY, 0.0)
+    if isinstance(chance, bool) or not isinstance(chance, int | float) or not 0.0 <= chance < 1.0:
+        raise ConfigError(f"node config {DROPOUT_KEY} must be a probability in [0, 1), got {chance!r}")
+    if not chance:
+        return False
+    draw = random.Random(f"{node_config.get(SEED_KEY, 0)}:{node_config.get('department')}:{message_id}").random()
+    return draw < chance
+
+
 def virtual_department(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
-    """ClientApp mod: give a simulated node its department's node config (module docstring)."""
+    """ClientApp mod: give a simulated node its department's node config, and play its dropouts
+    (module docstring)."""
     root = os.environ.get(SIMULATION_ROOT_ENV, "")
     if root and "partition-id" in context.node_config and "data-path" not in context.node_config:
         context.node_config = virtual_node_config(dict(context.node_config), root)
+        if drops(dict(context.node_config), msg.metadata.message_id):
+            raise VirtualDropoutError(f"virtual department {context.node_config['department']} dropped out of this "
+                                      f"{msg.metadata.message_type} message (virtual-dropout)")
     return call_next(msg, context)

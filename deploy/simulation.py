@@ -28,8 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quorumfl.client.virtual import SIMULATION_ROOT_ENV, NodeValue, write_layout
+from quorumfl.client.virtual import (
+    DROPOUT_KEY,
+    SEED_KEY,
+    SIMULATION_ROOT_ENV,
+    NodeValue,
+    write_layout,
+)
 from quorumfl.core.data import prepare_partitions
+from quorumfl.deploy.sim_dispatch import one_pass_dispatch
 from quorumfl.errors import ConfigError, FederationError, QuorumError
 from quorumfl.server.config import RunConfig
 from quorumfl.server.state.orm import Run
@@ -51,6 +58,7 @@ class SimulationSettings:
     data: Path | None = None  # partition folders to use instead (one per department)
     cpus: int = 0  # Ray's CPUs, one ClientApp actor each (0: all of this machine's)
     node_config: Mapping[str, NodeValue] = field(default_factory=dict)
+    dropout: float = 0.0  # each virtual department fails each message with this probability
     keep: bool = False
     verbose: bool = False
 
@@ -59,6 +67,8 @@ class SimulationSettings:
             raise ConfigError(f"--departments must be at least 1, got {self.departments}")
         if self.cpus < 0:
             raise ConfigError(f"--cpus must be 0 (all) or more, got {self.cpus}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"--dropout must be a probability in [0, 1), got {self.dropout}")
 
 
 def virtual_departments(count: int) -> list[str]:
@@ -128,7 +138,8 @@ def simulate(values: Mapping[str, Any], settings: SimulationSettings, repo: Repo
         raise ConfigError(f"simulation folder {settings.root} is not empty; give another one")
     try:
         partitions = _partitions(settings, config)
-        write_layout(settings.root, partitions, dict(settings.node_config))
+        extra = {**settings.node_config, DROPOUT_KEY: settings.dropout, SEED_KEY: config.seed}
+        write_layout(settings.root, partitions, extra)
         return _run(values, settings, repo)
     finally:
         if not settings.keep:
@@ -148,12 +159,14 @@ def _run(values: Mapping[str, Any], settings: SimulationSettings, repo: Reposito
     flower_log = logging.getLogger("flwr")
     level = flower_log.level
     if not settings.verbose:
-        flower_log.setLevel(logging.ERROR)  # Flower's deprecation banner and per-message debug lines
+        # Flower's deprecation banner, per-message debug lines and each failed message's traceback
+        # (the state DB records every failure with its reason)
+        flower_log.setLevel(logging.CRITICAL)
     env = {SIMULATION_ROOT_ENV: str(settings.root.resolve()), "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
            "RAY_DEDUP_LOGS": "0"}
     started = time.monotonic()
     try:
-        with _environment(env):
+        with _environment(env), one_pass_dispatch():
             run_simulation(server_app=_server_app(values, seen), client_app=client_app,
                            num_supernodes=settings.departments, backend_config=backend)
     except QuorumError:

@@ -142,7 +142,6 @@ def test_robustness_smoke() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("heavy-federations")  # one at a time (README: Tests)
 def test_scale_smoke() -> None:
     figures = _run("scale.py")
     keys = {"departments", "plain_round_s", "masked_round_s", "masked_over_plain", "ckks_round_s",

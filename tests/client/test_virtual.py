@@ -10,7 +10,11 @@ import pytest
 from flwr.app import Context, Message, RecordDict
 
 from quorumfl.client.virtual import (
+    DROPOUT_KEY,
+    SEED_KEY,
     SIMULATION_ROOT_ENV,
+    VirtualDropoutError,
+    drops,
     virtual_department,
     virtual_node_config,
     write_layout,
@@ -100,3 +104,75 @@ def test_without_ray_simulate_says_how_to_install_it(tmp_path: Path, monkeypatch
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     with pytest.raises(ConfigError, match=r"needs Flower's simulation engine \(Ray\).*setup.sh --simulation"):
         simulate({}, SimulationSettings(departments=2, root=tmp_path / "sim"), repo=None)  # type: ignore[arg-type]
+
+
+def test_dropouts_are_drawn_per_message_at_the_asked_rate_and_repeat_for_the_same_message() -> None:
+    config: dict[str, bool | int | float | str] = {"department": "parks", DROPOUT_KEY: 0.1, SEED_KEY: 3}
+    draws = [drops(config, f"message-{i}") for i in range(5000)]
+    assert 0.08 < sum(draws) / len(draws) < 0.12  # binomial(5000, 0.1): sd 0.004
+    assert draws == [drops(config, f"message-{i}") for i in range(5000)]  # a message's fate is fixed
+    other = [drops({**config, "department": "tax-office"}, f"message-{i}") for i in range(5000)]
+    assert draws != other  # departments drop independently
+    assert not any(drops({**config, DROPOUT_KEY: 0.0}, f"message-{i}") for i in range(1000))
+    with pytest.raises(ConfigError, match="virtual-dropout must be a probability"):
+        drops({**config, DROPOUT_KEY: 1.0}, "m")
+
+
+def test_a_virtual_department_that_drops_out_answers_with_an_error(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "sim"
+    write_layout(root, [("parks", tmp_path / "a")], {DROPOUT_KEY: 0.999999})
+    with pytest.raises(VirtualDropoutError, match="virtual department parks dropped out of this train message"):
+        _seen(root, {"partition-id": 0}, monkeypatch)
+
+
+class _Metadata:
+    def __init__(self, node: int, created: float) -> None:
+        self.dst_node_id, self.delivered_at, self.created = node, "", created
+
+
+class _Message:
+    def __init__(self, node: int, created: float = 0.0) -> None:
+        self.metadata = _Metadata(node, created)
+
+
+class _LinkState:
+    """What the dispatcher reads of Flower's InMemoryLinkState: its lock, its store and its own validity check
+    (here: a message created before time 0 has expired)."""
+
+    def __init__(self, messages: dict[str, _Message]) -> None:
+        import threading
+
+        self.lock = threading.RLock()
+        self.message_ins_store = messages
+        self.checked: list[set[str]] = []
+
+    def _check_stored_messages(self, ids: set[str]) -> None:
+        self.checked.append(set(ids))
+        for msg_id in ids:
+            if self.message_ins_store[msg_id].metadata.created < 0:
+                del self.message_ins_store[msg_id]
+
+
+def test_one_pass_dispatch_queues_each_nodes_first_undelivered_message_as_flowers_loop_does() -> None:
+    import queue
+    import threading
+
+    from quorumfl.deploy.sim_dispatch import add_messages_in_one_pass
+
+    messages = {"a1": _Message(1), "b1": _Message(2), "a2": _Message(1), "gone": _Message(3, created=-1.0),
+                "other": _Message(99), "c1": _Message(3)}
+    messages["b1"].metadata.delivered_at = "earlier"  # already with its worker
+    state, out, stop = _LinkState(messages), queue.Queue(), threading.Event()
+
+    class _OnePass(queue.Queue):  # type: ignore[type-arg]
+        def put(self, item: object, block: bool = True, timeout: float | None = None) -> None:
+            out.put(item)
+            stop.set()
+
+    add_messages_in_one_pass(state, _OnePass(), {1: 0, 2: 1, 3: 2}, stop)
+    queued = [out.get_nowait() for _ in range(out.qsize())]
+    assert queued == [messages["a1"], messages["c1"]]  # node 1's first, node 3's; node 2's is delivered
+    assert messages["a1"].metadata.delivered_at and not messages["a2"].metadata.delivered_at
+    assert "gone" not in state.message_ins_store and not messages["other"].metadata.delivered_at  # not our node
+    assert state.checked == [{"a1", "b1", "a2", "gone", "other", "c1"}]  # one validity pass, not one per node

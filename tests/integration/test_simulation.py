@@ -27,7 +27,6 @@ def _models(repo: Repository, run_id: int) -> dict[int, dict[str, np.ndarray]]:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("heavy-federations")
 @pytest.mark.timeout(900)
 def test_quorumfl_simulate_gives_the_deployed_runs_models(tmp_path: Path) -> None:
     """One run config, masked, on 4 SuperNodes and then with ``quorumfl simulate`` on the same 4
