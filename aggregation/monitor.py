@@ -27,8 +27,13 @@ every node adds a one in the bucket of its update norm and one in the bucket of 
 nodes two or more buckets (≥ 10×) above the median bucket are counted as standing out. The server
 learns how many, and in which buckets, not which nodes.
 
-These need every update at once, so with a robust rule the server holds the round's updates in
-memory (nodes × model), which plaintext rounds do already when parsing replies.
+Plaintext rounds without a robust rule never hold the round's updates: the server folds each into
+the running sums as it arrives and keeps, per node, the norm of its change and a ``ChangeSketch`` of
+it (a CountSketch of ``SKETCH`` values: each coordinate added, with a random sign, to a random
+bucket); cosines are then taken between sketches (``monitor_measured``). A sketch preserves inner
+products up to about 1/√SKETCH (1.6 %) of the norms' product; a model of at most ``SKETCH``
+parameters is kept exactly. The robust rules need every update at once, so with one the server holds
+the round's updates in memory (nodes × model).
 """
 
 from __future__ import annotations
@@ -43,14 +48,15 @@ from numpy.typing import NDArray
 
 from quorumfl.errors import AggregationError
 
-__all__ = ["LOSS_RATIO", "MIN_NODES", "NORM_RATIO", "THRESHOLD", "RobustRule", "UpdateStats", "histogram_flags",
-           "monitor_updates", "robust_combine", "robust_z"]
+__all__ = ["LOSS_RATIO", "MIN_NODES", "NORM_RATIO", "SKETCH", "THRESHOLD", "ChangeSketch", "RobustRule",
+           "UpdateStats", "histogram_flags", "monitor_measured", "monitor_updates", "robust_combine", "robust_z"]
 
 Arrays = Mapping[str, NDArray[np.generic]]
 THRESHOLD = 3.5  # Iglewicz and Hoaglin's cut for the modified z-score
 NORM_RATIO = 3.0
 LOSS_RATIO = 2.0
 MIN_NODES = 4
+SKETCH = 4096  # values per node kept for cosines in a streamed round
 
 
 class RobustRule(StrEnum):
@@ -114,12 +120,61 @@ def monitor_updates(reference: Arrays, updates: Mapping[int, Arrays], aggregate:
         norm = float(np.linalg.norm(change))
         norms[node] = norm
         cosines[node] = float(change @ mean_change) / (norm * mean_norm) if norm > 0 and mean_norm > 0 else math.nan
-    loss = {node: float(losses.get(node, math.nan)) for node in updates}
+    return _judge(norms, cosines, losses)
+
+
+class ChangeSketch:
+    """The norm of an update's change from ``reference`` and a CountSketch of it (module docstring);
+    the same buckets and signs for every update of a round (``seed``)."""
+
+    def __init__(self, reference: Arrays, *, seed: int = 0) -> None:
+        self.reference = {k: reference[k] for k in sorted(reference)}
+        size = sum(int(np.size(v)) for v in self.reference.values())
+        self.buckets: NDArray[np.int64] | None = None
+        self.signs: NDArray[np.float64] | None = None
+        if size > SKETCH:
+            rng = np.random.default_rng(seed)
+            self.buckets = rng.integers(0, SKETCH, size)
+            self.signs = rng.choice(np.array([-1.0, 1.0]), size)
+
+    def measure(self, arrays: Arrays) -> tuple[float, NDArray[np.float64]]:
+        """(‖x − w‖, sketch of x − w); raises KeyError or ValueError when names or shapes differ."""
+        change = np.concatenate([(np.asarray(arrays[k], np.float64) - np.asarray(w, np.float64)).ravel()
+                                 if np.shape(arrays[k]) == np.shape(w) else _shape_error(k)
+                                 for k, w in self.reference.items()])
+        norm = float(np.linalg.norm(change))
+        if self.buckets is None or self.signs is None:
+            return norm, change
+        return norm, np.bincount(self.buckets, weights=self.signs * change, minlength=SKETCH)
+
+
+def _shape_error(name: str) -> NDArray[np.float64]:
+    raise ValueError(f"'{name}' has another shape than the model")
+
+
+def monitor_measured(measured: Mapping[int, tuple[float, NDArray[np.float64]]], mean_sketch: NDArray[np.float64],
+                     losses: Mapping[int, float]) -> dict[int, UpdateStats]:
+    """``monitor_updates`` from each update's (norm, sketch) and the aggregate change's sketch: the
+    norms are exact, the cosines those of the sketches."""
+    mean_length = float(np.linalg.norm(mean_sketch))
+    norms, cosines = {}, {}
+    for node, (norm, sketch) in measured.items():
+        length = float(np.linalg.norm(sketch))
+        norms[node] = norm
+        cosines[node] = (float(sketch @ mean_sketch) / (length * mean_length)
+                         if length > 0 and mean_length > 0 else math.nan)
+    return _judge(norms, cosines, losses)
+
+
+def _judge(norms: Mapping[int, float], cosines: Mapping[int, float],
+           losses: Mapping[int, float]) -> dict[int, UpdateStats]:
+    """z-scores of the figures and the flags (module docstring)."""
+    loss = {node: float(losses.get(node, math.nan)) for node in norms}
     z_norm, z_cos, z_loss = robust_z(norms), robust_z(cosines), robust_z(loss)
-    judged = len(updates) >= MIN_NODES
+    judged = len(norms) >= MIN_NODES
     median_norm, median_loss, median_cos = (_median(v) for v in (norms, loss, cosines))
     stats = {}
-    for node in updates:
+    for node in norms:
         reasons = []
         if judged and z_norm[node] > THRESHOLD and norms[node] > NORM_RATIO * median_norm:
             reasons.append(f"update norm {norms[node]:.3g}, {norms[node] / median_norm:.1f}× the median "

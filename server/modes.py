@@ -27,6 +27,7 @@ import numpy as np
 from flwr.app import MessageType
 from numpy.typing import NDArray
 
+from quorumfl.aggregation.monitor import RobustRule
 from quorumfl.errors import FederationError
 from quorumfl.protocol.wire import METRICS, TrainConfig, department_of
 from quorumfl.server.ckks import AuditTrail, CkksSession
@@ -36,6 +37,7 @@ from quorumfl.server.phase import RoundOutcome, TrainPhase
 from quorumfl.server.replies import (
     ReplyError,
     Robust,
+    StreamedTrain,
     aggregate_train_replies,
     cluster_of_metrics,
     describe_repairs,
@@ -83,6 +85,17 @@ class PlaintextMode:
         start = self.clock()
         messages = requests(MessageType.TRAIN, models, configs)
         retried: dict[int, int] = {}
+        if len(models) == 1 and self.config.robust_aggregation == RobustRule.NONE:
+            # Folded as the replies arrive: the server never holds every node's update.
+            streamed = StreamedTrain(self.strategy, models[0], outcome.failures,
+                                     max_reply_mb=self.config.max_reply_mb, max_weight=self.config.secagg_max_weight)
+            self.exchange(messages, outcome.failures, "train", self.config.train_deadline(), consume=streamed.consume,
+                          retries=self.config.train_retries, retried=retried)
+            timings["train"] = self.clock() - start
+            start = self.clock()
+            phase = streamed.finish(retried)
+            timings["aggregate"] = self.clock() - start
+            return phase
         replies = self.exchange(messages, outcome.failures, "train", self.config.train_deadline(),
                                  retries=self.config.train_retries, retried=retried)
         timings["train"] = self.clock() - start

@@ -18,7 +18,15 @@ from numpy.typing import NDArray
 
 from quorumfl.aggregation import NodeUpdate, aggregate_weighted_metrics
 from quorumfl.aggregation.clustering import Repair
-from quorumfl.aggregation.monitor import RobustRule, UpdateStats, monitor_updates, robust_combine
+from quorumfl.aggregation.monitor import (
+    ChangeSketch,
+    RobustRule,
+    UpdateStats,
+    monitor_measured,
+    monitor_updates,
+    robust_combine,
+)
+from quorumfl.aggregation.weighted import BLOCK
 from quorumfl.errors import QuorumError
 from quorumfl.protocol.wire import (
     ARRAYS,
@@ -37,6 +45,7 @@ __all__ = [
     "RefusedError",
     "Robust",
     "ReplyError",
+    "StreamedTrain",
     "TrainReply",
     "aggregate_train_replies",
     "check_refusal",
@@ -169,6 +178,13 @@ def aggregate_train_replies(
         rejected, accepted_ids = result.rejected, result.accepted
         phase.arrays = result.arrays
         phase.total_examples = result.total_examples
+    return _finish_phase(phase, parsed, accepted_ids, rejected, monitored, failures, retried)
+
+
+def _finish_phase(phase: TrainPhase, parsed: Sequence[TrainReply], accepted_ids: Sequence[int],
+                  rejected: Mapping[int, str], monitored: Mapping[int, UpdateStats],
+                  failures: dict[int, tuple[str, str]], retried: Mapping[int, int]) -> TrainPhase:
+    """The phase's nodes, metrics, flags and failures once the updates are combined."""
     for node, reason in rejected.items():
         failures[node] = ("aggregate", reason)
     accepted = [p for p in parsed if p.node_id in set(accepted_ids)]
@@ -188,6 +204,57 @@ def aggregate_train_replies(
             phase.flags[node] = "; ".join(stat.reasons)
     phase.departments = {p.node_id: p.department for p in parsed}
     return phase
+
+
+class StreamedTrain:
+    """One global model's plaintext train stage folded as the replies arrive (``Exchange``'s
+    ``consume``), for rounds without a robust rule: each reply is parsed, its change measured for
+    monitoring (norm and ``ChangeSketch``), and handed to the strategy's running aggregate in batches
+    of ``BLOCK``; of a reply only its metrics are kept. The server then holds the model, the running
+    sums, at most ``BLOCK`` updates and one sketch per node, not every node's update."""
+
+    def __init__(self, strategy: Strategy, reference: Arrays, failures: dict[int, tuple[str, str]], *,
+                 max_reply_mb: float = 0.0, max_weight: float = 0.0) -> None:
+        self.reference = reference
+        self.failures = failures
+        self.max_reply_mb, self.max_weight = max_reply_mb, max_weight
+        self.aggregator = strategy.train_aggregator(reference)
+        self.sketch = ChangeSketch({k: v for k, v in reference.items() if not k.startswith("control:")})
+        self.parsed: list[TrainReply] = []
+        self.measured: dict[int, tuple[float, NDArray[np.float64]]] = {}
+        self.pending: list[NodeUpdate] = []
+
+    def consume(self, node: int, reply: Message) -> None:
+        try:
+            item = parse_train_reply(node, reply, [self.reference], max_reply_mb=self.max_reply_mb,
+                                     max_weight=self.max_weight)
+        except ReplyError as exc:
+            self.failures[node] = ("dp-budget" if isinstance(exc, RefusedError) else "train", str(exc))
+            return
+        try:
+            self.measured[node] = self.sketch.measure(item.update.arrays)
+        except (KeyError, ValueError):
+            pass  # names or shapes differ: the aggregate refuses the update and says why
+        self.pending.append(item.update)
+        self.parsed.append(TrainReply(item.node_id, item.department,
+                                      NodeUpdate(item.update.node, {}, item.update.weight), item.metrics))
+        if len(self.pending) >= BLOCK:
+            self.aggregator.add(self.pending)
+            self.pending = []
+
+    def finish(self, retried: Mapping[int, int] | None = None) -> TrainPhase:
+        self.aggregator.add(self.pending)
+        self.pending = []
+        result = self.aggregator.finish()
+        phase = TrainPhase(arrays=result.arrays, total_examples=result.total_examples)
+        monitored: dict[int, UpdateStats] = {}
+        if result.arrays is not None and result.accepted:
+            _, mean_sketch = self.sketch.measure(result.arrays)
+            losses = {p.node_id: p.metrics.get("train-loss", math.nan) for p in self.parsed}
+            monitored = monitor_measured({n: self.measured[n] for n in result.accepted if n in self.measured},
+                                         mean_sketch, losses)
+        return _finish_phase(phase, self.parsed, result.accepted, result.rejected, monitored, self.failures,
+                             retried or {})
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,26 @@ class ClusteredResult:
     total_examples: float = 0.0
 
 
+class TrainAggregator:
+    """A round's weighted mean fed in parts (``add``), as a streamed round hands over its replies; an
+    invalid update is rejected, never averaged. Holds the running sums only."""
+
+    def __init__(self, template: Arrays) -> None:
+        self.mean = WeightedMean(template)
+        self.rejected: dict[int, str] = {}
+
+    def add(self, updates: Iterable[NodeUpdate]) -> None:
+        self.rejected.update({int(node): reason for node, reason in self.mean.extend(updates).items()})
+
+    def finish(self) -> AggregateResult:
+        result = AggregateResult(arrays=None, rejected=dict(self.rejected),
+                                 accepted=[int(node) for node in self.mean.nodes])
+        if result.accepted:
+            result.arrays = self.mean.result()
+            result.total_examples = self.mean.total_weight
+        return result
+
+
 class Strategy(Protocol):
     """What the federation loop asks of a strategy (FedAvg, FedProx, FedPer, Ditto, IFCA)."""
 
@@ -90,6 +110,10 @@ class Strategy(Protocol):
 
     def aggregate_train(self, template: Arrays, updates: Iterable[NodeUpdate]) -> AggregateResult:
         """One server model: the combination of the valid updates."""
+        ...
+
+    def train_aggregator(self, template: Arrays) -> TrainAggregator:
+        """``aggregate_train`` fed in parts, as replies arrive (running sums)."""
         ...
 
     def aggregate_clusters(
@@ -140,14 +164,12 @@ class FedAvg:
 
     def aggregate_train(self, template: Arrays, updates: Iterable[NodeUpdate]) -> AggregateResult:
         """Weighted mean of the valid updates; an invalid update is rejected, never averaged."""
-        mean = WeightedMean(template)
-        result = AggregateResult(arrays=None)
-        result.rejected.update({int(node): reason for node, reason in mean.extend(updates).items()})
-        result.accepted.extend(int(node) for node in mean.nodes)
-        if result.accepted:
-            result.arrays = mean.result()
-            result.total_examples = mean.total_weight
-        return result
+        aggregator = self.train_aggregator(template)
+        aggregator.add(updates)
+        return aggregator.finish()
+
+    def train_aggregator(self, template: Arrays) -> TrainAggregator:
+        return TrainAggregator(template)
 
     def aggregate_clusters(
         self, server_round: int, models: Sequence[Arrays], updates: Iterable[tuple[int, NodeUpdate]]
