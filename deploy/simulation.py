@@ -79,7 +79,10 @@ def virtual_departments(count: int) -> list[str]:
 
 def _partitions(settings: SimulationSettings, config: RunConfig) -> list[tuple[str, Path]]:
     if settings.data is not None:
-        folders = sorted(p for p in settings.data.iterdir() if p.is_dir()) if settings.data.is_dir() else []
+        if not settings.data.is_dir():
+            raise ConfigError(f"--data {settings.data} is not a folder; give the folder holding one partition "
+                              "folder per department")
+        folders = sorted(p for p in settings.data.iterdir() if p.is_dir())
         if len(folders) < settings.departments:
             raise ConfigError(f"--data {settings.data} holds {len(folders)} partition folder(s), --departments asks "
                               f"for {settings.departments}; split the data into that many ('quorumfl data split') "
