@@ -145,7 +145,7 @@ class ChangeSketch:
         norm = float(np.linalg.norm(change))
         if self.buckets is None or self.signs is None:
             return norm, change
-        return norm, np.bincount(self.buckets, weights=self.signs * change, minlength=SKETCH)
+        return norm, np.bincount(self.buckets, weights=self.signs * change, minlength=SKETCH).astype(np.float64)
 
 
 def _shape_error(name: str) -> NDArray[np.float64]:

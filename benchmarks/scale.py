@@ -13,9 +13,11 @@ starts its own Ray instance; the first round of a run holds Ray's start and the 
 Keys: departments, ckks_departments, params, plain_round_s, masked_round_s, masked_over_plain,
 ckks_round_s, ckks_over_plain (CKKS at its own N against plaintext at N), stage_seconds (per mode: the
 median seconds of each recorded stage), first_round_s (per mode), server_peak_rss_mb (the largest
-the ServerApp's process reported: the driver, whose Ray client and the ServerApp share it),
+the ServerApp's process reported: the driver, whose Ray client and the ServerApp share it; a
+process's peak so far, so server_peak_rss_mb_by_mode holds the earlier modes' too: they run plain,
+masked, CKKS),
 memory_goal_mb (4 × the model's float64 bytes + 1 GB), masked_goal_met, memory_goal_met,
-elapsed_s.
+errors (per mode, why a run's rounds failed: its figures are then null), elapsed_s.
 """
 
 from __future__ import annotations
@@ -30,16 +32,21 @@ from _common import parser as make_parser
 from _common import report
 from quorumfl.core.models import build_model
 from quorumfl.deploy.simulation import SimulationSettings, simulate
+from quorumfl.errors import QuorumError
 from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository, RoundStatus
 
 
 def _mode(repo: Repository, home: Path, departments: int, config: dict[str, Any], name: str) -> dict[str, Any]:
+    """One simulated run's figures, or ``{"error": why}`` when a round of it failed (reported, not hidden)."""
     root = home / f"sim-{name}"
-    run = simulate(config, SimulationSettings(departments=departments, root=root), repo)
+    try:
+        run = simulate(config, SimulationSettings(departments=departments, root=root), repo)
+    except QuorumError as exc:
+        return {"error": str(exc)}
     if run.status != "completed" or any(r.status != RoundStatus.COMPLETED for r in run.rounds):
-        raise SystemExit(f"{name}: run ended {run.status}: {run.error}; "
-                         f"rounds {[(r.number, r.status, r.error) for r in run.rounds]}")
+        return {"error": f"run ended {run.status}: {run.error}; rounds "
+                         f"{[(r.number, r.status, r.error) for r in run.rounds]}"}
     seconds = [sum(v for k, v in r.timings.items() if k != "local_train_max") for r in run.rounds]
     later = run.rounds[1:] or run.rounds
     stages = sorted({k for r in later for k in r.timings if k != "local_train_max"})
@@ -82,25 +89,25 @@ def main() -> None:
         ckks = _mode(repo, home, ckks_departments, {**base, "secure-aggregation": "ckks", "secagg-threshold": 0.6},
                      "ckks")
     memory_goal = 4 * params * 8 / 2**20 + 1024
-    peak = max(m["server_peak_rss_mb"] for m in (plain, masked, small_plain, ckks))
+    modes = {"plain": plain, "masked": masked, "ckks": ckks}
     figures: dict[str, Any] = {
         "departments": departments, "ckks_departments": ckks_departments, "params": params, "rounds": rounds,
-        "dataset": dataset,
-        "plain_round_s": plain["round_s"], "masked_round_s": masked["round_s"],
-        "masked_over_plain": masked["round_s"] / plain["round_s"],
-        "plain_small_round_s": small_plain["round_s"], "ckks_round_s": ckks["round_s"],
-        "ckks_over_plain": ckks["round_s"] / small_plain["round_s"],
-        "stage_seconds": {"plain": plain["stage_seconds"], "masked": masked["stage_seconds"],
-                          "ckks": ckks["stage_seconds"]},
-        "first_round_s": {"plain": plain["first_round_s"], "masked": masked["first_round_s"],
-                          "ckks": ckks["first_round_s"]},
-        "rounds_s": {"plain": plain["rounds_s"], "masked": masked["rounds_s"], "ckks": ckks["rounds_s"]},
-        "participants": {"plain": plain["participants"], "masked": masked["participants"],
-                         "ckks": ckks["participants"]},
-        "server_peak_rss_mb": peak, "memory_goal_mb": memory_goal,
-        "masked_goal_met": masked["round_s"] <= 2 * plain["round_s"], "memory_goal_met": peak <= memory_goal,
-        "elapsed_s": time.monotonic() - began,
+        "dataset": dataset, "memory_goal_mb": memory_goal, "elapsed_s": time.monotonic() - began,
+        "errors": {k: m["error"] for k, m in {**modes, "plain_small": small_plain}.items() if "error" in m},
     }
+    for key, mode in (("plain", plain), ("masked", masked), ("plain_small", small_plain), ("ckks", ckks)):
+        figures[f"{key}_round_s"] = mode.get("round_s")
+    for key in ("stage_seconds", "first_round_s", "rounds_s", "participants"):
+        figures[key] = {name: mode.get(key) for name, mode in modes.items()}
+    if "round_s" in plain and "round_s" in masked:
+        figures["masked_over_plain"] = masked["round_s"] / plain["round_s"]
+        figures["masked_goal_met"] = masked["round_s"] <= 2 * plain["round_s"]
+    if "round_s" in small_plain and "round_s" in ckks:
+        figures["ckks_over_plain"] = ckks["round_s"] / small_plain["round_s"]
+    peaks = [m["server_peak_rss_mb"] for m in (plain, masked, small_plain, ckks) if "server_peak_rss_mb" in m]
+    figures["server_peak_rss_mb"] = max(peaks) if peaks else None
+    figures["server_peak_rss_mb_by_mode"] = {name: mode.get("server_peak_rss_mb") for name, mode in modes.items()}
+    figures["memory_goal_met"] = bool(peaks) and max(peaks) <= memory_goal
     report(figures, as_json=args.json)
 
 

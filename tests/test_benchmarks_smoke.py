@@ -147,5 +147,5 @@ def test_scale_smoke() -> None:
     keys = {"departments", "plain_round_s", "masked_round_s", "masked_over_plain", "ckks_round_s",
             "server_peak_rss_mb", "stage_seconds", "memory_goal_mb"}
     assert keys <= set(figures)
-    assert figures["participants"] == {"plain": [6, 6], "masked": [6, 6], "ckks": [4, 4]}
+    assert figures["errors"] == {} and figures["participants"] == {"plain": [6, 6], "masked": [6, 6], "ckks": [4, 4]}
     assert {"train", "secagg-unmask"} <= set(figures["stage_seconds"]["masked"])  # type: ignore[index]
