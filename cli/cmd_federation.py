@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from quorumfl.cli.cmd_runs import round_progress, round_reporter, stage_reporter
+from quorumfl.cli.cmd_runs import print_finished_run, round_progress, round_reporter, stage_reporter
 from quorumfl.cli.context import DEFAULT_SUPERLINK, INSECURE_WARNING, settings
 from quorumfl.cli.output import console, err_console, print_json, table
 from quorumfl.core.data import read_partition
@@ -41,7 +41,7 @@ from quorumfl.deploy.supernode import DEFAULT_POLL_S, POLL_ENV
 from quorumfl.deploy.warm import warm_env
 from quorumfl.errors import ConfigError, CredentialError, DataError, FederationError
 from quorumfl.server.config import SecureMode
-from quorumfl.server.services import budget_view, department_columns, run_closing, run_view
+from quorumfl.server.services import budget_view
 from quorumfl.server.state.database import connect
 
 server_app = typer.Typer(help="The coordinating server (Flower SuperLink + QuorumFL state).", no_args_is_help=True)
@@ -80,18 +80,7 @@ def demo(
             on_round=round_reporter(repo, progress, task),
             on_progress=stage_reporter(progress, task),
         )
-    view = run_view(repo, run.id)
-    metric = view["round_metric"]
-    rows = [{"round": r["round"], "status": r["status"], metric: r["metrics"].get(metric),
-             "nodes": len(r["participants"]), "failures": len(r["failures"])} for r in view["rounds"]]
-    console.print(table(f"Run {view['id']}: global model per round ({metric})", rows,
-                        ["round", "status", metric, "nodes", "failures"]))
-    console.print(table("Final model per department (own test split)", view["departments"],
-                        [c for c in department_columns(view["departments"], view["primary_metric"]) if c != "loss"]))
-    closing = run_closing(repo, run, time.monotonic() - started)
-    if run.status != "completed":
-        raise FederationError(closing)
-    console.print(f"[green]{closing}[/green]; see it again with 'quorumfl runs show {run.id}'", highlight=False)
+    print_finished_run(repo, run, started)
 
 
 CertsOpt = Annotated[Path | None, typer.Option("--certs", help="Credentials folder (default HOME/certs; "

@@ -26,7 +26,7 @@ from quorumfl.cli.output import (
     table,
 )
 from quorumfl.core.tasks.objective import primary_among
-from quorumfl.errors import ConfigError, NotFoundError, StateError
+from quorumfl.errors import ConfigError, FederationError, NotFoundError, StateError
 from quorumfl.server.services import (
     department_columns,
     follow_run,
@@ -94,6 +94,26 @@ def stage_reporter(progress: Progress, task: Any) -> Callable[[Run, Round], None
         progress.update(task, description=progress_line(rnd))
 
     return on_progress
+
+
+def print_finished_run(repo: Repository, run: Run, began: float, *, label: str = "",
+                       department_limit: int | None = None) -> None:
+    """A finished run's global model per round, each department's final model (up to
+    ``department_limit`` of them) and the closing line; a run that did not complete raises."""
+    view = run_view(repo, run.id)
+    metric = view["round_metric"]
+    rows = [{"round": r["round"], "status": r["status"], metric: r["metrics"].get(metric),
+             "nodes": len(r["participants"]), "failures": len(r["failures"])} for r in view["rounds"]]
+    console.print(table(f"Run {view['id']}{label}: global model per round ({metric})", rows,
+                        ["round", "status", metric, "nodes", "failures"]))
+    departments = view["departments"]
+    if department_limit is None or len(departments) <= department_limit:
+        console.print(table("Final model per department (own test split)", departments,
+                            [c for c in department_columns(departments, view["primary_metric"]) if c != "loss"]))
+    closing = run_closing(repo, run, time.monotonic() - began)
+    if run.status != "completed":
+        raise FederationError(closing)
+    console.print(f"[green]{closing}[/green]; see it again with 'quorumfl runs show {run.id}'", highlight=False)
 
 
 @runs_app.command("start")

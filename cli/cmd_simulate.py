@@ -9,12 +9,10 @@ from typing import Annotated
 
 import typer
 
-from quorumfl.cli.cmd_runs import parse_override
+from quorumfl.cli.cmd_runs import parse_override, print_finished_run
 from quorumfl.cli.context import settings
-from quorumfl.cli.output import console, err_console, table
+from quorumfl.cli.output import err_console
 from quorumfl.deploy.simulation import SimulationSettings, simulate
-from quorumfl.errors import FederationError
-from quorumfl.server.services import department_columns, run_closing, run_view
 
 __all__ = ["simulate_command"]
 
@@ -60,19 +58,7 @@ def simulate_command(
         err_console.print(f"[dim]starting Flower's simulation engine: {departments} virtual departments on "
                           f"{cpus or 'all'} CPU(s)[/dim]")
         run = simulate(values, run_settings, repo)
-    view = run_view(repo, run.id)
-    metric = view["round_metric"]
-    rows = [{"round": r["round"], "status": r["status"], metric: r["metrics"].get(metric),
-             "nodes": len(r["participants"]), "failures": len(r["failures"])} for r in view["rounds"]]
-    console.print(table(f"Run {view['id']} (simulated): global model per round ({metric})", rows,
-                        ["round", "status", metric, "nodes", "failures"]))
-    if view["departments"] and len(view["departments"]) <= SHOWN_DEPARTMENTS:
-        console.print(table("Final model per department (own test split)", view["departments"],
-                            department_columns(view["departments"], view["primary_metric"])))
-    closing = run_closing(repo, run, time.monotonic() - began)
-    if run.status != "completed":
-        raise FederationError(closing)
-    console.print(f"[green]{closing}[/green]; see it again with 'quorumfl runs show {run.id}'", highlight=False)
+    print_finished_run(repo, run, began, label=" (simulated)", department_limit=SHOWN_DEPARTMENTS)
 
 
 def _scratch(home: Path) -> Path:

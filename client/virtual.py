@@ -13,7 +13,7 @@ out, so the same handlers run unchanged::
 
 With ``virtual-dropout = P`` in that node config, a virtual department fails each message it is
 sent with probability P (drawn from ``virtual-seed``, its name and the message id): its reply is an
-error, which the server records as a dropout at that stage (key set-up, masked input, unmask,
+error saying so (what a ClientApp that raised sends), which the server records as a dropout at that stage (key set-up, masked input, unmask,
 evaluation), so a rehearsal shows what dropouts do to a configuration.
 
 The folder is named by ``$QUORUMFL_SIMULATION_ROOT`` (inherited by the simulation's worker
@@ -30,21 +30,18 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from flwr.app import Context, Message
+from flwr.app import Context, Error, Message
+from flwr.common.constant import ErrorCode
 
-from quorumfl.errors import ConfigError, FederationError
+from quorumfl.errors import ConfigError
 
-__all__ = ["DROPOUT_KEY", "LAYOUT_FILE", "SEED_KEY", "SIMULATION_ROOT_ENV", "NodeValue", "VirtualDropoutError",
-           "drops", "virtual_department", "virtual_node_config", "write_layout"]
+__all__ = ["DROPOUT_KEY", "LAYOUT_FILE", "SEED_KEY", "SIMULATION_ROOT_ENV", "NodeValue", "drops", "virtual_department",
+           "virtual_node_config", "write_layout"]
 
 SIMULATION_ROOT_ENV = "QUORUMFL_SIMULATION_ROOT"
 LAYOUT_FILE = "simulation.json"
 DROPOUT_KEY = "virtual-dropout"
 SEED_KEY = "virtual-seed"
-
-
-class VirtualDropoutError(FederationError):
-    """A virtual department's simulated dropout: its reply to this message is an error."""
 NodeValue = bool | int | float | str
 
 
@@ -99,6 +96,7 @@ def virtual_department(msg: Message, context: Context, call_next: Callable[[Mess
     if root and "partition-id" in context.node_config and "data-path" not in context.node_config:
         context.node_config = virtual_node_config(dict(context.node_config), root)
         if drops(dict(context.node_config), msg.metadata.message_id):
-            raise VirtualDropoutError(f"virtual department {context.node_config['department']} dropped out of this "
-                                      f"{msg.metadata.message_type} message (virtual-dropout)")
+            return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                                 reason=f"virtual department {context.node_config['department']} dropped out of this "
+                                        f"{msg.metadata.message_type} message (virtual-dropout)"), reply_to=msg)
     return call_next(msg, context)

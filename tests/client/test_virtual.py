@@ -13,7 +13,6 @@ from quorumfl.client.virtual import (
     DROPOUT_KEY,
     SEED_KEY,
     SIMULATION_ROOT_ENV,
-    VirtualDropoutError,
     drops,
     virtual_department,
     virtual_node_config,
@@ -122,8 +121,15 @@ def test_a_virtual_department_that_drops_out_answers_with_an_error(tmp_path: Pat
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "sim"
     write_layout(root, [("parks", tmp_path / "a")], {DROPOUT_KEY: 0.999999})
-    with pytest.raises(VirtualDropoutError, match="virtual department parks dropped out of this train message"):
-        _seen(root, {"partition-id": 0}, monkeypatch)
+    monkeypatch.setenv(SIMULATION_ROOT_ENV, str(root))
+    context = Context(run_id=1, node_id=7, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+
+    def handler(msg: Message, ctx: Context) -> Message:
+        raise AssertionError("a department that dropped out does not train")
+
+    reply = virtual_department(Message(RecordDict(), dst_node_id=7, message_type="train"), context, handler)
+    assert reply.has_error() and reply.error.reason == ("virtual department parks dropped out of this train message "
+                                                        "(virtual-dropout)")
 
 
 class _Metadata:
