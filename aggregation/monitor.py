@@ -139,17 +139,14 @@ class ChangeSketch:
 
     def measure(self, arrays: Arrays) -> tuple[float, NDArray[np.float64]]:
         """(‖x − w‖, sketch of x − w); raises KeyError or ValueError when names or shapes differ."""
-        change = np.concatenate([(np.asarray(arrays[k], np.float64) - np.asarray(w, np.float64)).ravel()
-                                 if np.shape(arrays[k]) == np.shape(w) else _shape_error(k)
-                                 for k, w in self.reference.items()])
+        for name, value in self.reference.items():
+            if np.shape(arrays[name]) != np.shape(value):
+                raise ValueError(f"'{name}' has another shape than the model")
+        change = _delta(arrays, self.reference)
         norm = float(np.linalg.norm(change))
         if self.buckets is None or self.signs is None:
             return norm, change
         return norm, np.bincount(self.buckets, weights=self.signs * change, minlength=SKETCH).astype(np.float64)
-
-
-def _shape_error(name: str) -> NDArray[np.float64]:
-    raise ValueError(f"'{name}' has another shape than the model")
 
 
 def monitor_measured(measured: Mapping[int, tuple[float, NDArray[np.float64]]], mean_sketch: NDArray[np.float64],
