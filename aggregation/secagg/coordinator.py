@@ -34,6 +34,7 @@ from quorumfl.aggregation.secagg.shamir import PRIME, reconstruct_secret, share_
 from quorumfl.aggregation.secagg.streams import (
     KEY_BYTES,
     keystream,
+    load_private,
     pairwise_mask_key,
     public_key,
     self_mask_key,
@@ -55,6 +56,7 @@ class CoordinatorEpoch:
         self.graph_seed = os.urandom(16)
         self.ads: dict[int, KeyAdvertisement] = {}
         self.members: tuple[int, ...] = ()
+        self.position: dict[int, int] = {}  # member -> its index in members (its share x-coordinate − 1)
         self.graph: list[frozenset[int]] = []
         self.pending: dict[int, dict[int, bytes]] = {}  # recipient -> sender -> ciphertext
         self.commitments: dict[tuple[int, int], bytes] = {}  # (owner, holder) -> commitments to its shares
@@ -83,6 +85,7 @@ class CoordinatorEpoch:
         if len(set(keys)) != len(keys):
             raise SecureAggregationError("two nodes advertised the same public key")
         self.members = members
+        self.position = {node: i for i, node in enumerate(members)}
         self.graph = self.params.graph(len(members), self.graph_seed)
         out: dict[int, KeyDirectory] = {}
         for i, node in enumerate(members):
@@ -96,7 +99,7 @@ class CoordinatorEpoch:
         return bool(self.graph) and len(self.graph[0]) == len(self.members) - 1
 
     def neighbours(self, node: int) -> list[int]:
-        return [self.members[j] for j in sorted(self.graph[self.members.index(node)])]
+        return [self.members[j] for j in sorted(self.graph[self.position[node]])]
 
     def receive_bundles(self, node: int, bundles: Sequence[ShareBundle]) -> None:
         if node not in self.members or self.ready:
@@ -266,7 +269,7 @@ class MaskedRound:
             if reply is not None:
                 held = reply.key_shares if key else reply.seed_shares
                 if owner in held:
-                    points[members.index(h) + 1] = held[owner]
+                    points[self.epoch.position[h] + 1] = held[owner]
         return points, t
 
     def can_unmask(self) -> bool:
@@ -318,10 +321,11 @@ class MaskedRound:
             if public_key(private) != self.epoch.ads[u].mask_keys[slot]:
                 raise SecureAggregationError(f"rebuilt slot key of node {u} does not match its public key")
             self.epoch.reconstructed.add((u, slot))
+            loaded = load_private(private)
             for v in self.epoch.neighbours(u):
                 if v not in alive:
                     continue
-                stream = keystream(pairwise_mask_key(private, self.epoch.ads[v].mask_keys[slot], epoch=epoch, slot=slot),
+                stream = keystream(pairwise_mask_key(loaded, self.epoch.ads[v].mask_keys[slot], epoch=epoch, slot=slot),
                                    self.length, dtype)
                 if v < u:  # v added this stream; take it away
                     np.subtract(total, stream, out=total)

@@ -11,7 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from quorumfl.aggregation.secagg.fixedpoint import FixedPoint
-from quorumfl.aggregation.secagg.graph import COMPLETE_UP_TO, neighbour_graph, share_threshold
+from quorumfl.aggregation.secagg.graph import (
+    COMPLETE_UP_TO,
+    neighbour_graph,
+    neighbours_of,
+    share_threshold,
+)
 from quorumfl.aggregation.secagg.streams import KEY_BYTES
 from quorumfl.errors import ConfigError, SecureAggregationError
 
@@ -88,6 +93,10 @@ class MaskingParams:
     def graph(self, n: int, seed: bytes) -> list[frozenset[int]]:
         return neighbour_graph(n, seed=seed, complete_up_to=self.complete_up_to,
                                colluding_fraction=self.colluding_fraction, dropout_fraction=self.dropout_fraction)
+
+    def neighbours_of(self, index: int, n: int, seed: bytes) -> frozenset[int]:
+        return neighbours_of(index, n, seed=seed, complete_up_to=self.complete_up_to,
+                             colluding_fraction=self.colluding_fraction, dropout_fraction=self.dropout_fraction)
 
     def local_threshold(self, n: int, holders: int) -> int:
         return share_threshold(self.threshold, n, holders, colluding_fraction=self.colluding_fraction,

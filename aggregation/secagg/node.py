@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from numpy.typing import NDArray
 
 from quorumfl.aggregation.secagg.identity import Roster, advertisement_message, view_message
@@ -47,6 +48,7 @@ from quorumfl.aggregation.secagg.streams import (
     decrypt_bundle,
     encrypt_bundle,
     keystream,
+    load_private,
     new_private_key,
     pairwise_mask_key,
     public_key,
@@ -145,12 +147,9 @@ class NodeEpoch:
                                  f"{peer}); refusing")
 
     # ---- stage 2 ----------------------------------------------------------------------------
-    def _graph(self) -> list[frozenset[int]]:
-        return self.params.graph(len(self.members), self.graph_seed)
-
     def neighbours(self) -> list[int]:
         index = self.members.index(self.node)
-        return [self.members[j] for j in sorted(self._graph()[index])]
+        return [self.members[j] for j in sorted(self.params.neighbours_of(index, len(self.members), self.graph_seed))]
 
     def share(self, directory: KeyDirectory, *, roster: Roster | None = None) -> list[ShareBundle]:
         """Shamir shares for the neighbours; with ``roster``, only after every advertisement in the
@@ -184,7 +183,8 @@ class NodeEpoch:
             if peer != self.node:
                 self.peers[peer] = ad
         holders = [*neighbours, self.node]
-        xs = [members.index(h) + 1 for h in holders]
+        position = {m: i for i, m in enumerate(members)}
+        xs = [position[h] + 1 for h in holders]
         t = self.params.local_threshold(len(members), len(holders))
         parts: dict[int, list[bytes]] = {x: [] for x in xs}
         for key, seed in zip(self.mask_private, self.seeds, strict=True):
@@ -192,20 +192,21 @@ class NodeEpoch:
             seed_shares = split_secret(seed, threshold=t, holders=xs)
             for x in xs:
                 parts[x].append(share_to_bytes(key_shares[x]) + share_to_bytes(seed_shares[x]))
-        self.held[self.node] = b"".join(parts[members.index(self.node) + 1])
+        self.held[self.node] = b"".join(parts[position[self.node] + 1])
+        private = load_private(self.share_private)
         return [
             ShareBundle(
                 sender=self.node,
                 recipient=peer,
                 ciphertext=encrypt_bundle(
-                    b"".join(parts[members.index(peer) + 1]),
-                    private=self.share_private,
+                    b"".join(parts[position[peer] + 1]),
+                    private=private,
                     peer_public=self.peers[peer].share_key,
                     epoch=self.epoch,
                     sender=self.node,
                     recipient=peer,
                 ),
-                commitment=self._commitments(self.node, peer, b"".join(parts[members.index(peer) + 1])),
+                commitment=self._commitments(self.node, peer, b"".join(parts[position[peer] + 1])),
             )
             for peer in neighbours
         ]
@@ -221,12 +222,12 @@ class NodeEpoch:
         return b"".join(out)
 
     # ---- per round: mask ----------------------------------------------------------------------
-    def _receive(self, bundle: ShareBundle) -> None:
+    def _receive(self, bundle: ShareBundle, private: X25519PrivateKey) -> None:
         if bundle.recipient != self.node or bundle.sender not in self.peers:
             raise self._fail(f"share bundle from {bundle.sender} to {bundle.recipient} is not for this node")
         plain = decrypt_bundle(
             bundle.ciphertext,
-            private=self.share_private,
+            private=private,
             peer_public=self.peers[bundle.sender].share_key,
             epoch=self.epoch,
             sender=bundle.sender,
@@ -266,8 +267,10 @@ class NodeEpoch:
             raise self._fail(f"slot {request.slot} was already used; a mask key is never used twice")
         if self.used and request.slot < max(self.used):
             raise self._fail(f"slot {request.slot} is older than a slot this node already used")
-        for bundle in request.incoming:
-            self._receive(bundle)
+        if request.incoming:
+            private = load_private(self.share_private)
+            for bundle in request.incoming:
+                self._receive(bundle, private)
         group = request.group
         self._check_group(group)
         if self.node not in group:
@@ -283,13 +286,15 @@ class NodeEpoch:
         slot, length, dtype = request.slot, masked.shape[0], fp.dtype
         self.used[slot] = group  # recorded before any mask is added: a failure later never reuses it
         np.add(masked, keystream(self_mask_key(self.seeds[slot], epoch=self.epoch, slot=slot), length, dtype), out=masked)
+        mask_private = load_private(self.mask_private[slot])
         for peer in partners:
-            key = pairwise_mask_key(self.mask_private[slot], self.peers[peer].mask_keys[slot], epoch=self.epoch, slot=slot)
+            key = pairwise_mask_key(mask_private, self.peers[peer].mask_keys[slot], epoch=self.epoch, slot=slot)
             stream = keystream(key, length, dtype)
             if self.node < peer:
                 np.add(masked, stream, out=masked)
             else:
                 np.subtract(masked, stream, out=masked)
+        del mask_private
         self.mask_private[slot], self.seeds[slot] = b"", b""  # done: only the holders' shares can rebuild them
         for older in range(slot):  # skipped, or their round was abandoned: nothing of them is needed again
             self.mask_private[older], self.seeds[older] = b"", b""

@@ -21,9 +21,13 @@ from quorumfl.aggregation.secagg import (
     neighbour_graph,
     resolve_threshold,
 )
-from quorumfl.aggregation.secagg.graph import exposure_probability, sparse_parameters
+from quorumfl.aggregation.secagg.graph import exposure_probability, neighbours_of, sparse_parameters
 from quorumfl.aggregation.secagg.shamir import (
     PRIME,
+    SMALL_X,
+    _evaluate,
+    _SmallPoints,
+    _weights,
     interpolate_at,
     reconstruct_secret,
     split_secret,
@@ -112,6 +116,16 @@ def test_sparse_graph_is_regular_symmetric_and_seeded() -> None:
     assert graph != neighbour_graph(200, seed=b"t" * 16, complete_up_to=100)
 
 
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(2, 400), complete_up_to=st.sampled_from([1, 10, 100]), seed=st.binary(min_size=16, max_size=16))
+def test_a_nodes_own_row_equals_its_row_of_the_whole_graph(n: int, complete_up_to: int, seed: bytes) -> None:
+    """What a node computes for itself (``neighbours_of``) is exactly the coordinator's graph row."""
+    graph = neighbour_graph(n, seed=seed, complete_up_to=complete_up_to)
+    assert [neighbours_of(i, n, seed=seed, complete_up_to=complete_up_to) for i in range(n)] == graph
+    with pytest.raises(SecureAggregationError, match="outside"):
+        neighbours_of(n, n, seed=seed, complete_up_to=complete_up_to)
+
+
 @pytest.mark.parametrize("n", [128, 1000])
 @pytest.mark.parametrize("colluding", [0.1, 0.2, 0.3])
 def test_sparse_parameters_keep_colluders_from_exposing_any_honest_node(n: int, colluding: float) -> None:
@@ -185,11 +199,26 @@ def test_any_t_shares_reconstruct_and_t_minus_1_leave_every_secret_possible(n: i
         assert len(set(completions)) == len(set(candidates))
 
 
-def test_a_corrupted_extra_share_is_detected() -> None:
-    shares = split_secret(b"k" * 32, threshold=3, holders=[1, 2, 3, 4])
-    shares[4] = (shares[4] + 1) % PRIME
+@pytest.mark.parametrize("offset", [0, SMALL_X, PRIME - 400])  # member indices; large x-coordinates
+def test_a_corrupted_extra_share_is_detected(offset: int) -> None:
+    holders = [offset + x for x in (1, 2, 3, 4)]
+    shares = split_secret(b"k" * 32, threshold=3, holders=holders)
+    assert reconstruct_secret(shares, threshold=3, length=32) == b"k" * 32
+    shares[holders[3]] = (shares[holders[3]] + 1) % PRIME
     with pytest.raises(SecureAggregationError, match="inconsistent"):
         reconstruct_secret(shares, threshold=3, length=32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(xs=st.lists(st.integers(1, 3000), unique=True, min_size=1, max_size=40), data=st.data())
+def test_the_small_coordinate_path_equals_plain_barycentric_interpolation(xs: list[int], data: st.DataObject) -> None:
+    """Member-index x-coordinates take exact integer products and a table of inverses; at 0, at
+    each x and at other points the value equals the generic modular formula."""
+    t = data.draw(st.integers(1, len(xs)))
+    ys = data.draw(st.lists(st.integers(0, PRIME - 1), min_size=t, max_size=t))
+    small, weights = _SmallPoints(xs[:t], ys), _weights(xs[:t])
+    for at in [0, *xs, data.draw(st.integers(1, 5000))]:
+        assert small.at(at) == _evaluate(xs[:t], ys, weights, at)
 
 
 def _lone_masked_vector(values: np.ndarray, *, seed: int) -> np.ndarray:
