@@ -30,8 +30,10 @@ fork server that does:
 Trust: the socket lives in a 0700 directory of the node's home and the server answers only its own
 user (``SO_PEERCRED``); the admin-signature check is decided by the server's own environment, never
 by a request, and a request whose admin key setting differs from the server's is refused (that
-requester then runs cold), so a guarded node never runs tasks through an unguarded server. The server exits when the SuperExec that started it is gone. Any failure to reach or
-start it falls back to the cold path (a fresh ``flwr-clientapp``).
+requester then runs cold), so a guarded node never runs tasks through an unguarded server. The
+SuperExec starts the server as it starts (``prestart``), not at its first task. The server exits
+when the SuperExec that started it and every SuperExec whose tasks it ran are gone. Any failure to
+reach or start it falls back to the cold path (a fresh ``flwr-clientapp``).
 
 Standard library only at import: the gate imports this before anything heavy.
 """
@@ -66,7 +68,7 @@ from quorumfl.deploy.launch_gate import (
     write_gate,
 )
 
-__all__ = ["WARM_ENV", "install_warm_launch", "run_warm", "serve", "warm_env"]
+__all__ = ["WARM_ENV", "install_warm_launch", "prestart", "run_warm", "serve", "warm_env"]
 
 _MAX_REQUEST = 1 << 20
 _HEADER = struct.Struct("!I")
@@ -136,14 +138,16 @@ def _start_server(path: str, env: Mapping[str, str], watch_pid: int) -> socket.s
         sock = _connect(path)
         if sock is not None:
             return sock
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        server_env = {k: v for k, v in env.items() if k != SLOT_HELD_ENV}
-        log = open(directory / "warm-server.log", "ab")  # noqa: SIM115 (handed to the child)
-        with log:
-            subprocess.Popen([sys.executable, "-m", "quorumfl.deploy.warm", path, str(watch_pid)], env=server_env,
-                             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                             close_fds=True)
+        if not _starting(path):  # a server started by an earlier starter may still be importing
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            server_env = {k: v for k, v in env.items() if k != SLOT_HELD_ENV}
+            log = open(directory / "warm-server.log", "ab")  # noqa: SIM115 (handed to the child)
+            with log:
+                server = subprocess.Popen([sys.executable, "-m", "quorumfl.deploy.warm", path, str(watch_pid)],
+                                          env=server_env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                          start_new_session=True, close_fds=True)
+            Path(f"{path}.starting").write_text(str(server.pid))
         while time.monotonic() < deadline:
             sock = _connect(path)
             if sock is not None:
@@ -152,8 +156,8 @@ def _start_server(path: str, env: Mapping[str, str], watch_pid: int) -> socket.s
         return None
 
 
-def _parent_pid(args: Sequence[str]) -> int:
-    """The SuperExec's pid from Flower's ``--parent-pid`` argument (else this process's parent)."""
+def _named_parent(args: Sequence[str]) -> int | None:
+    """The SuperExec's pid from Flower's ``--parent-pid`` argument, None without one."""
     for i, arg in enumerate(args):
         if arg == "--parent-pid" and i + 1 < len(args) and args[i + 1].isdigit():
             return int(args[i + 1])
@@ -161,7 +165,46 @@ def _parent_pid(args: Sequence[str]) -> int:
             value = arg.split("=", 1)[1]
             if value.isdigit():
                 return int(value)
-    return os.getppid()
+    return None
+
+
+def _starting(path: str) -> bool:
+    """Whether the server last started for ``path`` (its pid in ``path.starting``) is still alive:
+    it binds the socket only once its imports are done, and a second one would import beside it."""
+    try:
+        pid = int(Path(f"{path}.starting").read_text())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return False
+    try:  # a pid reused by another program is not our server
+        return b"quorumfl.deploy.warm" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _parent_pid(args: Sequence[str]) -> int:
+    """The SuperExec's pid from Flower's ``--parent-pid`` argument (else this process's parent)."""
+    named = _named_parent(args)
+    return os.getppid() if named is None else named
+
+
+def prestart(env: Mapping[str, str], watch_pid: int) -> bool:
+    """Start the warm server named by ``env[WARM_ENV]`` now, if none answers, so that a node's first
+    ClientApp tasks find it warm: the SuperExec calls this from a thread as it starts. Without it the
+    first task of every node started the server (imports of several seconds of CPU) while the others
+    waited at most ``START_WAIT_S`` and then all started cold, together; on two busy cores some missed
+    Flower's 30 s claim window and a node dropped out of the first round. True when it answers."""
+    path = env.get(WARM_ENV, "")
+    if not path:
+        return False
+    try:
+        sock = _start_server(path, env, watch_pid)
+    except OSError:
+        return False
+    if sock is None:
+        return False
+    sock.close()  # an empty connection: the server closes it without a word
+    return True
 
 
 def run_warm(args: Sequence[str], env: Mapping[str, str], *, fds: Sequence[int] = (0, 1, 2),
@@ -379,8 +422,11 @@ def _preload() -> None:
 
 def serve(path: str, watch_pid: int) -> int:
     """Preload, then fork a task for each request on the Unix socket ``path`` until ``watch_pid``
-    (the SuperExec) is gone. Single-threaded, so every fork copies a consistent process."""
+    (the SuperExec) and every SuperExec a request named (Flower's ``--parent-pid``) are gone: nodes
+    that share a server (a local federation's) keep it when the node that started it is killed.
+    Single-threaded, so every fork copies a consistent process."""
     own_env = dict(os.environ)
+    watched = {watch_pid}
     _preload()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -395,12 +441,15 @@ def serve(path: str, watch_pid: int) -> int:
     print(f"warm ClientApp server {os.getpid()} on {path}", flush=True)
     uid = os.getuid()
     while True:
-        try:
-            os.kill(watch_pid, 0)
-        except ProcessLookupError:
+        for pid in list(watched):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                watched.discard(pid)
+            except PermissionError:
+                pass
+        if not watched:
             break
-        except PermissionError:
-            pass
         try:
             conn, _ = listener.accept()
         except TimeoutError:
@@ -419,6 +468,9 @@ def serve(path: str, watch_pid: int) -> int:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     fds_array.frombytes(data[: len(data) - (len(data) % fds_array.itemsize)])
             fds = list(fds_array)
+            if not header and not fds:  # a connection closed unused (``prestart``): nothing to answer
+                conn.close()
+                continue
             if len(header) < _HEADER.size:
                 header += _recv_exact(conn, _HEADER.size - len(header))
             (size,) = _HEADER.unpack(header)
@@ -439,6 +491,9 @@ def serve(path: str, watch_pid: int) -> int:
             conn.close()
             continue
         conn.settimeout(None)
+        named = _named_parent(request["argv"])
+        if named is not None and named > 1:
+            watched.add(named)
         sys.stdout.flush()
         sys.stderr.flush()
         if os.fork() == 0:

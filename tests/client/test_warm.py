@@ -24,7 +24,7 @@ from quorumfl.deploy.supernode import (
     patch_waits,
     poll_interval,
 )
-from quorumfl.deploy.warm import run_warm, warm_env
+from quorumfl.deploy.warm import prestart, run_warm, warm_env
 
 GATE = [sys.executable, "-c", "import sys; from quorumfl.deploy.launch_gate import main; sys.exit(main())"]
 
@@ -215,3 +215,74 @@ def test_the_server_exits_with_the_superexec_that_started_it(tmp_path: Path, ser
     while _server_pids(tmp_path):
         assert time.monotonic() < deadline, "the warm server outlived its SuperExec"
         time.sleep(0.2)
+
+
+def test_prestart_starts_the_server_before_any_task_and_leaves_no_refusal(tmp_path: Path, servers: None) -> None:
+    superexec = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        env = _env(tmp_path)
+        assert not _server_pids(tmp_path)
+        assert prestart(env, superexec.pid)
+        assert len(_server_pids(tmp_path)) == 1 and not _tasks_of(_server_pids(tmp_path))
+        assert prestart(env, superexec.pid)  # answers: no second server
+        assert len(_server_pids(tmp_path)) == 1
+        log = (tmp_path / "warm" / "warm-server.log").read_text()
+        assert "refused" not in log, log
+    finally:
+        superexec.kill()
+        superexec.wait(timeout=10)
+
+
+def test_the_server_lives_while_a_superexec_it_served_lives(tmp_path: Path, servers: None) -> None:
+    """Nodes sharing a server (a local federation's): killing the node that started it leaves it to
+    the others; it exits once the last SuperExec it served is gone."""
+    starter, other = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"]) for _ in range(2))
+    try:
+        env = _env(tmp_path)
+        assert prestart(env, starter.pid)
+        shown = subprocess.run([*GATE, "--parent-pid", str(other.pid), "--help"], env=env, capture_output=True,
+                               text=True, timeout=120)
+        assert shown.returncode == 0, shown.stderr
+        (server,) = _server_pids(tmp_path)
+        starter.kill()
+        starter.wait(timeout=10)
+        time.sleep(3)  # the server checks its SuperExecs once a second
+        assert _server_pids(tmp_path) == {server}
+        again = subprocess.run([*GATE, "--parent-pid", str(other.pid), "--help"], env=env, capture_output=True,
+                               text=True, timeout=120)
+        assert again.returncode == 0, again.stderr
+        assert _server_pids(tmp_path) == {server}  # served by it, not by a new one
+    finally:
+        starter.kill()
+        other.kill()
+        other.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    while _server_pids(tmp_path):
+        assert time.monotonic() < deadline, "the warm server outlived the SuperExecs it served"
+        time.sleep(0.2)
+
+
+def test_a_server_still_importing_is_waited_for_not_doubled(tmp_path: Path, servers: None,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ten nodes' SuperExecs prestart at once on busy cores: one whose wait ran out while the server
+    it started was still importing must not leave the next starter to import a second one beside it."""
+    from quorumfl.deploy import warm
+
+    monkeypatch.setattr(warm, "START_WAIT_S", 1.0)
+    env = _env(tmp_path)
+    # stands for a server that is alive and still importing (its socket is not bound yet)
+    importing = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "quorumfl.deploy.warm"])
+    superexec = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        Path(f"{env[WARM_ENV]}.starting").write_text(str(importing.pid))
+        assert not prestart(env, superexec.pid)  # waited, started nothing
+        assert not _server_pids(tmp_path)
+        importing.kill()
+        importing.wait(timeout=10)
+        monkeypatch.setattr(warm, "START_WAIT_S", 60.0)
+        assert prestart(env, superexec.pid)  # that one died: a new server starts
+        assert len(_server_pids(tmp_path)) == 1
+    finally:
+        importing.kill()
+        superexec.kill()
+        superexec.wait(timeout=10)

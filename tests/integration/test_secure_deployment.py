@@ -47,6 +47,16 @@ def _kill(federation: LocalFederation, names: list[str]) -> None:
         federation.group.kill(federation.nodes[name], signal.SIGKILL, group=True)
 
 
+def _story(run: object) -> str:
+    """Each round's outcome, for an assertion message: what a failed CI run must say to be diagnosed."""
+    lines = []
+    for r in run.rounds:  # type: ignore[attr-defined]
+        failures = "; ".join(f"{f.node_id} at {f.stage}: {f.reason}" for f in r.failures)
+        lines.append(f"round {r.number}: {r.status}, {len(r.participants)} of {len(r.selected)}, "
+                     f"timings {r.timings}, error {r.error!r}, failures: {failures or 'none'}")
+    return "\n".join(lines)
+
+
 def _expected_fedavg(global_arrays: dict[str, np.ndarray], parts: dict[str, Path], departments: list[str],
                      server_round: int) -> dict[str, np.ndarray]:
     """What the survivors trained (same model, data, seed — the nodes run with reproducible-training —
@@ -96,14 +106,15 @@ def test_ten_nodes_masked_rounds_with_killed_nodes(tmp_path: Path) -> None:
 
     assert run.status == RunStatus.COMPLETED, f"{run.error}\n{federation.logs()}"
     r1, r2, r3, r4 = run.rounds
-    assert r1.status == RoundStatus.COMPLETED and len(r1.participants) == 10
-    assert r2.status == RoundStatus.COMPLETED and len(r2.participants) == 7
+    story = f"{_story(run)}\n{federation.logs()}"
+    assert r1.status == RoundStatus.COMPLETED and len(r1.participants) == 10, story
+    assert r2.status == RoundStatus.COMPLETED and len(r2.participants) == 7, story
     killed = {f.node_id for f in r2.failures}
-    assert len(killed) == 3 and {f.stage for f in r2.failures} == {"train"} and not killed & set(r2.participants)
-    assert r3.status == RoundStatus.FAILED and "quorum" in (r3.error or "")
-    assert r4.status == RoundStatus.COMPLETED and len(r4.participants) == 5
+    assert len(killed) == 3 and {f.stage for f in r2.failures} == {"train"} and not killed & set(r2.participants), story
+    assert r3.status == RoundStatus.FAILED and "quorum" in (r3.error or ""), story
+    assert r4.status == RoundStatus.COMPLETED and len(r4.participants) == 5, story
     names = {n.node_id: n.department for n in repo.list_nodes()}
-    assert {names.get(n) for n in r4.participants} == {*DEPARTMENTS[:3], *DEPARTMENTS[8:]}
+    assert {names.get(n) for n in r4.participants} == {*DEPARTMENTS[:3], *DEPARTMENTS[8:]}, story
     assert "secagg-setup" in r3.timings and r3.timings.get("secagg-unmask") is None
     versions = {v.round: v for v in repo.list_model_versions(run_id=run.id)}
     assert sorted(versions) == [1, 2, 4]
