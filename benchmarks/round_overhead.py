@@ -17,7 +17,7 @@ slowest node's local training as each node timed it, and the overhead = round âˆ
 QuorumFL's rounds include evaluation and storing; Flower's are configure â†’ aggregate.
 
     python benchmarks/round_overhead.py --json            # 10 nodes, 3 rounds per run, ~1.1M params
-    python benchmarks/round_overhead.py --smoke --json    # 3 nodes, 2 rounds, small MLP
+    python benchmarks/round_overhead.py --smoke --json    # 3 nodes, 1 round, small MLP
 
 Keys: flower_round_s, flower_train_s, flower_overhead_s; plain_round_s, plain_train_s,
 plain_overhead_s; masked_round_s, masked_overhead_s; ckks_round_s, ckks_overhead_s;

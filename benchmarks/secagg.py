@@ -18,7 +18,7 @@ it is the fit workflow (its four stages plus aggregation). The key setup of Quor
 reported on its own (``masked_setup_s``); with ≥ 3 rounds the median is a round without it.
 
     python benchmarks/secagg.py                 # 10 nodes, 5 rounds each, ~1.1M params
-    python benchmarks/secagg.py --smoke         # 3 nodes, 2 rounds each, small MLP
+    python benchmarks/secagg.py --smoke         # 3 nodes, 1 round each, small MLP
     python benchmarks/secagg.py --json          # last line: one JSON object
 
 Keys: plain_round_s, masked_round_s, flower_secaggplus_round_s (run 3), masked_over_plain,

@@ -17,7 +17,7 @@ Flower's deployment engine, one local epoch per round) runs three runs one after
 Per-round wall time is the median over rounds (with ≥ 3 rounds, a round without the ceremony).
 
     python benchmarks/threshold_ckks.py             # 10 nodes, 5 rounds each, ~1.1M params
-    python benchmarks/threshold_ckks.py --smoke     # 3 nodes, 2 rounds each, small MLP
+    python benchmarks/threshold_ckks.py --smoke     # 3 nodes, 1 round each, small MLP
     python benchmarks/threshold_ckks.py --json      # last line: one JSON object
 
 Keys: plain_round_s, ckks_round_s, single_key_round_s, ckks_over_plain, ckks_over_single_key,
