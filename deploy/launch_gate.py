@@ -199,11 +199,9 @@ def superexec_main() -> int:
         else:  # Flower changed its loop: keep polling as configured
             sleeper.close()
     if os.environ.get(WARM_ENV):
-        from quorumfl.deploy.warm import install_warm_launch, prestart
+        from quorumfl.deploy.warm import install_warm_launch
 
         install_warm_launch()
-        threading.Thread(target=prestart, args=(dict(os.environ), os.getpid()), name="warm-clientapp-prestart",
-                         daemon=True).start()
     from flwr.supercore.cli import flower_superexec
 
     flower_superexec()

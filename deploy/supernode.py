@@ -13,18 +13,22 @@ unchanged except for those two waits in that module: the pull from the SuperLink
 more requests on the SuperLink: one small RPC per idle node per interval), and the local wait for
 a reply checks every 0.05 s (no network); its pulls of a message's objects retry after 0.05 s
 instead of 1 s (``pull_backoff``); and once a message from the SuperLink is stored, it wakes the
-SuperExec it started (``task_wake``), which otherwise asks for new tasks only every second. Nothing
-else of Flower's behaviour changes.
+SuperExec it started (``task_wake``), which otherwise asks for new tasks only every second. With
+warm ClientApps (``launch_gate.WARM_ENV`` set) it starts the warm server as it starts
+(``warm.prestart``), so a run's first tasks do not all start cold together. Nothing else of
+Flower's behaviour changes.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from types import ModuleType
 from typing import Any
 
+from quorumfl.deploy.launch_gate import WARM_ENV
 from quorumfl.deploy.task_wake import WAKE_ENV, Waker, new_wake_name
 from quorumfl.protocol.pull_backoff import shorten_pull_backoff
 
@@ -100,6 +104,11 @@ def main() -> None:
 
     patch_waits(start_client_internal, poll)
     shorten_pull_backoff()
+    if os.environ.get(WARM_ENV):  # this node's ClientApps are warm: have the server ready before the first task
+        from quorumfl.deploy.warm import prestart
+
+        threading.Thread(target=prestart, args=(dict(os.environ), os.getpid()), name="warm-clientapp-prestart",
+                         daemon=True).start()
     wake_name = new_wake_name()
     os.environ[WAKE_ENV] = wake_name  # for the SuperExec that Flower's SuperNode starts
     wake_after_store(start_client_internal, Waker(wake_name))
