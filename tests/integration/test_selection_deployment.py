@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from quorumfl.core.data import prepare_partitions
 from quorumfl.deploy.local import local_federation
 from quorumfl.server.services import follow_run
@@ -19,6 +21,10 @@ from .slow_link import slow_link
 DEADLINE = 25.0
 
 
+# Slow suite: four rounds, each as long as its 25 s deadline when the slow department is chosen (44 s
+# on a 2-core machine that ran the default suite in 305 s). The in-memory counterpart
+# (tests/server/test_selection_rounds.py) stays in the default suite.
+@pytest.mark.slow
 def test_rl_selector_with_a_deadline_and_a_slow_department(tmp_path: Path) -> None:
     home = tmp_path / "home"
     db_url = f"sqlite:///{home / 'quorumfl.db'}"
