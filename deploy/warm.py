@@ -52,7 +52,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,7 @@ _MAX_REQUEST = 1 << 20
 _HEADER = struct.Struct("!I")
 _PID = struct.Struct("!q")
 _CODE = struct.Struct("!i")
+_SUN_PATH = 108  # bytes of sockaddr_un.sun_path on Linux, the terminating NUL included
 START_WAIT_S = 10.0  # a server not answering within this: the cold path (inside Flower's 30 s claim window)
 
 
@@ -107,10 +108,27 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return data
 
 
+@contextlib.contextmanager
+def _addressable(path: str) -> Iterator[str]:
+    """``path`` as an AF_UNIX address: itself when it fits in ``sun_path`` (108 bytes with its NUL),
+    else the same file reached through ``/proc/self/fd/N`` of its folder. A node's home deep in the
+    filesystem (``~/.quorumfl/clientapp-warm/warm.sock`` under a long $HOME) went past the limit: the
+    server died binding it and every task waited out ``START_WAIT_S``, then started cold."""
+    if len(os.fsencode(path)) < _SUN_PATH:
+        yield path
+        return
+    folder = os.open(os.path.dirname(path) or ".", os.O_PATH | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{folder}/{os.path.basename(path)}"
+    finally:
+        os.close(folder)
+
+
 def _connect(path: str) -> socket.socket | None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(path)
+        with _addressable(path) as address:
+            sock.connect(address)
     except OSError:
         sock.close()
         return None
@@ -138,6 +156,7 @@ def _start_server(path: str, env: Mapping[str, str], watch_pid: int) -> socket.s
         sock = _connect(path)
         if sock is not None:
             return sock
+        server: subprocess.Popen[bytes] | None = None
         if not _starting(path):  # a server started by an earlier starter may still be importing
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -152,6 +171,8 @@ def _start_server(path: str, env: Mapping[str, str], watch_pid: int) -> socket.s
             sock = _connect(path)
             if sock is not None:
                 return sock
+            if server is not None and server.poll() is not None:
+                return None  # it died (its log says why): the cold path now, not after the whole wait
             time.sleep(0.05)
         return None
 
@@ -428,14 +449,15 @@ def serve(path: str, watch_pid: int) -> int:
     Single-threaded, so every fork copies a consistent process."""
     own_env = dict(os.environ)
     watched = {watch_pid}
-    _preload()
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     tmp = f"{path}.{os.getpid()}"
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp)
-    listener.bind(tmp)
+    with _addressable(tmp) as address:
+        listener.bind(address)  # before the imports: a socket that cannot be made fails in milliseconds
     os.chmod(tmp, 0o600)
+    _preload()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     os.replace(tmp, path)  # appears only once the imports are done: a connect means warm
     listener.listen(64)
     listener.settimeout(1.0)

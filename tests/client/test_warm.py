@@ -286,3 +286,24 @@ def test_a_server_still_importing_is_waited_for_not_doubled(tmp_path: Path, serv
         importing.kill()
         superexec.kill()
         superexec.wait(timeout=10)
+
+
+def test_a_home_deeper_than_a_unix_socket_address_still_gets_a_warm_server(tmp_path: Path, servers: None) -> None:
+    """A socket path is at most 108 bytes (``sun_path``); a node whose home lies deeper once had its
+    server die at ``bind`` and every task wait 10 s, then start cold (22 s per masked stage)."""
+    deep = tmp_path / ("department-home-" * 8)
+    env = _env(deep)
+    assert len(os.fsencode(env[WARM_ENV])) > 108
+    superexec = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        began = time.monotonic()
+        shown = subprocess.run([*GATE, "--parent-pid", str(superexec.pid), "--help"], env=env, capture_output=True,
+                               text=True, timeout=120)
+        assert shown.returncode == 0, shown.stderr
+        assert len(_server_pids(deep)) == 1, (deep / "warm" / "warm-server.log").read_text()
+        assert Path(env[WARM_ENV]).is_socket()
+        assert "Traceback" not in (deep / "warm" / "warm-server.log").read_text()
+        assert time.monotonic() - began < 60
+    finally:
+        superexec.kill()
+        superexec.wait(timeout=10)
