@@ -31,9 +31,10 @@ Trust: the socket lives in a 0700 directory of the node's home and the server an
 user (``SO_PEERCRED``); the admin-signature check is decided by the server's own environment, never
 by a request, and a request whose admin key setting differs from the server's is refused (that
 requester then runs cold), so a guarded node never runs tasks through an unguarded server. The
-SuperNode starts the server as it starts (``prestart``), not at its node's first task. The server exits
-when the SuperExec that started it and every SuperExec whose tasks it ran are gone. Any failure to
-reach or start it falls back to the cold path (a fresh ``flwr-clientapp``).
+SuperNode starts the server as it starts (``prestart``), not at its node's first task. The server
+exits when the process that started it (the SuperNode, or a SuperExec) and every SuperExec whose
+tasks it ran are gone. Any failure to reach or start it falls back to the cold path (a fresh
+``flwr-clientapp``).
 
 Standard library only at import: the gate imports this before anything heavy.
 """
@@ -211,11 +212,10 @@ def _parent_pid(args: Sequence[str]) -> int:
 
 def prestart(env: Mapping[str, str], watch_pid: int) -> bool:
     """Start the warm server named by ``env[WARM_ENV]`` now, if none answers, so that a node's first
-    ClientApp tasks find it warm: the SuperNode (``quorumfl.deploy.supernode``) calls this from a thread
-    as it starts, so the server is its child (not the SuperLink's SuperExec's, which runs ServerApps). Without it the
-    first task of every node started the server (imports of several seconds of CPU) while the others
-    waited at most ``START_WAIT_S`` and then all started cold, together; on two busy cores some missed
-    Flower's 30 s claim window and a node dropped out of the first round. True when it answers."""
+    ClientApp tasks find it warm: the SuperNode (``quorumfl.deploy.supernode``) calls this from a
+    thread as it starts, so the server is its child (not the SuperLink's SuperExec's, which runs
+    ServerApps). Otherwise a run's first tasks all wait on one server's imports (several seconds of
+    CPU), and those that give up after ``START_WAIT_S`` start cold together. True when it answers."""
     path = env.get(WARM_ENV, "")
     if not path:
         return False
@@ -444,7 +444,7 @@ def _preload() -> None:
 
 def serve(path: str, watch_pid: int) -> int:
     """Preload, then fork a task for each request on the Unix socket ``path`` until ``watch_pid``
-    (the SuperExec) and every SuperExec a request named (Flower's ``--parent-pid``) are gone: nodes
+    (the SuperNode or SuperExec that started it) and every SuperExec a request named (Flower's ``--parent-pid``) are gone: nodes
     that share a server (a local federation's) keep it when the node that started it is killed.
     Single-threaded, so every fork copies a consistent process."""
     own_env = dict(os.environ)
