@@ -55,6 +55,25 @@ def servers(tmp_path: Path):  # type: ignore[no-untyped-def]
         os.kill(pid, signal.SIGKILL)
 
 
+def _superexec() -> subprocess.Popen[bytes]:
+    """A process that stands for a SuperExec: it only lives until killed."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+
+
+def _gate_help(env: dict[str, str], superexec: int) -> None:
+    """A ClientApp task (``flwr-clientapp --help``) through the gate for ``superexec``; it must succeed."""
+    shown = subprocess.run([*GATE, "--parent-pid", str(superexec), "--help"], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+
+
+def _until_no_server(tmp_path: Path, message: str) -> None:
+    deadline = time.monotonic() + 15
+    while _server_pids(tmp_path):
+        assert time.monotonic() < deadline, message
+        time.sleep(0.2)
+
+
 def test_a_warm_task_runs_flowers_clientapp_with_the_callers_argv_streams_and_exit_code(
         tmp_path: Path, servers: None) -> None:
     env = _env(tmp_path)
@@ -201,24 +220,19 @@ def test_another_user_is_not_served_even_through_an_open_socket(tmp_path: Path, 
 
 
 def test_the_server_exits_with_the_superexec_that_started_it(tmp_path: Path, servers: None) -> None:
-    superexec = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    superexec = _superexec()
     try:
         env = _env(tmp_path)
-        shown = subprocess.run([*GATE, "--parent-pid", str(superexec.pid), "--help"], env=env, capture_output=True,
-                               text=True, timeout=120)
-        assert shown.returncode == 0, shown.stderr
+        _gate_help(env, superexec.pid)
         assert len(_server_pids(tmp_path)) == 1
     finally:
         superexec.kill()
         superexec.wait(timeout=10)
-    deadline = time.monotonic() + 15
-    while _server_pids(tmp_path):
-        assert time.monotonic() < deadline, "the warm server outlived its SuperExec"
-        time.sleep(0.2)
+    _until_no_server(tmp_path, "the warm server outlived its SuperExec")
 
 
 def test_prestart_starts_the_server_before_any_task_and_leaves_no_refusal(tmp_path: Path, servers: None) -> None:
-    superexec = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    superexec = _superexec()
     try:
         env = _env(tmp_path)
         assert not _server_pids(tmp_path)
@@ -236,30 +250,23 @@ def test_prestart_starts_the_server_before_any_task_and_leaves_no_refusal(tmp_pa
 def test_the_server_lives_while_a_superexec_it_served_lives(tmp_path: Path, servers: None) -> None:
     """Nodes sharing a server (a local federation's): killing the node that started it leaves it to
     the others; it exits once the last SuperExec it served is gone."""
-    starter, other = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"]) for _ in range(2))
+    starter, other = (_superexec() for _ in range(2))
     try:
         env = _env(tmp_path)
         assert prestart(env, starter.pid)
-        shown = subprocess.run([*GATE, "--parent-pid", str(other.pid), "--help"], env=env, capture_output=True,
-                               text=True, timeout=120)
-        assert shown.returncode == 0, shown.stderr
+        _gate_help(env, other.pid)
         (server,) = _server_pids(tmp_path)
         starter.kill()
         starter.wait(timeout=10)
         time.sleep(3)  # the server checks its SuperExecs once a second
         assert _server_pids(tmp_path) == {server}
-        again = subprocess.run([*GATE, "--parent-pid", str(other.pid), "--help"], env=env, capture_output=True,
-                               text=True, timeout=120)
-        assert again.returncode == 0, again.stderr
+        _gate_help(env, other.pid)
         assert _server_pids(tmp_path) == {server}  # served by it, not by a new one
     finally:
         starter.kill()
         other.kill()
         other.wait(timeout=10)
-    deadline = time.monotonic() + 15
-    while _server_pids(tmp_path):
-        assert time.monotonic() < deadline, "the warm server outlived the SuperExecs it served"
-        time.sleep(0.2)
+    _until_no_server(tmp_path, "the warm server outlived the SuperExecs it served")
 
 
 def test_a_server_still_importing_is_waited_for_not_doubled(tmp_path: Path, servers: None,
@@ -272,7 +279,7 @@ def test_a_server_still_importing_is_waited_for_not_doubled(tmp_path: Path, serv
     env = _env(tmp_path)
     # stands for a server that is alive and still importing (its socket is not bound yet)
     importing = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "quorumfl.deploy.warm"])
-    superexec = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    superexec = _superexec()
     try:
         Path(f"{env[WARM_ENV]}.starting").write_text(str(importing.pid))
         assert not prestart(env, superexec.pid)  # waited, started nothing
@@ -294,12 +301,10 @@ def test_a_home_deeper_than_a_unix_socket_address_still_gets_a_warm_server(tmp_p
     deep = tmp_path / ("department-home-" * 8)
     env = _env(deep)
     assert len(os.fsencode(env[WARM_ENV])) > 108
-    superexec = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    superexec = _superexec()
     try:
         began = time.monotonic()
-        shown = subprocess.run([*GATE, "--parent-pid", str(superexec.pid), "--help"], env=env, capture_output=True,
-                               text=True, timeout=120)
-        assert shown.returncode == 0, shown.stderr
+        _gate_help(env, superexec.pid)
         assert len(_server_pids(deep)) == 1, (deep / "warm" / "warm-server.log").read_text()
         assert Path(env[WARM_ENV]).is_socket()
         assert "Traceback" not in (deep / "warm" / "warm-server.log").read_text()
