@@ -96,7 +96,7 @@ def main() -> None:
     t0 = time.perf_counter()
     fp32_file = onnx_bytes(model, torch.from_numpy(pool.x[:2]))
     int8_file = onnx_bytes(quantized.module, quantized.example)
-    pte_file = pte_bytes(quantized)
+    pte_file = pte_bytes(quantized.module, quantized.example)
     export_s = time.perf_counter() - t0
 
     fp32 = load_model(fp32_file, ArtifactFormat.ONNX, pool.input_shape, threads=1)

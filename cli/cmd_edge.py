@@ -29,17 +29,21 @@ ArtifactFormatOpt = Annotated[str, typer.Option("--artifact-format", help="Artif
 def promote(
     ctx: typer.Context,
     version: Annotated[int, typer.Argument(help="Model version id.")],
-    edge: Annotated[bool, typer.Option(help="Also run QAT, convert to INT8, export ONNX and ExecuTorch, sign "
-                                             "and publish the artifacts for edge devices.")] = False,
+    edge: Annotated[bool, typer.Option(help="Also export the model for edge devices (QAT and INT8 by default), "
+                                             "as ONNX and ExecuTorch, sign and publish the artifacts.")] = False,
+    precision: Annotated[str, typer.Option(help="int8 (QAT, INT8 weights and activations), dynamic (INT8 weights, "
+                                                "ONNX only: for models with an embedding table) or fp32.")] = "int8",
     channel: ChannelOpt = "stable",
-    partition: Annotated[Path | None, typer.Option(help="QAT on this department partition folder (a node's "
-                                                         "data) instead of half the server's held-out set.")] = None,
+    partition: Annotated[Path | None, typer.Option(help="QAT and measurement on this department partition folder "
+                                                         "(a node's data) instead of the server's held-out set; "
+                                                         "needed for models of departments' own data.")] = None,
     qat_epochs: Annotated[int, typer.Option(help="QAT fine-tuning epochs.")] = 2,
     qat_lr: Annotated[float, typer.Option(help="QAT learning rate.")] = 0.005,
     key: Annotated[Path | None, typer.Option(help="Ed25519 signing key (default HOME/edge/signing-key.pem, "
                                                    "created on first use).")] = None,
 ) -> None:
-    """Mark a model version as promoted; with --edge, publish it as signed INT8 artifacts."""
+    """Mark a model version as promoted; with --edge, publish it as signed edge artifacts."""
+    from quorumfl.edge.export import parse_precision
     from quorumfl.edge.manifest import parse_channel
     from quorumfl.edge.promotion import promote_to_edge
     from quorumfl.edge.qat import QatSettings
@@ -52,16 +56,18 @@ def promote(
         console.print(f"model version {version} promoted (add --edge to publish it to edge devices)")
         return
     chosen = parse_channel(channel)
+    level = parse_precision(precision)
     qat = QatSettings(epochs=qat_epochs, learning_rate=qat_lr)
-    with console.status(f"QAT and INT8 export of model version {version}…"):
+    with console.status(f"{level.value} export of model version {version}…"):
         rows, calibration, created = promote_to_edge(repo, version, home=opts.home, channel=chosen,
-                                                     partition=partition, key_path=key, settings=qat)
+                                                     partition=partition, key_path=key, settings=qat, precision=level)
     if created:
         console.print(f"created the edge signing key {opts.home / 'edge' / 'signing-key.pem'}; give edge devices "
                       f"its public key {opts.home / 'edge' / 'signing-key.pub.pem'}")
     manifest = json.loads(rows[0].manifest)
-    console.print(f"QAT data: {calibration.source}")
-    console.print(f"accuracy fp32 {manifest['fp32_accuracy']}, INT8 (onnxruntime) {manifest['int8_accuracy']}")
+    console.print(f"{'QAT' if level.value == 'int8' else 'measured on'} data: {calibration.source}")
+    console.print(f"{manifest['metric']}: fp32 model {manifest['fp32_metric']}, {manifest['precision']} artifact "
+                  f"(onnxruntime) {manifest['edge_metric']}")
     for row in rows:
         console.print(f"artifact v{row.version} {row.format} ({row.channel}): {row.size_bytes} bytes, "
                       f"sha256 {row.sha256[:12]}…")
@@ -101,7 +107,7 @@ def artifacts_list(
     channel: Annotated[str | None, typer.Option(help="Only this channel.")] = None,
     fmt: FormatOpt = Format.TABLE,
 ) -> None:
-    """Published artifacts: version, channel, format, size, SHA-256, parent model version, accuracy."""
+    """Published artifacts: version, channel, format, precision, size, SHA-256, parent model version, metric."""
     from quorumfl.server.state.artifacts import ArtifactRecords
 
     rows: list[dict[str, Any]] = []
@@ -109,15 +115,18 @@ def artifacts_list(
         manifest = json.loads(row.manifest)
         rows.append({"version": row.version, "channel": row.channel, "format": row.format, "size": row.size_bytes,
                      "sha256": row.sha256, "parent_model_version": row.model_version_id,
-                     "architecture": manifest["architecture"], "int8_accuracy": manifest["int8_accuracy"],
-                     "fp32_accuracy": manifest["fp32_accuracy"], "created_at": manifest["created_at"]})
+                     "architecture": manifest["architecture"], "precision": manifest.get("precision", "int8"),
+                     "metric": manifest.get("metric", "accuracy"),  # schema 1 (before tasks): INT8 accuracy
+                     "edge_metric": manifest.get("edge_metric", manifest.get("int8_accuracy")),
+                     "fp32_metric": manifest.get("fp32_metric", manifest.get("fp32_accuracy")),
+                     "created_at": manifest["created_at"]})
     if fmt is Format.JSON:
         print_json(rows)
         return
     for view in rows:
         view["sha"] = view["sha256"][:12]
-    console.print(table("Edge artifacts", rows, ["version", "channel", "format", "size", "parent_model_version",
-                                                 "int8_accuracy", "fp32_accuracy", "sha"]))
+    console.print(table("Edge artifacts", rows, ["version", "channel", "format", "precision", "size",
+                                                 "parent_model_version", "metric", "edge_metric", "fp32_metric", "sha"]))
 
 
 @edge_app.command("serve")
@@ -197,38 +206,57 @@ def sync(
 @edge_app.command("predict")
 def predict(
     directory: Annotated[Path, typer.Option("--dir", help="The device's model folder.")],
-    input_file: Annotated[Path | None, typer.Option("--input", help=".npy of shape (N, C, H, W), float32; "
-                                                                     "default: samples of the model's dataset.")] = None,
-    samples: Annotated[int, typer.Option(help="How many dataset samples when no --input.")] = 8,
+    input_file: Annotated[Path | None, typer.Option("--input", help=".npy of encoded examples (the artifact's input "
+                                                                     "shape and dtype), or a department partition "
+                                                                     "folder (its test split, with labels); default: "
+                                                                     "samples of a built-in image dataset.")] = None,
+    samples: Annotated[int, typer.Option(help="How many examples of a dataset or partition.")] = 8,
     public_key: Annotated[Path | None, typer.Option(help="Also check the installed manifest's signature.")] = None,
     fmt: FormatOpt = Format.TABLE,
 ) -> None:
-    """Run the installed INT8 model on sample input and print its predictions."""
+    """Run the installed model on examples and print its predictions (and the task's metric when
+    the examples have labels)."""
+    from quorumfl.core.data.datasets import DATASETS, holdout_split
+    from quorumfl.core.data.store import read_partition
+    from quorumfl.core.tasks import CLASSIFICATION, Objective
     from quorumfl.edge.sync import load_current
 
+    if samples < 1:
+        raise ConfigError(f"--samples must be >= 1, got {samples}")
     manifest, model = load_current(directory, public_key=public_key)
-    labels = None
-    if input_file is not None:
+    labels, objective = None, None
+    if input_file is not None and input_file.is_dir():
+        test = read_partition(input_file).test
+        x, labels, objective = test.x[:samples], test.y[:samples], test.objective
+    elif input_file is not None:
         try:
             x = np.load(input_file, allow_pickle=False)
         except (OSError, ValueError) as exc:
             raise DataError(f"--input {input_file} is not a readable .npy array ({exc})") from exc
-    else:
-        from quorumfl.core.data.datasets import holdout_split
-
-        if samples < 1:
-            raise ConfigError(f"--samples must be >= 1, got {samples}")
+    elif manifest.dataset in DATASETS:
         _, held_out = holdout_split(manifest.dataset, seed=0)
-        x, labels = held_out.x[:samples], held_out.y[:samples]
+        x, labels, objective = held_out.x[:samples], held_out.y[:samples], held_out.objective
+    else:
+        raise ConfigError(f"--input: the model was trained on departments' own data ({manifest.dataset}); pass a "
+                          "department's partition folder or an .npy of examples encoded by the task")
     start = time.perf_counter()
-    logits = model(x)
+    outputs = model(x)
     elapsed = time.perf_counter() - start
-    predicted = logits.argmax(1).tolist()
-    view: dict[str, Any] = {"version": manifest.version, "format": manifest.format.value, "samples": len(predicted),
-                            "predicted": predicted, "seconds": round(elapsed, 6)}
-    if labels is not None:
-        view["labels"] = labels.tolist()
-        view["accuracy"] = float(np.mean(np.asarray(predicted) == labels))
+    regression = manifest.metric != "accuracy"
+    view: dict[str, Any] = {"version": manifest.version, "format": manifest.format.value,
+                            "precision": manifest.precision, "samples": len(outputs), "seconds": round(elapsed, 6)}
+    if regression:  # the model predicts the target scaled to [0, 1] of the schema's range
+        unit = objective.unit if objective is not None else 1.0
+        view["predicted" if objective is not None else "predicted_scaled"] = [round(float(v) * unit, 6) for v in outputs[:, 0]]
+    else:
+        view["predicted"] = outputs.argmax(1).tolist()
+    if labels is not None and objective is not None:
+        import torch
+
+        chosen: Objective = objective if regression else CLASSIFICATION
+        view["labels"] = (labels * chosen.unit).tolist() if regression else labels.tolist()
+        view[manifest.metric] = chosen.finish(chosen.sums(torch.from_numpy(outputs), torch.from_numpy(labels)),
+                                              len(labels))[manifest.metric]
     if fmt is Format.JSON:
         print_json(view)
         return

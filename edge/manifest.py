@@ -1,7 +1,9 @@
 """The signed description of an edge artifact, and the checks an edge device runs before using one.
 
 A manifest names the artifact's version (a positive integer the registry assigns in promotion
-order), channel, format, size, SHA-256, the model version it was made from and how to feed it. Its
+order), channel, format, size, SHA-256, the model version it was made from, how to feed it (input
+shape and dtype: float32 features or images, int64 token ids), its precision (``int8``, ``dynamic``,
+``fp32``) and the task's primary metric of the fp32 model and of the artifact itself. Its
 canonical bytes (sorted-key compact JSON) are what the Ed25519 signature covers, so the channel and
 version cannot be changed without breaking the signature. ``check_payload`` and ``check_newer`` fail
 closed: anything unexpected raises ``ArtifactError``. Pure: no I/O.
@@ -20,7 +22,11 @@ from quorumfl.errors import ArtifactError, ConfigError
 
 __all__ = ["Channel", "Manifest", "check_newer", "check_payload"]
 
-SCHEMA = 1
+SCHEMA = 2  # 2: precision, input_dtype and the task's metric (1 had accuracies of INT8 image models only)
+INPUT_DTYPES = ("float32", "int64")
+PRECISIONS = ("int8", "dynamic", "fp32")
+_SCHEMA_1 = {"version", "channel", "format", "size", "sha256", "parent_model_version", "architecture", "dataset",
+             "input_shape", "num_classes", "created_at", "fp32_accuracy", "int8_accuracy", "schema"}
 
 
 class Channel(StrEnum):
@@ -46,10 +52,13 @@ class Manifest:
     architecture: str
     dataset: str
     input_shape: tuple[int, ...]
-    num_classes: int
+    num_classes: int  # the model's output width (1 for a regression)
     created_at: str
-    fp32_accuracy: float | None = None
-    int8_accuracy: float | None = None
+    input_dtype: str = "float32"
+    precision: str = "int8"
+    metric: str = "accuracy"  # the task's primary metric, measured on the calibration's evaluation split
+    fp32_metric: float | None = None  # of the model as trained (torch)
+    edge_metric: float | None = None  # of this artifact's ONNX form in onnxruntime
 
     @property
     def file_name(self) -> str:
@@ -70,8 +79,14 @@ class Manifest:
             body = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ArtifactError(f"artifact manifest is not JSON ({exc})") from None
-        if not isinstance(body, dict) or body.get("schema") != SCHEMA:
+        if not isinstance(body, dict) or body.get("schema") not in (1, SCHEMA):
             raise ArtifactError(f"artifact manifest has an unknown schema (expected {SCHEMA}); update the edge client")
+        if body["schema"] == 1:  # published before tasks: INT8 image models, float32 input, accuracy
+            if set(body) != _SCHEMA_1:
+                raise ArtifactError(f"artifact manifest fields {sorted(set(body) ^ _SCHEMA_1)} are unexpected or missing")
+            body = {**{k: v for k, v in body.items() if k not in ("fp32_accuracy", "int8_accuracy")},
+                    "input_dtype": "float32", "precision": "int8", "metric": "accuracy",
+                    "fp32_metric": body["fp32_accuracy"], "edge_metric": body["int8_accuracy"]}
         expected = {f for f in cls.__dataclass_fields__} | {"schema"}
         if set(body) != expected:
             raise ArtifactError(f"artifact manifest fields {sorted(set(body) ^ expected)} are unexpected or missing")
@@ -84,18 +99,21 @@ class Manifest:
         sha = body["sha256"]
         if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
             raise ArtifactError("artifact manifest has an invalid sha256")
-        for key in ("fp32_accuracy", "int8_accuracy"):
-            if body[key] is not None and not isinstance(body[key], int | float):
+        for key in ("fp32_metric", "edge_metric"):
+            if body[key] is not None and (isinstance(body[key], bool) or not isinstance(body[key], int | float)):
                 raise ArtifactError(f"artifact manifest has a non-numeric {key}")
-        if not all(isinstance(body[k], str) for k in ("architecture", "dataset", "created_at")):
-            raise ArtifactError("artifact manifest has a non-text architecture/dataset/created_at")
+        if not all(isinstance(body[k], str) for k in ("architecture", "dataset", "created_at", "metric")):
+            raise ArtifactError("artifact manifest has a non-text architecture/dataset/created_at/metric")
+        if body["input_dtype"] not in INPUT_DTYPES or body["precision"] not in PRECISIONS:
+            raise ArtifactError(f"artifact manifest has an unknown input_dtype {body['input_dtype']!r} or precision "
+                                f"{body['precision']!r}; update the edge client")
         try:
             return cls(
                 version=body["version"], channel=Channel(body["channel"]), format=ArtifactFormat(body["format"]),
                 size=body["size"], sha256=sha, parent_model_version=body["parent_model_version"],
                 architecture=body["architecture"], dataset=body["dataset"], input_shape=tuple(shape), num_classes=body["num_classes"],
-                created_at=body["created_at"], fp32_accuracy=body["fp32_accuracy"],
-                int8_accuracy=body["int8_accuracy"],
+                created_at=body["created_at"], input_dtype=body["input_dtype"], precision=body["precision"],
+                metric=body["metric"], fp32_metric=body["fp32_metric"], edge_metric=body["edge_metric"],
             )
         except ValueError as exc:
             raise ArtifactError(f"artifact manifest has an unknown channel or format ({exc})") from None

@@ -5,22 +5,34 @@ pt2e flow with ExecuTorch's XNNPACK quantizer (symmetric INT8, per-channel weigh
 activations), fine-tuned on local data with fake quantisation in the loop, then converted to a graph
 of real INT8 quantise/dequantise ops that the ONNX and ExecuTorch exporters lower to INT8 kernels.
 Nothing here is written by hand that torchao provides; this module only wires the steps together and
-checks its inputs. No I/O.
+checks its inputs. The loss is the task's objective (cross-entropy for classes, squared error for a
+regression target), so a table model fine-tunes as it was trained. No I/O.
+
+A model whose arithmetic is mostly a lookup (``nn.Embedding``/``nn.EmbeddingBag``: the text task's
+hashed n-gram bag) has no INT8 kernel in XNNPACK or onnxruntime: pt2e would store its table in INT8
+and dequantise all of it on every call. ``int8_obstacle`` names such a layer, so the export refuses
+INT8 for it and offers dynamic quantisation (INT8 weights, ``quorumfl.edge.export``) or fp32.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from numpy.typing import NDArray
 from torch import nn
 
+from quorumfl.core.tasks.objective import CLASSIFICATION, Objective
 from quorumfl.errors import ConfigError, EdgeError
 
-__all__ = ["QatSettings", "QuantizedModel", "accuracy", "quantize_aware"]
+__all__ = ["QatSettings", "QuantizedModel", "accuracy", "evaluate", "int8_obstacle", "quantize_aware"]
+
+# Layers that run as table lookups: no INT8 kernel exists for them in XNNPACK or onnxruntime.
+_LOOKUPS: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
 
 # Largest batch the exported graph accepts; torch.export needs a bound for the symbolic dimension.
 MAX_BATCH = 4096
@@ -63,15 +75,23 @@ class QuantizedModel:
         return out
 
 
-def _check_data(model_shape: tuple[int, ...], x: NDArray[np.float32], y: NDArray[np.int64]) -> None:
-    if x.ndim != 4 or len(x) == 0:
-        raise EdgeError(f"QAT data must be a non-empty (N, C, H, W) array, got shape {x.shape}")
+def int8_obstacle(model: nn.Module) -> str | None:
+    """The first layer of ``model`` that no INT8 kernel runs, described for the operator, or None."""
+    for name, module in model.named_modules():
+        if isinstance(module, _LOOKUPS):
+            return f"its layer '{name}' is an {type(module).__name__} (a table lookup, which no INT8 kernel runs)"
+    return None
+
+
+def _check_data(model_shape: tuple[int, ...], x: NDArray[Any], y: NDArray[Any]) -> None:
+    if x.ndim != len(model_shape) + 1 or len(x) == 0:
+        raise EdgeError(f"QAT data must be a non-empty (N, {', '.join(map(str, model_shape))}) array, got shape {x.shape}")
     if tuple(x.shape[1:]) != model_shape:
         raise EdgeError(f"QAT data has samples of shape {tuple(x.shape[1:])}, the model takes {model_shape}; "
                         "use the dataset the model was trained on")
     if y.shape != (len(x),):
         raise EdgeError(f"QAT labels have shape {y.shape}, expected ({len(x)},)")
-    if not np.isfinite(x).all():
+    if x.dtype.kind == "f" and not np.isfinite(x).all():
         raise EdgeError("QAT data contains NaN or Inf values")
 
 
@@ -80,15 +100,22 @@ def _batches(n: int, batch_size: int, generator: torch.Generator) -> list[torch.
     return [order[i : i + batch_size] for i in range(0, n, batch_size)]
 
 
+def _tensor(a: NDArray[Any]) -> torch.Tensor:
+    """Float inputs/targets as float32, integer ones (token ids, class indices) as int64."""
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64 if a.dtype.kind in "iu" else np.float32))
+
+
 def quantize_aware(
     model: nn.Module,
-    x: NDArray[np.float32],
-    y: NDArray[np.int64],
+    x: NDArray[Any],
+    y: NDArray[Any],
     input_shape: tuple[int, ...],
     *,
+    objective: Objective = CLASSIFICATION,
     settings: QatSettings | None = None,
 ) -> QuantizedModel:
-    """Fine-tune ``model`` (left unchanged) with fake quantisation on ``(x, y)``, then convert to INT8."""
+    """Fine-tune ``model`` (left unchanged) with fake quantisation on ``(x, y)`` under the task's
+    objective, then convert to INT8."""
     from quorumfl.edge.export import quiet
 
     with quiet():  # importing torchao warns about CUDA kernels a CPU wheel does not have
@@ -104,8 +131,11 @@ def quantize_aware(
 
     settings = settings or QatSettings()
     _check_data(tuple(input_shape), x, y)
-    features = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
-    labels = torch.from_numpy(np.ascontiguousarray(y, dtype=np.int64))
+    obstacle = int8_obstacle(model)
+    if obstacle:
+        raise EdgeError(f"the model cannot be quantised to INT8: {obstacle}; export it with dynamic quantisation "
+                        "(--precision dynamic: INT8 weights, onnxruntime) or as fp32 (--precision fp32)")
+    features, labels = _tensor(x), _tensor(y)
     example = features[: min(len(features), settings.batch_size)].clone()
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
     try:
@@ -126,7 +156,7 @@ def quantize_aware(
     for _ in range(settings.epochs):
         for index in _batches(len(features), settings.batch_size, generator):
             optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(prepared(features[index]), labels[index])
+            loss = objective.loss(prepared(features[index]), labels[index], reduction="mean")
             if not torch.isfinite(loss):
                 raise EdgeError("QAT loss became NaN/Inf; lower the QAT learning rate")
             loss.backward()  # type: ignore[no-untyped-call]
@@ -152,14 +182,22 @@ def _copy_eval(model: nn.Module) -> nn.Module:
     return clone
 
 
-def accuracy(predict: object, x: NDArray[np.float32], y: NDArray[np.int64], *, batch_size: int = 512) -> float:
-    """Top-1 accuracy of a callable mapping a float batch to logits (torch module or INT8 graph)."""
+def evaluate(predict: Callable[[torch.Tensor], torch.Tensor], x: NDArray[Any], y: NDArray[Any],
+             objective: Objective = CLASSIFICATION, *, batch_size: int = 512) -> dict[str, float]:
+    """The objective's metrics (its primary one included) of a callable mapping an input batch to
+    outputs: a torch module, an INT8 graph, or an edge runtime wrapped to take tensors."""
     if len(x) == 0:
-        raise EdgeError("accuracy needs at least one sample")
-    correct = 0
+        raise EdgeError("measuring a model needs at least one sample")
+    sums: dict[str, float] = {}
     with torch.no_grad():
         for start in range(0, len(x), batch_size):
-            batch = torch.from_numpy(np.ascontiguousarray(x[start : start + batch_size], dtype=np.float32))
-            logits = predict(batch)  # type: ignore[operator]
-            correct += int((logits.argmax(1).numpy() == y[start : start + batch_size]).sum())
-    return correct / len(x)
+            out = predict(_tensor(x[start : start + batch_size]))
+            for key, value in objective.sums(out.float(), _tensor(y[start : start + batch_size])).items():
+                sums[key] = sums.get(key, 0.0) + value
+    return objective.finish(sums, len(x))
+
+
+def accuracy(predict: Callable[[torch.Tensor], torch.Tensor], x: NDArray[Any], y: NDArray[Any], *,
+             batch_size: int = 512) -> float:
+    """Top-1 accuracy of a callable mapping a batch to class logits."""
+    return evaluate(predict, x, y, CLASSIFICATION, batch_size=batch_size)["accuracy"]

@@ -1,8 +1,10 @@
-"""The edge artifact registry: promote a model version to INT8 artifacts, sign them, store them.
+"""The edge artifact registry: promote a model version to edge artifacts, sign them, store them.
 
-Promotion loads the model version (checked against its SHA-256), fine-tunes it with QAT on
-calibration data, converts it to INT8, exports ONNX and ExecuTorch, measures the ONNX artifact's
-accuracy in onnxruntime, and publishes each format under the next artifact version: the file is
+Promotion takes the model version's weights (loaded and checked against its SHA-256 by the caller),
+measures the task's primary metric of the fp32 model, brings it to the asked precision (``int8``:
+QAT on calibration data and INT8 conversion; ``dynamic``: onnxruntime's INT8 weights; ``fp32``),
+exports ONNX and ExecuTorch, measures the ONNX artifact's metric in onnxruntime on the same data,
+and publishes each format under the next artifact version: the file is
 written atomically to ``HOME/edge/artifacts`` and its row (with the signed manifest) is added to the
 state DB, all formats in one transaction. Files are written before the rows, so a crash leaves at
 worst an unreferenced file, never a row without its file; file names carry the content hash, so
@@ -17,22 +19,25 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 from numpy.typing import NDArray
+from torch import nn
 
 from quorumfl.core.files import atomic_write
-from quorumfl.edge.export import ArtifactFormat, export_artifact
+from quorumfl.core.tasks import CLASSIFICATION, Objective
+from quorumfl.edge.export import ArtifactFormat, Precision, export_artifact, export_form
 from quorumfl.edge.manifest import Channel, Manifest, check_payload
-from quorumfl.edge.qat import QatSettings, accuracy, quantize_aware
+from quorumfl.edge.qat import QatSettings, evaluate, quantize_aware
 from quorumfl.edge.runtime import load_model
 from quorumfl.edge.signing import load_private_key, sign
 from quorumfl.errors import ArtifactError, ModelError
-from quorumfl.server.model_store import ModelStore
 from quorumfl.server.state.artifacts import ArtifactRecords, NewArtifact
 from quorumfl.server.state.orm import EdgeArtifact, ModelVersion
 
-__all__ = ["Calibration", "Registry", "parse_architecture"]
+__all__ = ["Calibration", "EdgeSource", "Registry", "input_dtype", "parse_architecture"]
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +46,27 @@ log = logging.getLogger(__name__)
 class Calibration:
     """Data for QAT (``train``) and for measuring the artifact (``evaluate``)."""
 
-    x_train: NDArray[np.float32]
-    y_train: NDArray[np.int64]
-    x_eval: NDArray[np.float32]
-    y_eval: NDArray[np.int64]
+    x_train: NDArray[Any]
+    y_train: NDArray[Any]
+    x_eval: NDArray[Any]
+    y_eval: NDArray[Any]
     dataset: str
     source: str  # where the QAT data came from, for the operator
+    objective: Objective = CLASSIFICATION  # the task's loss (for QAT) and primary metric
+
+
+@dataclass(frozen=True)
+class EdgeSource:
+    """A model version's model with its weights loaded, in eval mode, and what it takes and gives."""
+
+    model: nn.Module
+    input_shape: tuple[int, ...]
+    outputs: int  # class count, or 1 for a regression
+
+
+def input_dtype(x: NDArray[Any]) -> str:
+    """What an artifact takes, as the task's reader encodes it: int64 token ids or float32 values."""
+    return "int64" if x.dtype.kind in "iu" else "float32"
 
 
 def parse_architecture(key: str) -> tuple[str, tuple[int, ...], int]:
@@ -69,27 +89,35 @@ class Registry:
     def promote(
         self,
         version: ModelVersion,
+        source: EdgeSource,
         calibration: Calibration,
         *,
         channel: Channel,
         key_path: Path,
         settings: QatSettings | None = None,
         formats: Sequence[ArtifactFormat] = (ArtifactFormat.ONNX, ArtifactFormat.PTE),
+        precision: Precision = Precision.INT8,
     ) -> list[EdgeArtifact]:
-        from quorumfl.core.models import arrays_to_model, build_model, split_control
-
         key = load_private_key(key_path)  # before any work: a missing key fails fast
-        name, input_shape, num_classes = parse_architecture(version.architecture)
-        model = build_model(name, input_shape, num_classes)
-        arrays_to_model(model, split_control(ModelStore.load(version.path, version.sha256))[0])  # not SCAFFOLD's c
-        model.eval()
-        fp32 = accuracy(model, calibration.x_eval, calibration.y_eval)
-        quantized = quantize_aware(model, calibration.x_train, calibration.y_train, input_shape, settings=settings)
-        payloads = {fmt: export_artifact(quantized, fmt) for fmt in formats}
-        int8 = None
+        model, input_shape, objective = source.model, source.input_shape, calibration.objective
+        dtype = input_dtype(calibration.x_train)
+        metric = objective.primary
+        fp32 = evaluate(model, calibration.x_eval, calibration.y_eval, objective)[metric]
+        graph: nn.Module
+        if precision is Precision.INT8:
+            quantized = quantize_aware(model, calibration.x_train, calibration.y_train, input_shape,
+                                       objective=objective, settings=settings)
+            graph, example = quantized.module, quantized.example
+        else:  # the exporters need two examples to keep the batch dimension dynamic
+            graph = export_form(model)
+            example = torch.from_numpy(np.ascontiguousarray(np.concatenate([calibration.x_train[:1]] * 2)
+                                                            if len(calibration.x_train) < 2 else calibration.x_train[:2]))
+        payloads = {fmt: export_artifact(graph, example, fmt, precision) for fmt in formats}
+        edge = None
         if ArtifactFormat.ONNX in payloads:
-            runner = load_model(payloads[ArtifactFormat.ONNX], ArtifactFormat.ONNX, input_shape)
-            int8 = float(np.mean(runner(calibration.x_eval).argmax(1) == calibration.y_eval))
+            runner = load_model(payloads[ArtifactFormat.ONNX], ArtifactFormat.ONNX, input_shape, input_dtype=dtype)
+            edge = evaluate(lambda t: torch.from_numpy(runner(t.numpy())), calibration.x_eval, calibration.y_eval,
+                            objective)[metric]
         number = self.records.next_version()
         created = datetime.now(UTC).isoformat(timespec="seconds")
         self.root.mkdir(parents=True, exist_ok=True)
@@ -98,8 +126,9 @@ class Registry:
             manifest = Manifest(
                 version=number, channel=channel, format=fmt, size=len(payload),
                 sha256=hashlib.sha256(payload).hexdigest(), parent_model_version=version.id,
-                architecture=version.architecture, dataset=calibration.dataset, input_shape=input_shape, num_classes=num_classes,
-                created_at=created, fp32_accuracy=round(fp32, 6), int8_accuracy=None if int8 is None else round(int8, 6),
+                architecture=version.architecture, dataset=calibration.dataset, input_shape=input_shape,
+                num_classes=source.outputs, created_at=created, input_dtype=dtype, precision=precision.value,
+                metric=metric, fp32_metric=round(fp32, 6), edge_metric=None if edge is None else round(edge, 6),
             )
             # the hash in the name: a concurrent promotion that drew the same version number (its
             # row is then refused by the unique constraint) can never overwrite this file
@@ -109,8 +138,8 @@ class Registry:
             items.append(NewArtifact(format=fmt.value, size_bytes=len(payload), sha256=manifest.sha256,
                                      signature=sign(key, body).hex(), manifest=body.decode(), path=str(path)))
         rows = self.records.add(version=number, channel=channel.value, model_version_id=version.id, items=items)
-        log.info("model version %s promoted to edge artifact v%s (%s): fp32 %.4f, int8 %s",
-                 version.id, number, channel.value, fp32, int8)
+        log.info("model version %s promoted to edge artifact v%s (%s, %s): %s fp32 %.4f, artifact %s",
+                 version.id, number, channel.value, precision.value, metric, fp32, edge)
         return rows
 
     @staticmethod

@@ -1,9 +1,12 @@
 """Run an exported edge model: ONNX through onnxruntime (CPU, INT8 kernels), ``.pte`` through the
-ExecuTorch runtime. Inputs are checked against the shape the artifact declares before they reach
-the runtime, so a wrong input gets an error naming the expected shape rather than a runtime crash.
+ExecuTorch runtime. Inputs are checked against the shape and dtype the artifact declares (float32
+features or images; int64 token ids, which must be non-negative) before they reach the runtime, so a
+wrong input gets an error naming what the model takes rather than a runtime crash.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -15,11 +18,15 @@ __all__ = ["EdgeModel", "load_model"]
 
 
 class EdgeModel:
-    """Logits for a float32 batch ``(N, *input_shape)``."""
+    """Outputs (class logits, or the scaled regression target) for a batch ``(N, *input_shape)``."""
 
-    def __init__(self, payload: bytes, fmt: ArtifactFormat, input_shape: tuple[int, ...], *, threads: int = 1) -> None:
+    def __init__(self, payload: bytes, fmt: ArtifactFormat, input_shape: tuple[int, ...], *, threads: int = 1,
+                 input_dtype: str = "float32") -> None:
+        if input_dtype not in ("float32", "int64"):
+            raise EdgeError(f"the model's input dtype {input_dtype!r} is not float32 or int64; update the edge client")
         self.format = fmt
         self.input_shape = tuple(input_shape)
+        self.input_dtype = input_dtype
         try:
             if fmt is ArtifactFormat.ONNX:
                 import onnxruntime as ort
@@ -40,12 +47,20 @@ class EdgeModel:
         except Exception as exc:
             raise EdgeError(f"cannot load the {fmt} model: {exc}") from exc
 
-    def __call__(self, x: NDArray[np.float32]) -> NDArray[np.float32]:
-        x = np.ascontiguousarray(x, dtype=np.float32)
+    def __call__(self, x: NDArray[Any]) -> NDArray[np.float32]:
+        x = np.asarray(x)
         if x.ndim != len(self.input_shape) + 1 or tuple(x.shape[1:]) != self.input_shape:
             raise EdgeError(f"input has shape {x.shape}; the model takes (N, {', '.join(map(str, self.input_shape))})")
-        if not np.isfinite(x).all():
-            raise EdgeError("input contains NaN or Inf values")
+        if self.input_dtype == "int64":
+            if x.dtype.kind not in "iu":
+                raise EdgeError(f"input is {x.dtype}; the model takes int64 token ids (the task's encoding of a text)")
+            x = np.ascontiguousarray(x, dtype=np.int64)
+            if x.size and int(x.min()) < 0:
+                raise EdgeError("input has negative token ids; encode the text with the task's reader")
+        else:
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            if not np.isfinite(x).all():
+                raise EdgeError("input contains NaN or Inf values")
         if self.format is ArtifactFormat.ONNX:
             return np.asarray(self._session.run(None, {self._input: x})[0], dtype=np.float32)
         import torch
@@ -54,5 +69,6 @@ class EdgeModel:
         return np.concatenate(rows).astype(np.float32) if rows else np.zeros((0, 0), np.float32)
 
 
-def load_model(payload: bytes, fmt: ArtifactFormat | str, input_shape: tuple[int, ...], *, threads: int = 1) -> EdgeModel:
-    return EdgeModel(payload, ArtifactFormat(fmt), input_shape, threads=threads)
+def load_model(payload: bytes, fmt: ArtifactFormat | str, input_shape: tuple[int, ...], *, threads: int = 1,
+               input_dtype: str = "float32") -> EdgeModel:
+    return EdgeModel(payload, ArtifactFormat(fmt), input_shape, threads=threads, input_dtype=input_dtype)

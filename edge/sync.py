@@ -197,7 +197,7 @@ def sync(
                            channel=channel, fmt=fmt):
             return SyncResult("up-to-date", current_version or None, None, 0, 0)
         payload, fetched, resumed = _download(stub, offered, directory, timeout=timeout, server=server)
-    load_model(payload, fmt, offered.manifest.input_shape)  # refuse a file the runtime cannot load
+    load_model(payload, fmt, offered.manifest.input_shape, input_dtype=offered.manifest.input_dtype)  # refuse a file the runtime cannot load
     partial = directory / PARTIAL
     os.replace(partial / f"{offered.manifest.file_name}.part", directory / offered.manifest.file_name)
     (partial / f"{offered.manifest.file_name}.json").unlink(missing_ok=True)
@@ -232,4 +232,4 @@ def load_current(directory: Path, *, public_key: Path | None = None, threads: in
     except OSError as exc:
         raise ArtifactError(f"installed artifact {directory / m.file_name} is unreadable ({exc.strerror or exc})") from exc
     check_payload(m, payload)
-    return m, load_model(payload, m.format, m.input_shape, threads=threads)
+    return m, load_model(payload, m.format, m.input_shape, threads=threads, input_dtype=m.input_dtype)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["HashedBag", "Standardize", "find_statistics", "seeded"]
+__all__ = ["HashedBag", "MaskedMeanBag", "Standardize", "find_statistics", "seeded"]
 
 MIN_VARIANCE = 1e-3  # a feature (nearly) constant across the federation is not blown up by 1/σ
 
@@ -69,6 +69,27 @@ class HashedBag(nn.Module):
         counts = present.sum(dim=1)
         offsets = torch.cumsum(counts, dim=0) - counts
         logits: torch.Tensor = self.classifier(self.embedding(tokens[present], offsets))
+        return logits
+
+    def export_form(self) -> nn.Module:
+        """The same function on the same weights in operators that ONNX and ExecuTorch export (the
+        ragged ``embedding_bag`` with its data-dependent id count does not)."""
+        return MaskedMeanBag(self)
+
+
+class MaskedMeanBag(nn.Module):
+    """``HashedBag``'s function as a masked mean of gathered embeddings: (N, L) ids → logits. An
+    all-padding document gives the zero vector, as ``EmbeddingBag`` does for an empty bag."""
+
+    def __init__(self, bag: HashedBag) -> None:
+        super().__init__()
+        self.embedding = bag.embedding
+        self.classifier = bag.classifier
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        mask = (tokens != 0).to(self.embedding.weight.dtype).unsqueeze(-1)
+        vectors = nn.functional.embedding(tokens, self.embedding.weight) * mask
+        logits: torch.Tensor = self.classifier(vectors.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0))
         return logits
 
 

@@ -29,7 +29,7 @@ def manifest(version: int = 3, *, payload: bytes = PAYLOAD, channel: Channel = C
     return Manifest(version=version, channel=channel, format=fmt, size=len(payload),
                     sha256=hashlib.sha256(payload).hexdigest(), parent_model_version=7, architecture="mlp:1x8x8:10",
                     dataset="digits", input_shape=(1, 8, 8), num_classes=10, created_at="2026-11-30T10:00:00+00:00",
-                    fp32_accuracy=0.98, int8_accuracy=0.975)
+                    fp32_metric=0.98, edge_metric=0.975)
 
 
 @pytest.fixture
@@ -104,7 +104,12 @@ def test_other_channel_or_format_is_refused() -> None:
 
 @pytest.mark.parametrize("edit", [
     lambda b: b.replace(b'"version":3', b'"version":"3"'),
-    lambda b: b.replace(b'"schema":1', b'"schema":2'),
+    lambda b: b.replace(b'"schema":2', b'"schema":1'),
+    lambda b: b.replace(b'"schema":2', b'"schema":3'),
+    lambda b: b.replace(b'"precision":"int8"', b'"precision":"int4"'),
+    lambda b: b.replace(b'"input_dtype":"float32"', b'"input_dtype":"float16"'),
+    lambda b: b.replace(b'"metric":"accuracy"', b'"metric":1'),
+    lambda b: b.replace(b'"edge_metric":0.975', b'"edge_metric":true'),
     lambda b: b.replace(b'"channel":"stable"', b'"channel":"beta"'),
     lambda b: b.replace(b'"input_shape":[1,8,8]', b'"input_shape":[1,-8,8]'),
     lambda b: b.replace(b',"size":10240', b''),
@@ -133,3 +138,18 @@ def test_key_files(keys: tuple[Path, Path], tmp_path: Path) -> None:
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
         (tmp_path / "ec.pem").write_bytes(other)
         load_public_key(tmp_path / "ec.pem")
+
+
+def test_a_manifest_signed_before_tasks_still_reads_as_int8_accuracy() -> None:
+    """Artifacts published with schema 1 (INT8 image models) stay installable after the upgrade; a
+    schema-1 body with a field of schema 2 is refused."""
+    import json
+
+    body = json.loads(manifest().to_bytes())
+    old = {k: v for k, v in body.items() if k not in ("input_dtype", "precision", "metric", "fp32_metric", "edge_metric")}
+    old.update(schema=1, fp32_accuracy=0.98, int8_accuracy=0.975)
+    parsed = Manifest.from_bytes(json.dumps(old).encode())
+    assert (parsed.precision, parsed.input_dtype, parsed.metric, parsed.edge_metric) == ("int8", "float32", "accuracy", 0.975)
+    assert parsed.fp32_metric == 0.98 and parsed.input_shape == (1, 8, 8)
+    with pytest.raises(ArtifactError, match="unexpected or missing"):
+        Manifest.from_bytes(json.dumps({**old, "precision": "int8"}).encode())

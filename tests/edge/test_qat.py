@@ -29,7 +29,7 @@ def test_qat_round_trip_keeps_accuracy_within_one_point() -> None:
     exported = onnx_bytes(quantized.module, quantized.example)
     onnx_model = load_model(exported, ArtifactFormat.ONNX, (1, 8, 8))
     int8_logits = onnx_model(x_eval)
-    pte_model = load_model(pte_bytes(quantized), ArtifactFormat.PTE, (1, 8, 8))
+    pte_model = load_model(pte_bytes(quantized.module, quantized.example), ArtifactFormat.PTE, (1, 8, 8))
 
     # Assert: within one point of fp32, and the three INT8 executions agree with each other
     int8 = float(np.mean(int8_logits.argmax(1) == y_eval))

@@ -58,7 +58,7 @@ def test_two_devices_install_and_run_the_artifact(server: SyncServer, published:
         assert _sync(server, published, tmp_path / device).status == "up-to-date"
     manifest, model = load_current(tmp_path / "a", public_key=published.public_key)
     x, y = digits_eval
-    assert float(np.mean(model(x).argmax(1) == y)) == pytest.approx(manifest.int8_accuracy, abs=0.06)
+    assert float(np.mean(model(x).argmax(1) == y)) == pytest.approx(manifest.edge_metric, abs=0.06)
 
 
 def test_pte_artifact_installs_and_runs(server: SyncServer, published: Published, tmp_path: Path) -> None:
