@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric import ec
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from numpy.typing import NDArray
 
 from quorumfl.aggregation.secagg import NodeEpoch, flatten, weighted_payload
 from quorumfl.aggregation.secagg.identity import Roster, department_message, load_signing_key, sign
@@ -166,6 +167,20 @@ def signed_slot(context: Context, epoch: bytes, slot: int) -> str:
     return slot_key(epoch, slot)
 
 
+def constant_coordinates(local: LocalTraining) -> NDArray[np.bool_]:
+    """The update's coordinates (``flatten`` order) that training never changes: the model's
+    standardisation buffers, which only a statistics round fills, and a DP run has none."""
+    from quorumfl.core.tasks import ModelSpec
+    from quorumfl.core.tasks.modules import Standardize
+
+    config = local.config
+    model = ModelSpec(config.task, config.model, config.schema).build(seed=0)
+    names = {f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
+             if isinstance(module, Standardize) for name, _ in module.named_buffers(recurse=False)}
+    return np.concatenate([np.full(np.asarray(local.trained[k]).size, k in names, dtype=bool)
+                           for k in sorted(local.trained)])
+
+
 def masked_train_reply(msg: Message, context: Context, local: LocalTraining) -> RecordDict:
     """The train reply in masked mode: only the masked weighted update and the training time."""
     state = _load(context)
@@ -191,7 +206,8 @@ def masked_train_reply(msg: Message, context: Context, local: LocalTraining) -> 
                 f"with as few as {state.params.group_quorum}; the update is withheld", node=str(context.node_id))
 
         update = noisy_share(update, clip=local.config.dp_clip, noise_multiplier=local.config.dp_noise_multiplier,
-                             share=local.config.dp_noise_share, rng=np.random.default_rng(secrets.randbits(128)))
+                             share=local.config.dp_noise_share, rng=np.random.default_rng(secrets.randbits(128)),
+                             constant=constant_coordinates(local))
         examples = max_weight
     payload = weighted_payload(update, examples=examples, loss=local.train_loss, max_weight=max_weight,
                                clip=state.params.clip, value=local.eval_value, eval_loss=local.eval_loss,

@@ -29,9 +29,23 @@ def clip_update(update: NDArray[np.floating], clip: float) -> NDArray[np.float64
 
 
 def noisy_share(update: NDArray[np.floating], *, clip: float, noise_multiplier: float, share: int,
-                rng: np.random.Generator) -> NDArray[np.float64]:
-    """The clipped update plus this node's noise share N(0, σ²C²/share)."""
+                rng: np.random.Generator, constant: NDArray[np.bool_] | None = None) -> NDArray[np.float64]:
+    """The clipped update plus this node's noise share N(0, σ²C²/share).
+
+    ``constant`` marks coordinates that no training changes whatever the data (the tabular model's
+    standardisation buffers outside its statistics round): they are sent as exactly 0, outside the
+    clipped vector and without noise. Noise there would only move the model (a drifting σ² blows
+    up the inputs); a fixed 0 carries nothing about the data, so the guarantee is unchanged.
+    """
     if not noise_multiplier > 0 or share < 1:
         raise ConfigError(f"distributed DP needs σ > 0 and a noise share >= 1, got σ={noise_multiplier}, share={share}")
-    clipped = clip_update(update, clip)
-    return clipped + rng.normal(0.0, noise_multiplier * clip / np.sqrt(share), size=clipped.shape)
+    vector = np.asarray(update, dtype=np.float64)
+    if constant is None:
+        constant = np.zeros(vector.shape, dtype=bool)
+    if constant.shape != vector.shape:
+        raise ConfigError(f"the constant-coordinate mask has shape {constant.shape}, the update {vector.shape}")
+    free = ~constant
+    out = np.zeros_like(vector)
+    clipped = clip_update(vector[free], clip)
+    out[free] = clipped + rng.normal(0.0, noise_multiplier * clip / np.sqrt(share), size=clipped.shape)
+    return out

@@ -75,3 +75,19 @@ def test_a_revealed_sum_carries_the_full_noise(tmp_path: Path) -> None:
     # Each mean = (Σ clipped + Σ noise shares) / 3; 3 shares of variance σ²C²/t (t = 2) per sum.
     per_mean = 0.5 * 0.1 * np.sqrt(3 / 2) / 3
     assert np.std(diff) == pytest.approx(per_mean * np.sqrt(2), rel=0.05)
+
+
+def test_constant_coordinates_are_sent_as_zero_and_the_rest_clipped_and_noised_as_before() -> None:
+    """The tabular model's standardisation buffers, which no DP round changes, get no noise (noise
+    there would move σ² and blow up the inputs); they are forced to 0 whatever the update holds, and
+    the other coordinates are clipped on their own norm and noised with the same σ·C/√share."""
+    rng = np.random.default_rng(1)
+    update = np.concatenate([np.full(100_000, 0.01), np.full(5, 3.0)])  # 5 "buffer" coordinates, nonzero on purpose
+    constant = np.zeros(update.shape, dtype=bool)
+    constant[-5:] = True
+    out = noisy_share(update, clip=2.0, noise_multiplier=1.5, share=4, rng=rng, constant=constant)
+    assert np.all(out[-5:] == 0.0)
+    free = out[:-5] - clip_update(update[:-5], 2.0)  # the noise alone
+    assert abs(float(np.std(free)) / (1.5 * 2.0 / 2) - 1) < 0.02
+    with pytest.raises(ConfigError, match="mask has shape"):
+        noisy_share(update, clip=2.0, noise_multiplier=1.5, share=4, rng=rng, constant=constant[:-1])

@@ -120,6 +120,15 @@ def _check_statistics(stored: dict[str, np.ndarray], parts: dict[str, Path]) -> 
     assert float(stored["0.ready"][0]) == pytest.approx(1.0)
 
 
+def _check_no_statistics(models: dict[tuple[int, int], dict[str, np.ndarray]]) -> None:
+    """A DP run has no statistics round: raw-data means are not covered by ε, so every round trained
+    (each charged ε) and no model carries departments' feature statistics."""
+    for arrays in models.values():
+        if "0.ready" in arrays:  # the tabular model's Standardize layer
+            assert float(arrays["0.ready"][0]) == 0.0
+            assert not np.any(arrays["0.mean"]) and np.all(arrays["0.sq_mean"] == 1.0)
+
+
 def _matrix(strategy: str, city: tuple[str, dict[str, Path], dict[str, Any]], tmp_path: Path) -> None:
     task, parts, settings = city
     overrides = {**settings, **STRATEGIES[strategy]}
@@ -232,9 +241,11 @@ def test_dp_compression_and_rl_selection_on_every_task(
                                                                     "dp-clip": 1.0})
     spent = [m.value for m in repo.metrics(run_id, name="dp-epsilon") if m.node_id is not None]
     assert len(spent) == 2 * len(parts) and all(0 < e < 100 for e in spent)
+    _check_no_statistics(_models(repo, run_id))
     repo, run_id = _run(tmp_path, "dp-distributed", parts, **settings, **MODES["masking"],
                         **{"dp": "distributed", "dp-noise-multiplier": 1.0, "dp-epsilon": 0.0, "dp-clip": 1.0})
     assert all(np.all(np.isfinite(v)) for m in _models(repo, run_id).values() for v in m.values())
+    _check_no_statistics(_models(repo, run_id))
 
     compressed = {"compression": "randk", "compression-fraction": 0.2}
     repo, plain_run = _run(tmp_path, "randk-plain", parts, **settings, **compressed)
