@@ -38,12 +38,18 @@ def schema(
     ignore: Annotated[str, typer.Option(help="Columns to leave out, such as record ids (comma-separated).")] = "",
     buckets: Annotated[int, typer.Option(help="Hash buckets per categorical column (tabular) or for n-grams (text; "
                                               "0 = the task's default).")] = 0,
+    min_share: Annotated[float | None, typer.Option(help="tabular: the share of the federation's records a "
+                                                         "category needs for a model input of its own (rarer ones "
+                                                         "are pooled; counted under the run's secure aggregation; "
+                                                         "default 0.01, 0 keeps all).")] = None,
     out: Annotated[Path | None, typer.Option(help="Write the schema here (default: print it).")] = None,
 ) -> None:
     """Propose the schema every department's data must fit, from a sample file; review it and share it."""
     options = {"label": label, "text": text, "objective": objective, "categorical": categorical, "ignore": ignore}
     if buckets:
         options["buckets"] = str(buckets)
+    if min_share is not None:
+        options["min_share"] = str(min_share)
     proposed = propose_schema(source, task, {k: v for k, v in options.items() if v})
     body = json.dumps(proposed, indent=2) + "\n"
     if out is None:

@@ -9,6 +9,7 @@ classifier: the mean of learned embeddings of hashed word and character n-grams,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -22,17 +23,30 @@ MIN_VARIANCE = 1e-3  # a feature (nearly) constant across the federation is not 
 class Standardize(nn.Module):
     """``(x − mean) / σ`` with the federation's mean and second moment; identity until they are set.
     Its inputs must lie in [-1, 1] (the task's reader scales them): the statistics travel through the
-    round's secure sum, whose encoding is bounded."""
+    round's secure sum, whose encoding is bounded.
+
+    ``floor`` (per feature; −∞ = none) is the support a one-hot category slot needs: once the
+    statistics are in, a slot whose federation-wide share of records (its mean) is below its floor
+    is read as 0, i.e. pooled with the absent categories. So the vocabulary of slots the model uses
+    is decided by the securely summed counts, never by one department, and a category that a
+    handful of records (one department's, one citizen's) hold gets no weight of its own. The floor
+    comes from the schema at build time (not a buffer that travels)."""
 
     mean: torch.Tensor
     sq_mean: torch.Tensor
     ready: torch.Tensor
+    floor: torch.Tensor
 
-    def __init__(self, features: int) -> None:
+    def __init__(self, features: int, floor: torch.Tensor | None = None) -> None:
         super().__init__()
         self.register_buffer("mean", torch.zeros(features))
         self.register_buffer("sq_mean", torch.ones(features))
         self.register_buffer("ready", torch.zeros(1))  # 1 once the statistics round has filled it
+        if floor is None:
+            floor = torch.full((features,), -math.inf)
+        if floor.shape != (features,):
+            raise ValueError(f"floor has shape {tuple(floor.shape)}, expected ({features},)")
+        self.register_buffer("floor", floor.float(), persistent=False)
 
     def needs_statistics(self) -> bool:
         return bool(self.ready.item() < 0.5)
@@ -45,9 +59,14 @@ class Standardize(nn.Module):
         self.sq_mean.copy_((x * x).mean(dim=0).float())
         self.ready.fill_(1.0)
 
+    def kept(self) -> torch.Tensor:
+        """The features the model reads: all until the statistics are in, then those at or above their floor."""
+        return (self.mean >= self.floor) | (self.ready < 0.5)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         variance = torch.clamp(self.sq_mean - self.mean * self.mean, min=MIN_VARIANCE)
-        return (x - self.mean) * torch.rsqrt(variance)
+        scaled = (x - self.mean) * torch.rsqrt(variance)
+        return torch.where(self.kept(), scaled, torch.zeros_like(scaled))
 
 
 def find_statistics(model: nn.Module) -> Standardize | None:

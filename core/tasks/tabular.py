@@ -5,7 +5,7 @@ Schema (JSON; ``quorumfl data schema`` proposes one from a file, the admin revie
     {"task": "tabular", "version": "1", "label": "Sale_Price", "objective": "regression",
      "target_range": [0, 1000000],                       # regression; classification: "classes": [...]
      "numeric": [{"name": "Lot_Area", "low": 0, "high": 1000000}, ...],
-     "categorical": [{"name": "Neighborhood", "buckets": 32}, ...],
+     "categorical": [{"name": "Neighborhood", "buckets": 32, "min_share": 0.01}, ...],
      "ignore": ["Parcel_ID"]}
 
 Encoding is fixed by the schema alone, so no department's data decides it: a numeric value is scaled
@@ -15,9 +15,12 @@ collected from anyone. The standardisation that training needs is computed acros
 models begin with a ``Standardize`` layer whose mean and second moment start empty; in the first
 round of a fresh run every node puts its own (count-weighted) statistics there instead of training,
 and the round's secure aggregation reveals only their weighted mean over the departments, i.e. the
-federation's statistics (sums and counts, nothing per department). Runs with differential privacy
-skip that round (statistics of raw data would not be covered by ε) and train on the range-scaled
-values.
+federation's statistics (sums and counts, nothing per department). The same round decides each
+categorical column's vocabulary: a bucket's mean is the share of the federation's records whose
+value hashes there, and a bucket below the column's ``min_share`` (optional; 0 keeps every bucket)
+is pooled with the absent values (``Standardize.floor``). Runs with differential privacy skip that
+round (statistics of raw data would not be covered by ε) and train on the range-scaled values with
+every bucket.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ if TYPE_CHECKING:
 __all__ = ["TabularTask", "encode_table", "nice_range"]
 
 DEFAULT_BUCKETS = 16
+DEFAULT_MIN_SHARE = 0.01  # proposed for new schemas: a category held by under 1 % of the records is pooled
+MAX_MIN_SHARE = 0.5
 CLASSIFICATION_MAX_CLASSES = 20  # a numeric label with more distinct values is proposed as regression
 
 
@@ -70,6 +75,15 @@ def _bucket(column: str, value: str, buckets: int) -> int:
 
 def _feature_count(schema: Schema) -> int:
     return len(schema["numeric"]) + sum(int(c["buckets"]) for c in schema["categorical"])
+
+
+def _floors(schema: Schema) -> list[float]:
+    """Per feature, the share of the federation's records a slot needs to be read (−∞: always)."""
+    floors = [-math.inf] * len(schema["numeric"])
+    for spec in schema["categorical"]:
+        share = float(spec.get("min_share", 0))
+        floors += [share if share > 0 else -math.inf] * int(spec["buckets"])
+    return floors
 
 
 def encode_table(table: Table, schema: Schema) -> tuple[NDArray[np.float32], NDArray[Any]]:
@@ -160,10 +174,13 @@ class TabularTask:
                  and spec["low"] < spec["high"], f"numeric[{spec.get('name') if isinstance(spec, Mapping) else spec}]",
                  "needs name, low and high with low < high")
         for spec in categorical:
+            where = f"categorical[{spec.get('name') if isinstance(spec, Mapping) else spec}]"
             need(isinstance(spec, Mapping) and isinstance(spec.get("name"), str)
                  and isinstance(spec.get("buckets"), int) and 2 <= spec["buckets"] <= 4096,
-                 f"categorical[{spec.get('name') if isinstance(spec, Mapping) else spec}]",
-                 "needs a name and buckets between 2 and 4096")
+                 where, "needs a name and buckets between 2 and 4096")
+            share = spec.get("min_share", 0)
+            need(isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= MAX_MIN_SHARE,
+                 f"{where}.min_share", f"must be a share of the records from 0 to {MAX_MIN_SHARE}")
         names = [schema["label"], *(s["name"] for s in numeric), *(s["name"] for s in categorical)]
         dup = next((n for n in names if names.count(n) > 1), None)
         need(dup is None, str(dup), "is listed twice (label, numeric and categorical columns must differ)")
@@ -181,18 +198,20 @@ class TabularTask:
         return Regression(scale=float(high) - float(low))
 
     def build_model(self, model: str, schema: Schema, *, seed: int) -> nn.Module:
+        import torch
         from torch import nn
 
         from quorumfl.core.tasks.modules import Standardize, seeded
 
         features, outputs = _feature_count(schema), self.outputs(schema)
+        floor = torch.tensor(_floors(schema), dtype=torch.float32)
 
         def build() -> nn.Module:
             if model == "mlp":
-                return nn.Sequential(Standardize(features), nn.Linear(features, 64), nn.ReLU(), nn.Linear(64, 32),
-                                     nn.ReLU(), nn.Linear(32, outputs))
+                return nn.Sequential(Standardize(features, floor), nn.Linear(features, 64), nn.ReLU(),
+                                     nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, outputs))
             if model == "linear":
-                return nn.Sequential(Standardize(features), nn.Linear(features, outputs))
+                return nn.Sequential(Standardize(features, floor), nn.Linear(features, outputs))
             raise ConfigError(f"model: the tabular task has no model '{model}'; choose one of {list(self.model_names())}")
 
         return seeded(build, seed)
@@ -227,6 +246,10 @@ class TabularTask:
             target = parse_number(source, label, cells)
             schema["target_range"] = list(nice_range(min(target), max(target)))
         buckets = int(options.get("buckets", DEFAULT_BUCKETS))
+        try:
+            min_share = float(options.get("min_share", DEFAULT_MIN_SHARE))
+        except ValueError:
+            raise ConfigError(f"--min-share must be a number from 0 to {MAX_MIN_SHARE}, got {options['min_share']!r}") from None
         numeric: list[dict[str, Any]] = []
         categories: list[dict[str, Any]] = []
         for name, column in table.columns.items():
@@ -237,7 +260,7 @@ class TabularTask:
                 low, high = nice_range(min(values), max(values))
                 numeric.append({"name": name, "low": low, "high": high})
             else:
-                categories.append({"name": name, "buckets": buckets})
+                categories.append({"name": name, "buckets": buckets, "min_share": min_share})
         schema.update(numeric=numeric, categorical=categories, ignore=ignore)
         self.check_schema(schema)
         return schema

@@ -11,6 +11,7 @@ FedAvg on each task runs in the default suite; the rest of the matrix is ``-m sl
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,8 @@ from flwr.app import Message
 
 from quorumfl.core.data import prepare_partitions, read_partition
 from quorumfl.core.data.departments import import_partition
-from quorumfl.core.tasks import get_task
+from quorumfl.core.models import arrays_to_model
+from quorumfl.core.tasks import ModelSpec, get_task
 from quorumfl.protocol.wire import ARRAYS, METRICS, from_array_record
 from quorumfl.server.model_store import ModelStore
 from quorumfl.server.state.repository import RunStatus
@@ -58,14 +60,19 @@ MODES: dict[str, dict[str, Any]] = {
 TOLERANCE = {"masking": (1e-5, 1e-3), "ckks": (1e-6, 1e-3)}
 
 
+RARE_ZONE = "harbour"  # hashes to a bucket of its own among the four zones' (16 buckets)
+
+
 def city_partitions(root: Path, task: str) -> tuple[dict[str, Path], dict[str, Any]]:
     """Six departments' partitions of a task and the run settings (task, schema file, model)."""
     if task == "image":
         return prepare_partitions(root / "image", DEPARTMENTS, seed=1, method="dirichlet", alpha=0.5), {}
     root.mkdir(parents=True, exist_ok=True)
     if task == "tabular":
-        files = [write_csv(root / f"{d}.csv", property_rows(120, seed=i, zone_bias=ZONES[i % len(ZONES)]))
-                 for i, d in enumerate(DEPARTMENTS)]
+        tables = [property_rows(120, seed=i, zone_bias=ZONES[i % len(ZONES)]) for i in range(len(DEPARTMENTS))]
+        for row in tables[1][:3]:  # a zone that 3 of the federation's 720 sales have: under min_share, pooled
+            row["zone"] = RARE_ZONE
+        files = [write_csv(root / f"{d}.csv", rows) for d, rows in zip(DEPARTMENTS, tables, strict=True)]
         schema = get_task("tabular").infer_schema(files[0], {"label": "sale_price", "ignore": "parcel,band"})
         model = "mlp"
     else:
@@ -110,14 +117,25 @@ def _check_weighted_mean(stored: dict[str, np.ndarray], replies: list[Message]) 
         np.testing.assert_allclose(value, np.tensordot(weights / weights.sum(), stack, axes=1), rtol=1e-5, atol=1e-6)
 
 
-def _check_statistics(stored: dict[str, np.ndarray], parts: dict[str, Path]) -> None:
+def _check_statistics(stored: dict[str, np.ndarray], parts: dict[str, Path], settings: dict[str, Any]) -> None:
     """The statistics round: the model's Standardize layer holds the federation's example-weighted mean
-    and second moment, computed here from the departments' files with numpy."""
+    and second moment, computed here from the departments' files with numpy; the category slots the
+    model reads are those whose share of the federation's records reaches the column's min_share (the
+    rare zone's is not, though one department holds it)."""
     xs = [read_partition(p).train.x.astype(np.float64) for p in parts.values()]
     everything = np.concatenate(xs)
     np.testing.assert_allclose(stored["0.mean"], everything.mean(axis=0), rtol=0, atol=1e-6)
     np.testing.assert_allclose(stored["0.sq_mean"], (everything**2).mean(axis=0), rtol=0, atol=1e-6)
     assert float(stored["0.ready"][0]) == pytest.approx(1.0)
+    schema = json.loads(Path(settings["task-schema"]).read_text())
+    model = ModelSpec("tabular", "mlp", json.dumps(schema)).build(seed=0)
+    arrays_to_model(model, stored)
+    numeric, (zone,) = len(schema["numeric"]), schema["categorical"]
+    share = everything[:, numeric : numeric + zone["buckets"]].mean(axis=0)
+    kept = model[0].kept().numpy()[numeric : numeric + zone["buckets"]]
+    np.testing.assert_array_equal(kept, share >= zone["min_share"])
+    rare = zlib.crc32(f"zone\x1f{RARE_ZONE}".encode()) % zone["buckets"]
+    assert 0 < share[rare] < zone["min_share"] and not kept[rare]
 
 
 def _check_no_statistics(models: dict[tuple[int, int], dict[str, np.ndarray]]) -> None:
@@ -140,7 +158,7 @@ def _matrix(strategy: str, city: tuple[str, dict[str, Path], dict[str, Any]], tm
     if strategy != "ifca":
         _check_weighted_mean(plain[(1, 0)], _round_one_train_replies(grid))
     if task == "tabular" and strategy not in ("fedper", "ifca"):  # IFCA: per cluster (and repaired clusters)
-        _check_statistics(plain[(1, 0)], parts)
+        _check_statistics(plain[(1, 0)], parts, settings)
     primary = get_task(task).objective(json.loads(Path(settings["task-schema"]).read_text())).primary \
         if settings else "accuracy"
     finals = [m for m in repo.metrics(plain_run) if m.name == f"final-{primary}" and m.node_id is not None]
