@@ -36,7 +36,7 @@ from quorumfl.core.models import (
     split_control,
 )
 from quorumfl.core.tasks import ModelSpec, image_schema
-from quorumfl.core.tasks.modules import find_statistics
+from quorumfl.core.tasks.modules import Standardize, find_statistics
 from quorumfl.errors import ConfigError, DataError
 from quorumfl.protocol.wire import TrainConfig
 from quorumfl.training.engine import EngineSettings, TrainJob, plan_devices, train_model
@@ -216,7 +216,7 @@ def _global_statistics(model: torch.nn.Module, start: Arrays) -> None:
     stats = find_statistics(model)
     for prefix, module in model.named_modules():
         if stats is not None and module is stats:
-            for buffer, _ in module.named_buffers():
+            for buffer in Standardize.STATISTICS:
                 key = f"{prefix}.{buffer}" if prefix else buffer
                 getattr(module, buffer).copy_(torch.from_numpy(np.array(start[key], copy=True)))
 

@@ -176,7 +176,7 @@ def constant_coordinates(local: LocalTraining) -> NDArray[np.bool_]:
     config = local.config
     model = ModelSpec(config.task, config.model, config.schema).build(seed=0)
     names = {f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
-             if isinstance(module, Standardize) for name, _ in module.named_buffers(recurse=False)}
+             if isinstance(module, Standardize) for name in Standardize.STATISTICS}
     return np.concatenate([np.full(np.asarray(local.trained[k]).size, k in names, dtype=bool)
                            for k in sorted(local.trained)])
 

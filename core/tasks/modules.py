@@ -32,6 +32,7 @@ class Standardize(nn.Module):
     handful of records (one department's, one citizen's) hold gets no weight of its own. The floor
     comes from the schema at build time (not a buffer that travels)."""
 
+    STATISTICS = ("mean", "sq_mean", "ready")  # the buffers that travel with the model (``floor`` does not)
     mean: torch.Tensor
     sq_mean: torch.Tensor
     ready: torch.Tensor
