@@ -11,9 +11,12 @@ import typer
 from quorumfl.cli.output import Format, console, print_json
 from quorumfl.core.data import check_data, import_partition, prepare_partitions, propose_schema
 from quorumfl.core.data.datasets import FASHION_MNIST_DIR
+from quorumfl.core.data.departments import split_packaged
+from quorumfl.core.data.packaged import PACKAGED
 from quorumfl.core.data.planted import plant_partitions
 from quorumfl.core.files import atomic_write
 from quorumfl.core.tasks import read_schema, schema_digest
+from quorumfl.errors import ConfigError
 
 data_app = typer.Typer(help="Department data: import a department's file, propose and check schemas, split "
                             "built-in datasets.", no_args_is_help=True)
@@ -98,8 +101,10 @@ def check(
 def data_split(
     out: Annotated[Path, typer.Option(help="Folder to create one partition directory per department in.")],
     departments: Annotated[str, typer.Option(help="Comma-separated department names.")],
-    dataset: Annotated[str, typer.Option(help="digits or fashion-mnist.")] = "digits",
-    method: Annotated[str, typer.Option(help="iid, dirichlet or shards.")] = "dirichlet",
+    dataset: Annotated[str, typer.Option(help="digits or fashion-mnist (image); ames (tabular: property sales) or "
+                                              "wordnet (text: noun glosses), from ./setup.sh --city-data.")] = "digits",
+    method: Annotated[str, typer.Option(help="iid, dirichlet or shards; natural for ames (whole neighbourhoods "
+                                             "per department).")] = "dirichlet",
     alpha: Annotated[float, typer.Option(help="Dirichlet α.")] = 0.5,
     labels_per_node: Annotated[int, typer.Option(help="Classes per node for 'shards'.")] = 2,
     seed: Annotated[int, typer.Option(help="Seed of the split.")] = 0,
@@ -107,8 +112,18 @@ def data_split(
     planted_groups: Annotated[int, typer.Option(help="Plant this many groups of departments, each with its own "
                                                      "label permutation, to measure cluster recovery (0: none).")] = 0,
 ) -> None:
-    """Split a built-in dataset into department partition directories (each node gets only its own)."""
+    """Split a built-in dataset into department partition directories (each node gets only its own);
+    ames and wordnet also write each department's own file and the schema (OUT/schema.json) to give
+    'runs start --schema'."""
     names = [d.strip() for d in departments.split(",") if d.strip()]
+    if dataset in PACKAGED:
+        if planted_groups:
+            raise ConfigError("--planted-groups permutes image labels; it does not apply to ames or wordnet")
+        parts, _ = split_packaged(dataset, out, names, split=method, seed=seed, alpha=alpha)
+        for name, path in parts.items():
+            console.print(f"{name}: {path}", soft_wrap=True)
+        console.print(f"schema: {out / 'schema.json'} (task {PACKAGED[dataset]})", soft_wrap=True)
+        return
     paths = prepare_partitions(out, names, dataset=dataset, method=method, alpha=alpha,
                                labels_per_node=labels_per_node, seed=seed, data_dir=data_dir)
     groups = plant_partitions(paths, planted_groups, seed=seed) if planted_groups else {}

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quorumfl.core.data import import_partition, prepare_partitions, propose_schema
-from quorumfl.core.data.packaged import write_department_files
+from quorumfl.core.data import prepare_partitions
+from quorumfl.core.data.departments import split_packaged
 from quorumfl.deploy.local import local_federation
 from quorumfl.errors import ConfigError, FederationError, NotFoundError
 from quorumfl.server.services import follow_run
@@ -63,14 +63,8 @@ def _city_partitions(settings: DemoSettings, names: list[str], on_status: Callab
     root = settings.home / "demo" / settings.task
     split = "natural" if dataset == "ames" else "dirichlet"
     on_status(f"writing {dataset} as {len(names)} departments' own files ({split} split)")
-    files, pool = write_department_files(dataset, root / "files", len(names), split=split, seed=settings.seed,
-                                         alpha=settings.alpha, limit=0 if dataset == "ames" else TEXT_DEMO_GLOSSES)
-    options = {"label": "Sale_Price"} if dataset == "ames" else {"text": "text", "label": "lexname", "ignore": "synset"}
-    schema = propose_schema(pool, settings.task, options)
-    parts = {}
-    for name, file in zip(names, files, strict=True):
-        parts[name] = root / "parts" / name
-        import_partition(file, parts[name], department=name, schema=schema, seed=settings.seed)
+    parts, schema = split_packaged(dataset, root, names, split=split, seed=settings.seed, alpha=settings.alpha,
+                                   limit=0 if dataset == "ames" else TEXT_DEMO_GLOSSES)
     model = "mlp" if dataset == "ames" else "fasttext"
     rate = 0.02 if dataset == "ames" else 0.5  # benchmarks/tasks.py's: an embedding bag learns at a higher rate
     task_settings = {"task": settings.task, "task-schema": json.dumps(schema, sort_keys=True), "model": model,

@@ -47,3 +47,31 @@ def test_missing_packaged_files_say_how_to_fetch_them(tmp_path: Path) -> None:
         wordnet_rows(tmp_path)
     with pytest.raises(DataError, match=r"run './setup.sh --city-data'"):
         ames_rows(tmp_path)
+
+
+@pytest.mark.parametrize(("dataset", "method", "task"), [("ames", "natural", "tabular"), ("wordnet", "iid", "text")])
+def test_data_split_gives_each_department_a_partition_of_a_packaged_dataset(
+    tmp_path: Path, dataset: str, method: str, task: str
+) -> None:
+    """`quorumfl data split` on a table or text dataset: each department's own file, its partition
+    under one schema proposed from the pool, and the schema file for `runs start --schema`; the
+    partitions together hold every row exactly once."""
+    import json
+
+    from quorumfl.core.data import read_partition
+    from quorumfl.core.tasks import schema_digest
+    from tests.server.test_cli import quorumfl
+
+    out = tmp_path / "split"
+    result = quorumfl("data", "split", "--out", str(out), "--departments", "north,south,east", "--dataset", dataset,
+                      "--method", method)
+    assert result.returncode == 0, result.stderr
+    schema = json.loads((out / "schema.json").read_text())
+    assert schema["task"] == task and f"schema: {out / 'schema.json'}" in result.stdout
+    parts = [read_partition(out / "parts" / name) for name in ("north", "south", "east")]
+    assert all(schema_digest(p.resolved_schema()) == schema_digest(schema) for p in parts)
+    total = sum(len(p.train) + len(p.test) for p in parts)
+    assert total == (2930 if dataset == "ames" else 82115)
+    refused = quorumfl("data", "split", "--out", str(tmp_path / "x"), "--departments", "a", "--dataset", "wordnet",
+                       "--method", "natural")
+    assert refused.returncode != 0 and "split 'natural' is Ames' neighbourhoods" in refused.stderr
