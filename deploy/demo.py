@@ -25,7 +25,7 @@ from quorumfl.server.services import follow_run
 from quorumfl.server.state.orm import Round, Run
 from quorumfl.server.state.repository import Repository, RunStatus
 
-__all__ = ["DEPARTMENTS", "DemoSettings", "run_demo"]
+__all__ = ["DEPARTMENTS", "DemoSettings", "demo_strategy", "run_demo"]
 
 DEPARTMENTS = [
     "tax-office",
@@ -52,6 +52,17 @@ class DemoSettings:
     secure_aggregation: str = "masking"
     timeout: float = 900.0
     task: str = "image"  # image (digits), tabular (Ames sales), text (WordNet glosses)
+
+
+def demo_strategy(task: str, strategy: str) -> tuple[str, str]:
+    """The demo's strategy when none is given, and why: FedProx, except for the text task. Measured
+    (5 rounds, 4 departments, seed 0, federated accuracy): FedAvg 0.505, FedProx μ = 0.1 0.202,
+    μ = 0.004 0.381: the embedding bag learns at rate 0.5 and its few rounds cannot spare the pull."""
+    if strategy:
+        return strategy, ""
+    if task == "text":
+        return "fedavg", "strategy fedavg (the text model's default: FedProx's pull slows its few demo rounds)"
+    return "fedprox", ""
 
 
 TEXT_DEMO_GLOSSES = 6000  # a seeded subset of the 82,115 noun glosses: a few seconds per round
