@@ -185,9 +185,9 @@ def test_unreadable_checkpoint_fails_with_the_fix(tmp_path: Path) -> None:
     assert ckpt.read_bytes() == b"not a checkpoint"  # nothing stored is overwritten on the way out
 
 
-def _run_job(ckpt: Path, out: Path, workers: int, *, kill_at_checkpoint: bool) -> dict[str, int] | None:
+def _run_job(ckpt: Path, out: Path, workers: int, *, kill_at_checkpoint: bool, kind: str = "image") -> dict[str, int] | None:
     env = {**os.environ, "PYTHONPATH": str(HERE)}
-    proc = subprocess.Popen([sys.executable, str(HERE / "engine_job.py"), str(ckpt), str(out), str(workers)],
+    proc = subprocess.Popen([sys.executable, str(HERE / "engine_job.py"), str(ckpt), str(out), str(workers), kind],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
         if kill_at_checkpoint:
@@ -208,15 +208,17 @@ def _run_job(ckpt: Path, out: Path, workers: int, *, kill_at_checkpoint: bool) -
             proc.wait()
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_sigkill_mid_training_resumes_to_the_same_weights(tmp_path: Path, workers: int) -> None:
-    uninterrupted = _run_job(tmp_path / "a.pt", tmp_path / "a-out.pt", workers, kill_at_checkpoint=False)
+@pytest.mark.parametrize(("workers", "kind"), [(1, "image"), (2, "image"), (1, "text"), (1, "tabular")])
+def test_sigkill_mid_training_resumes_to_the_same_weights(tmp_path: Path, workers: int, kind: str) -> None:
+    """Also for the text task's embedding bag (int64 ids) and the tabular task's standardised MLP,
+    whose buffers (the federation's statistics) must come back with the weights."""
+    uninterrupted = _run_job(tmp_path / "a.pt", tmp_path / "a-out.pt", workers, kill_at_checkpoint=False, kind=kind)
     assert uninterrupted is not None and uninterrupted["resumed_from_step"] == 0
 
     ckpt = tmp_path / "b.pt"
-    assert _run_job(ckpt, tmp_path / "b-out.pt", workers, kill_at_checkpoint=True) is None
+    assert _run_job(ckpt, tmp_path / "b-out.pt", workers, kill_at_checkpoint=True, kind=kind) is None
     assert ckpt.exists() and not (tmp_path / "b-out.pt").exists()
-    resumed = _run_job(ckpt, tmp_path / "b-out.pt", workers, kill_at_checkpoint=False)
+    resumed = _run_job(ckpt, tmp_path / "b-out.pt", workers, kill_at_checkpoint=False, kind=kind)
     assert resumed is not None
     assert 0 < resumed["resumed_from_step"] < uninterrupted["steps"]
     assert resumed["steps"] == uninterrupted["steps"]
