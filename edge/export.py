@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -67,17 +68,25 @@ class ArtifactFormat(StrEnum):
     PTE = "pte"
 
 
+_E = TypeVar("_E", bound=StrEnum)
+
+
 class Precision(StrEnum):
     INT8 = "int8"
     DYNAMIC = "dynamic"
     FP32 = "fp32"
 
 
-def parse_precision(value: str) -> Precision:
+def parse_option(kind: type[_E], value: str, option: str) -> _E:
+    """``value`` as a member of ``kind``, or a ConfigError naming ``option`` and the choices."""
     try:
-        return Precision(value)
+        return kind(value)
     except ValueError:
-        raise ConfigError(f"--precision must be one of {[p.value for p in Precision]}, got {value!r}") from None
+        raise ConfigError(f"{option} must be one of {[m.value for m in kind]}, got {value!r}") from None
+
+
+def parse_precision(value: str) -> Precision:
+    return parse_option(Precision, value, "--precision")
 
 
 def export_form(model: nn.Module) -> nn.Module:

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
-from quorumfl.edge.export import ArtifactFormat
-from quorumfl.errors import ArtifactError, ConfigError
+from quorumfl.edge.export import ArtifactFormat, parse_option
+from quorumfl.errors import ArtifactError
 
 __all__ = ["Channel", "Manifest", "check_newer", "check_payload"]
 
@@ -35,10 +35,7 @@ class Channel(StrEnum):
 
 
 def parse_channel(value: str) -> Channel:
-    try:
-        return Channel(value)
-    except ValueError:
-        raise ConfigError(f"--channel must be one of {[c.value for c in Channel]}, got {value!r}") from None
+    return parse_option(Channel, value, "--channel")
 
 
 @dataclass(frozen=True)
