@@ -10,7 +10,8 @@ public key(s) and the federation id (the CA certificate's SHA-256), and refuses 
 with Flower's own 401 answer. The SuperLink never holds the admin's private key.
 
 ``python -m quorumfl.deploy.admin_access --admin-keys admin.pub <flower-superlink arguments>`` is the
-SuperLink process: it installs the plugin where Flower's CLI loads its own, keeps the Runtime API
+SuperLink process (with ``--insecure`` too, without the keys): it makes the link state answer for
+messages lost to a node's restart (``quorumfl.deploy.link_restarts``), it installs the plugin where Flower's CLI loads its own, keeps the Runtime API
 (which Flower leaves unauthenticated in subprocess isolation) to this host's own processes
 (``RuntimeFromThisHost``), then runs Flower's ``flower-superlink`` unchanged. A SuperLink started with TLS but without ``--admin-keys`` refuses
 to start (fails closed); ``--insecure`` keeps Flower's no-op plugin, as documented for trusted
@@ -206,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
         main_module.create_app = create_guarded_app  # Flower's CLI imports it from there when it starts
     from flwr.superlink.cli import flower_superlink
 
+    from quorumfl.deploy.link_restarts import install
+
+    install()  # a message taken by a node that restarted since gets an answer, not the round's timeout
     sys.argv = ["flower-superlink", *args]
     flower_superlink()
 

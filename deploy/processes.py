@@ -99,10 +99,10 @@ def superlink_command(
     suits short-lived local federations (under load its SQLite state hit 'database is locked').
     ``tls``: the federation's credentials (TLS on the port, SuperNode authentication, a Control API
     that obeys only the admin's key); ``None`` runs insecure, for a trusted network only."""
-    # With TLS the SuperLink runs under QuorumFL's entry point, which makes its Control API accept
-    # only admin-signed calls (admin_access); Flower's own command otherwise.
-    launcher = [flower_executable("flower-superlink")] if tls is None else [
-        sys.executable, "-m", "quorumfl.deploy.admin_access", ADMIN_KEYS_FLAG, str(tls.admin_pub)]
+    # The SuperLink runs under QuorumFL's entry point (admin_access), which answers for messages lost
+    # to a node's restart and, with TLS, makes its Control API accept only admin-signed calls.
+    launcher = [sys.executable, "-m", "quorumfl.deploy.admin_access",
+                *([] if tls is None else [ADMIN_KEYS_FLAG, str(tls.admin_pub)])]
     cmd = [
         *launcher,
         *(["--database", str(database)] if database is not None else []),
