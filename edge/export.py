@@ -40,7 +40,7 @@ from quorumfl.edge.qat import MAX_BATCH
 from quorumfl.errors import ConfigError, EdgeError
 
 __all__ = ["ArtifactFormat", "Precision", "dynamic_onnx_bytes", "export_artifact", "export_form", "onnx_bytes",
-           "parse_precision", "pte_bytes", "quiet"]
+           "parse_option", "parse_precision", "pte_bytes", "quiet"]
 
 # Libraries whose warnings during export are about their own internals (CUDA kernels not built into
 # a CPU wheel, torchvision ops not registered, deprecated pytree hooks), not about the model.
