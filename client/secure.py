@@ -174,7 +174,10 @@ def constant_coordinates(local: LocalTraining) -> NDArray[np.bool_]:
     from quorumfl.core.tasks.modules import Standardize
 
     config = local.config
-    model = ModelSpec(config.task, config.model, config.schema).build(seed=0)
+    spec = ModelSpec(config.task, config.model, config.schema)
+    if not getattr(spec.resolve(), "needs_statistics", False):  # no standardisation layer: nothing to build
+        return np.zeros(sum(np.asarray(v).size for v in local.trained.values()), dtype=bool)
+    model = spec.build(seed=0)
     names = {f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
              if isinstance(module, Standardize) for name in Standardize.STATISTICS}
     return np.concatenate([np.full(np.asarray(local.trained[k]).size, k in names, dtype=bool)

@@ -26,6 +26,7 @@ from typing import Any
 __all__ = ["install", "restarted_since_delivery"]
 
 _INSTALLED = "_quorumfl_restart_aware"
+_TAKEN = "_quorumfl_taken"  # on each link state: message id -> its metadata when its node took it
 
 
 def restarted_since_delivery(delivered_at: str, last_activated_at: str) -> bool:
@@ -50,12 +51,15 @@ def _wrap(cls: type) -> None:
     take: Callable[..., list[Any]] = cls.get_message_ins  # type: ignore[attr-defined]
     answer: Callable[..., list[Any]] = cls.get_message_res  # type: ignore[attr-defined]
     lock = threading.Lock()
-    taken: dict[int, dict[str, Any]] = {}  # per state instance: message id -> its metadata when delivered
+
+    def taken(state: Any) -> dict[str, Any]:
+        mine: dict[str, Any] = state.__dict__.setdefault(_TAKEN, {})
+        return mine
 
     def get_message_ins(self: Any, node_id: int, limit: int | None, **kw: Any) -> list[Any]:
         delivered = take(self, node_id, limit, **kw)
         with lock:
-            mine = taken.setdefault(id(self), {})
+            mine = taken(self)
             now = time.time()
             for stale in [i for i, m in mine.items() if m.created_at + m.ttl < now]:  # past its TTL: never asked
                 del mine[stale]
@@ -67,7 +71,7 @@ def _wrap(cls: type) -> None:
         asked = set(message_ids)
         replies = answer(self, message_ids, run_id)
         with lock:
-            mine = taken.setdefault(id(self), {})
+            mine = taken(self)
             for reply in replies:
                 mine.pop(reply.metadata.reply_to_message_id, None)
             open_ids = asked - {r.metadata.reply_to_message_id for r in replies}
@@ -79,7 +83,7 @@ def _wrap(cls: type) -> None:
                 if restarted_since_delivery(m.delivered_at, activated.get(int(m.dst_node_id), ""))]
         with lock:
             for i in lost:
-                taken.get(id(self), {}).pop(i, None)
+                taken(self).pop(i, None)
         return [*replies, *(create_message_error_unavailable_res_message(pending[i], "node_unavail") for i in lost)]
 
     cls.get_message_ins = get_message_ins  # type: ignore[attr-defined]

@@ -188,13 +188,8 @@ def evaluate(predict: Callable[[torch.Tensor], torch.Tensor], x: NDArray[Any], y
     outputs: a torch module, an INT8 graph, or an edge runtime wrapped to take tensors."""
     if len(x) == 0:
         raise EdgeError("measuring a model needs at least one sample")
-    sums: dict[str, float] = {}
     with torch.no_grad():
-        for start in range(0, len(x), batch_size):
-            out = predict(_tensor(x[start : start + batch_size]))
-            for key, value in objective.sums(out.float(), _tensor(y[start : start + batch_size])).items():
-                sums[key] = sums.get(key, 0.0) + value
-    return objective.finish(sums, len(x))
+        return objective.measure(lambda batch: predict(batch).float(), _tensor(x), _tensor(y), batch_size=batch_size)
 
 
 def accuracy(predict: Callable[[torch.Tensor], torch.Tensor], x: NDArray[Any], y: NDArray[Any], *,

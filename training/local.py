@@ -78,11 +78,5 @@ def evaluate(model: nn.Module, data: Dataset, *, batch_size: int = 512) -> EvalR
     """The task's metrics on ``data`` (mean loss; accuracy, or MAE and RMSE for regression)."""
     model.eval()
     objective = data.objective
-    x = torch.from_numpy(data.x)
-    y = torch.from_numpy(data.y)
-    sums: dict[str, float] = {}
-    for start in range(0, len(y), batch_size):
-        batch = objective.sums(model(x[start : start + batch_size]), y[start : start + batch_size])
-        for name, value in batch.items():
-            sums[name] = sums.get(name, 0.0) + value
-    return EvalResult(objective.finish(sums, len(y)), objective.primary, len(y))
+    metrics = objective.measure(model, torch.from_numpy(data.x), torch.from_numpy(data.y), batch_size=batch_size)
+    return EvalResult(metrics, objective.primary, len(data.y))

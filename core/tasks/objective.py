@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -43,6 +43,16 @@ class Objective(ABC):
     @abstractmethod
     def finish(self, sums: Mapping[str, float], count: int) -> dict[str, float]:
         """The metrics (``loss`` and the task's own, the primary included) from ``sums`` over ``count`` examples."""
+
+    def measure(self, predict: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor, *,
+                batch_size: int = 512) -> dict[str, float]:
+        """The metrics of ``predict`` (a model, or an exported artifact's runner) over ``(x, y)`` in
+        batches: the batches' sums added, then ``finish``."""
+        sums: dict[str, float] = {}
+        for start in range(0, len(y), batch_size):
+            for name, value in self.sums(predict(x[start : start + batch_size]), y[start : start + batch_size]).items():
+                sums[name] = sums.get(name, 0.0) + value
+        return self.finish(sums, len(y))
 
     def score(self, value: float) -> float:
         """The primary metric turned so that higher is better (for selection rewards and comparisons)."""
