@@ -7,21 +7,30 @@ aggregate. Memory is one float64 accumulator per parameter tensor (plus one floa
 float32 tensors), independent of the node count.
 
 Speed (large float32 tensors, ``LARGE`` elements and up — the weight matrices that are nearly all of
-a model's bytes): w·x is accumulated in place (y ← y + w·x, one pass) into a float32 block that is
-added into the float64 sums every ``BLOCK`` updates, on torch's intra-op threads (numpy's dot is
-single-threaded). ``add`` checks finiteness first with one dot product per update (x·x is finite
-exactly when every element is, unless the squares overflow; only then does the element-wise check
-run): two passes over each update. ``extend``, which the server's FedAvg step uses, checks the block
-instead, once per ``BLOCK`` updates, since a NaN or ±inf in any term stays non-finite in the block;
-when the block is not finite it is cleared and its updates redone one by one through ``add``, so a
-rejected update still never touches the sums (a float32 add cannot be undone exactly, so nothing is
-subtracted). That makes the common case one pass over each update. Measured figures are in
-benchmarks/README.md (``aggregate_throughput.py``).
-Error bound of that blocked summation: every coordinate of the result is within
-(BLOCK + 2)·2⁻²⁴·Σ|wᵢxᵢ|/Σwᵢ of the exact weighted mean (float32 rounding of each term and of each
-partial sum, then one float64 add per block and the float32 result), about 10⁻⁶ of the mean
-magnitude for BLOCK = 16; tested against a float64 numpy reference. Smaller tensors and other dtypes
-keep element-wise float64 accumulation.
+a model's bytes): w·x is accumulated in place (y ← y + w·x, one pass, on torch's intra-op threads;
+numpy's dot is single-threaded) into a float32 block. Every ``BLOCK`` updates the block is added into a
+float32 partial sum, and every ``BLOCKS`` blocks that partial sum into the float64 sums. Both float32
+accumulators stay in the CPU's cache for models of a few million parameters, so the common case reads
+each update once and touches little else: converting a float32 block into the float64 sums costs as
+much as adding several updates (measured: 0.68 ms against 0.06–0.25 ms per 1M floats), which is why
+that conversion happens once per ``BLOCK``·``BLOCKS`` updates and not once per ``BLOCK``.
+``add`` checks finiteness first with one dot product per update (x·x is finite exactly when every
+element is, unless the squares overflow; only then does the element-wise check run): two passes over
+each update. ``extend``, which the server's FedAvg step uses, checks the block instead, once per
+``BLOCK`` updates, since a NaN or ±inf in any term stays non-finite in the block; when the block is not
+finite it is cleared and its updates redone one by one through ``add``, so a rejected update still
+never touches the sums (a float32 add cannot be undone exactly, so nothing is subtracted). Measured
+figures are in benchmarks/README.md (``aggregate_throughput.py``).
+Error bound of that summation: every coordinate of the result is within
+(BLOCK + BLOCKS + 2)·2⁻²⁴·Σ|wᵢxᵢ|/Σwᵢ of the exact weighted mean. Each term wᵢxᵢ is rounded once in
+float32, then added by recursive summation into a block of at most BLOCK terms (at most BLOCK − 1
+roundings, each bounded by u times the running partial sum's magnitude, itself ≤ Σ|wᵢxᵢ| of its
+terms), the block into a partial sum of at most BLOCKS blocks (at most BLOCKS − 1 roundings, bounded
+the same way), the partial sum into float64 (exact to within 2⁻⁵³, counted in the last term), and the
+float64 mean rounded once to float32: 1 + (BLOCK − 1) + (BLOCKS − 1) + 1 plus a second-order term
+that the remaining 2⁻²⁴ covers (Higham, Accuracy and Stability of Numerical Algorithms, §4.2). That is
+about 2·10⁻⁶ of the mean magnitude for BLOCK = BLOCKS = 16; tested against a float64 numpy reference,
+across the float64 flush. Smaller tensors and other dtypes keep element-wise float64 accumulation.
 """
 
 from __future__ import annotations
@@ -37,13 +46,14 @@ from numpy.typing import NDArray
 
 from quorumfl.errors import AggregationError, EmptyAggregationError
 
-__all__ = ["BLOCK", "LARGE", "NodeUpdate", "WeightedMean", "aggregate_weighted_mean", "aggregate_weighted_metrics",
+__all__ = ["BLOCK", "BLOCKS", "LARGE", "NodeUpdate", "WeightedMean", "aggregate_weighted_mean", "aggregate_weighted_metrics",
            "error_bound"]
 
 Arrays = Mapping[str, NDArray[np.generic]]
 
 LARGE = 1 << 14  # float32 tensors with at least this many elements take the BLAS path
-BLOCK = 16  # float32 terms per block before it is added into the float64 sums
+BLOCK = 16  # float32 terms per block before it is added into the float32 partial sum
+BLOCKS = 16  # blocks per float32 partial sum before it is added into the float64 sums
 UNIT_ROUNDOFF = 2.0**-24  # float32
 
 
@@ -51,7 +61,7 @@ def error_bound(weights: Iterable[float], magnitudes: NDArray[np.float64]) -> ND
     """The documented bound on |result − exact mean| per coordinate for the BLAS path, given the
     weights and Σ|wᵢxᵢ| per coordinate (``magnitudes``)."""
     total = float(sum(weights))
-    return np.asarray((BLOCK + 2) * UNIT_ROUNDOFF * magnitudes / total, dtype=np.float64)
+    return np.asarray((BLOCK + BLOCKS + 2) * UNIT_ROUNDOFF * magnitudes / total, dtype=np.float64)
 
 
 @functools.cache
@@ -60,6 +70,12 @@ def _torch() -> Any:
     import torch
 
     return torch
+
+
+@functools.cache
+def _is_real(dtype: np.dtype[Any]) -> bool:
+    """Numeric and not complex (cached: numpy's ``issubdtype`` costs microseconds per call)."""
+    return bool(np.issubdtype(dtype, np.number) and not np.issubdtype(dtype, np.complexfloating))
 
 
 def _blas_path(arr: NDArray[np.generic]) -> bool:
@@ -109,10 +125,14 @@ class WeightedMean:
         self._dtypes = {name: np.asarray(a).dtype for name, a in template.items()}
         self._sums = {name: np.zeros(shape, dtype=np.float64) for name, shape in self._shapes.items()}
         self._scratch: dict[str, NDArray[np.floating]] = {}
-        self._blocks: dict[str, Any] = {}  # float32 torch tensors: partial sums of the BLAS path
+        self._blocks: dict[str, Any] = {}  # float32 torch tensors: the current block of the BLAS path
+        self._partials: dict[str, Any] = {}  # float32 torch tensors: sums of up to BLOCKS blocks
         self._in_block = 0
+        self._in_partial = 0
+        self._widened = False  # whether any partial sum went into the float64 sums yet
         self._total = 0.0
         self._nodes: list[str] = []
+        self._seen: set[str] = set()  # the same nodes, for the duplicate check
 
     @property
     def nodes(self) -> list[str]:
@@ -147,7 +167,7 @@ class WeightedMean:
                     f"shape mismatch for '{name}': expected {self._shapes[name]}, got {arr.shape}",
                     node=node,
                 )
-            if not np.issubdtype(arr.dtype, np.number) or np.issubdtype(arr.dtype, np.complexfloating):
+            if not _is_real(arr.dtype):
                 raise AggregationError(
                     f"'{name}' has non-real dtype {arr.dtype}", node=node
                 )
@@ -160,13 +180,14 @@ class WeightedMean:
 
     def add(self, update: NodeUpdate) -> None:
         """Validate and accumulate one update; raises ``AggregationError`` naming the node."""
-        if update.node in self._nodes:
+        if update.node in self._seen:
             raise AggregationError("a second update from the same node in one aggregation", node=update.node)
         weight = self.check(update)
         self._accumulate_large(update, weight)
         self._accumulate_small(update, weight)
         self._total += weight
         self._nodes.append(update.node)
+        self._seen.add(update.node)
         self._in_block += 1
         if self._in_block >= BLOCK:
             self._flush()
@@ -190,7 +211,7 @@ class WeightedMean:
                 rejected.update(self._settle(pending))
                 pending = []
             try:
-                if update.node in self._nodes:
+                if update.node in self._seen:
                     raise AggregationError("a second update from the same node in one aggregation", node=update.node)
                 weight = self.check(update, large_finite=False)
             except AggregationError as exc:
@@ -213,6 +234,7 @@ class WeightedMean:
                 self._accumulate_small(update, weight)
                 self._total += weight
                 self._nodes.append(update.node)
+                self._seen.add(update.node)
             self._in_block = len(pending)
             self._flush()
             return {}
@@ -256,13 +278,24 @@ class WeightedMean:
             np.add(self._sums[name], scratch, out=self._sums[name])
 
     def _flush(self) -> None:
-        """Add the float32 blocks into the float64 sums and start new blocks."""
-        if not self._in_block:
-            return
-        for name, block in self._blocks.items():
-            _torch().from_numpy(self._sums[name].reshape(-1)).add_(block)
-            block.zero_()
-        self._in_block = 0
+        """Add the float32 blocks into the float32 partial sums and start new blocks; every ``BLOCKS``
+        blocks, add the partial sums into the float64 sums."""
+        if self._in_block:
+            torch = _torch()
+            for name, block in self._blocks.items():
+                partial = self._partials.get(name)
+                if partial is None:
+                    partial = self._partials[name] = torch.zeros_like(block)
+                partial.add_(block)
+                block.zero_()
+            self._in_block = 0
+            self._in_partial += 1
+        if self._in_partial >= BLOCKS:
+            for name, partial in self._partials.items():
+                _torch().from_numpy(self._sums[name].reshape(-1)).add_(partial)
+                partial.zero_()
+            self._in_partial = 0
+            self._widened = True
 
     def result(self) -> dict[str, NDArray[np.generic]]:
         """The weighted mean of everything added so far."""
@@ -271,10 +304,17 @@ class WeightedMean:
         if not math.isfinite(self._total) or self._total <= 0.0:
             raise AggregationError(f"sum of weights is {self._total}; it must be positive and finite")
         self._flush()
-        return {
-            name: (acc / self._total).astype(self._dtypes[name], copy=False)
-            for name, acc in self._sums.items()
-        }
+        result: dict[str, NDArray[np.generic]] = {}
+        for name, acc in self._sums.items():
+            partial = self._partials.get(name)
+            if partial is None:
+                result[name] = (acc / self._total).astype(self._dtypes[name], copy=False)
+            elif not self._widened:  # everything is in the float32 partial sum: divide there
+                result[name] = (partial / self._total).numpy().reshape(self._shapes[name])
+            else:
+                wide = _torch().from_numpy(acc.reshape(-1)) + partial
+                result[name] = (wide / self._total).numpy().astype(np.float32).reshape(self._shapes[name])
+        return result
 
 
 def aggregate_weighted_mean(

@@ -17,7 +17,7 @@ from quorumfl.aggregation import (
     aggregate_weighted_mean,
     aggregate_weighted_metrics,
 )
-from quorumfl.aggregation.weighted import BLOCK, LARGE, error_bound
+from quorumfl.aggregation.weighted import BLOCK, BLOCKS, LARGE, error_bound
 
 
 def _updates(rng: np.random.Generator, n: int, shapes: dict[str, tuple[int, ...]]) -> list[NodeUpdate]:
@@ -147,9 +147,34 @@ def test_large_tensors_are_within_the_documented_bound_of_the_float64_reference(
 
 
 def test_large_tensors_without_the_block_flush_would_be_wrong() -> None:
-    """The float64 sums see every block: 3·BLOCK + 1 updates of ones average to exactly one."""
-    updates = [NodeUpdate(f"n{i}", {"w": np.ones(LARGE, np.float32)}, 3.0) for i in range(3 * BLOCK + 1)]
-    np.testing.assert_array_equal(aggregate_weighted_mean(updates)["w"], np.ones(LARGE, np.float32))
+    """The float64 sums see every block and every partial sum: 3·BLOCK·BLOCKS + BLOCK + 1 updates of
+    ones average to exactly one, whether added one by one or in batches."""
+    ones = np.ones(LARGE, np.float32)
+    updates = [NodeUpdate(f"n{i}", {"w": ones}, 3.0) for i in range(3 * BLOCK * BLOCKS + BLOCK + 1)]
+    np.testing.assert_array_equal(aggregate_weighted_mean(updates)["w"], ones)
+    batched = WeightedMean({"w": ones})
+    assert not batched.extend(updates[:100]) and not batched.extend(updates[100:])
+    np.testing.assert_array_equal(batched.result()["w"], ones)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_mean_across_the_float64_flush_is_within_the_documented_bound(batched: bool) -> None:
+    """More updates than one float32 partial sum holds (BLOCK·BLOCKS), with magnitudes spread over
+    six orders, so each level's rounding shows; the bound holds against the float64 reference."""
+    rng = np.random.default_rng(7)
+    n = BLOCK * BLOCKS + BLOCK + 3
+    updates = [NodeUpdate(f"n{i}", {k: (10.0 ** rng.uniform(-3, 3) * rng.standard_normal(s)).astype(np.float32)
+                                    for k, s in LARGE_SHAPES.items()}, float(rng.integers(1, 5000))) for i in range(n)]
+    if batched:
+        mean = WeightedMean(updates[0].arrays)
+        assert not mean.extend(updates)
+        result = mean.result()
+    else:
+        result = aggregate_weighted_mean(updates)
+    magnitudes = np.sum([u.weight * np.abs(u.arrays["w"].astype(np.float64)) for u in updates], axis=0)
+    error = np.abs(result["w"].astype(np.float64) - _reference(updates)["w"])
+    assert np.all(error <= error_bound([u.weight for u in updates], magnitudes))
+    assert result["w"].dtype == np.float32 and result["w"].shape == LARGE_SHAPES["w"]
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
