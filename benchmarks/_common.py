@@ -139,6 +139,24 @@ def bench_federation(size: Sizes) -> Iterator[Bench]:
             yield Bench(home, repo, federation, ours)
 
 
+STOCK_POLL_S = 3.0  # Flower's own SuperNode waits 3 s between requests for new messages
+
+
+@contextmanager
+def stock_federation(size: Sizes) -> Iterator[tuple[Path, LocalFederation]]:
+    """(a throw-away home, a local federation) on the same departments' data as ``bench_federation``,
+    with SuperNodes as Flower runs them out of the box: each message a fresh ``flwr-clientapp`` process
+    (no warm ClientApps) and Flower's 3 s poll. TLS and node authentication stay on. For a baseline
+    Flower app only."""
+    with tempfile.TemporaryDirectory(prefix="quorumfl-bench-stock-") as tmp:
+        home = Path(tmp)
+        db_url = f"sqlite:///{home / 'state.db'}"
+        connect(db_url, migrate=True)
+        parts = prepare_partitions(home / "data", [f"dept-{i:02d}" for i in range(size.nodes)], method="iid", seed=0)
+        with local_federation(home, parts, db_url=db_url, warm_clientapps=False, node_poll_s=STOCK_POLL_S) as federation:
+            yield home, federation
+
+
 def department_split(dataset: str, departments: int, *, alpha: float, seed: int) -> tuple[list[Any], Any]:
     """(each department's data, the global test set): the official test set where the dataset has one
     (else a held-out fifth), the rest split Dirichlet(α) — or IID for α = 0 — over the departments."""

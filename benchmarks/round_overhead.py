@@ -1,16 +1,21 @@
 """What a round costs beyond local training: a bare Flower app against QuorumFL's plaintext, masking and CKKS rounds.
 
-One invocation, one federation: a SuperLink and N SuperNodes as processes on 127.0.0.1 (TLS, node
-authentication and admin-signed apps on, as ``quorumfl demo`` deploys them; warm ClientApps), a
-~1.1M-parameter MLP (``mlp-wide`` on digits, IID split, one local epoch). Four runs one after the
-other on the same nodes:
+One invocation: SuperLinks and N SuperNodes as processes on 127.0.0.1 (TLS, node authentication and
+admin-signed apps on, as ``quorumfl demo`` deploys them), a ~1.1M-parameter MLP (``mlp-wide`` on
+digits, IID split, one local epoch). Five runs one after the other:
 
 1. a bare Flower Message-API app written as Flower's own examples are (``flower_fedavg_app.py``:
    ``flwr.serverapp.strategy.FedAvg`` and ``strategy.start``, torch imported at module level, no
-   evaluation, nothing stored), training the same model with the same local training;
-2. QuorumFL, plaintext FedAvg (validation, central evaluation, state DB, model store);
-3. QuorumFL, ``secure-aggregation = "masking"`` (t = 0.6·N; key set-up in round 1);
-4. QuorumFL, ``secure-aggregation = "ckks"`` (t = 0.6·N; key ceremony in round 1).
+   evaluation, nothing stored), training the same model with the same local training, on SuperNodes
+   as Flower runs them out of the box (``stock_federation``: a fresh ``flwr-clientapp`` process per
+   message, Flower's 3 s poll; the same departments' data). This is the baseline of
+   ``quorumfl_over_flower``: what a Flower user's round costs;
+2. the same Flower app on QuorumFL's nodes (``bench_federation``: warm ClientApps, 0.5 s poll), the
+   baseline of ``quorumfl_over_flower_warm``: what is left once both have the same nodes. Runs 2–5
+   share these nodes;
+3. QuorumFL, plaintext FedAvg (validation, central evaluation, state DB, model store);
+4. QuorumFL, ``secure-aggregation = "masking"`` (t = 0.6·N; key set-up in round 1);
+5. QuorumFL, ``secure-aggregation = "ckks"`` (t = 0.6·N; key ceremony in round 1).
 
 Per mode: the round time (median over rounds; with ≥ 3 rounds, a round without the set-up), the
 slowest node's local training as each node timed it, and the overhead = round − slowest training.
@@ -19,19 +24,25 @@ QuorumFL's rounds include evaluation and storing; Flower's are configure → agg
     python benchmarks/round_overhead.py --json            # 10 nodes, 3 rounds per run, ~1.1M params
     python benchmarks/round_overhead.py --smoke --json    # 3 nodes, 1 round, small MLP
 
-Keys: flower_round_s, flower_train_s, flower_overhead_s; plain_round_s, plain_train_s,
+Keys: flower_round_s, flower_train_s, flower_overhead_s (stock nodes); flower_warm_round_s,
+flower_warm_train_s, flower_warm_overhead_s (QuorumFL's nodes); plain_round_s, plain_train_s,
 plain_overhead_s; masked_round_s, masked_overhead_s; ckks_round_s, ckks_overhead_s;
-quorumfl_over_flower (plain / Flower round), masked_over_plain, ckks_over_plain; plain_aggregate_s,
-plain_evaluate_s, plain_store_s (the server's own steps); per-round lists; server peak RSS.
+quorumfl_over_flower (plain / Flower round on stock nodes), quorumfl_over_flower_warm (plain / Flower
+round on QuorumFL's nodes), masked_over_plain, ckks_over_plain; plain_aggregate_s, plain_evaluate_s,
+plain_store_s (the server's own steps); per-round lists; server peak RSS.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
+from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any
 
 from _common import (
+    Sizes,
     baseline_fab,
     baseline_rounds,
     bench_federation,
@@ -40,8 +51,10 @@ from _common import (
     report,
     round_seconds,
     sizes,
+    stock_federation,
 )
 from _common import parser as make_parser
+from quorumfl.deploy.local import LocalFederation
 
 
 def _quorumfl(name: str, rounds: list[dict[str, float]]) -> dict[str, Any]:
@@ -53,18 +66,26 @@ def _quorumfl(name: str, rounds: list[dict[str, float]]) -> dict[str, Any]:
             f"{name}_rounds_s": [round(s, 2) for s in seconds]}
 
 
+def _flower_rounds(federation: AbstractContextManager[tuple[Path, LocalFederation]], size: Sizes) -> list[dict[str, float]]:
+    """The bare Flower app's rounds (``round_s``, ``train_s``) on ``federation``'s nodes."""
+    with federation as (home, nodes):
+        timings = home / "flower-fedavg.jsonl"
+        timings.unlink(missing_ok=True)
+        fab = baseline_fab("flower-fedavg-baseline", "flower_fedavg_app", ["flower_fedavg_app.py"],
+                           {**size.common, "num-nodes": size.nodes, "round-timeout": 900.0,
+                            "timings-file": str(timings)})
+        baseline_rounds(nodes, fab, timings, size.rounds)
+        return [json.loads(line) for line in timings.read_text().splitlines()]
+
+
 def main() -> None:
     parser = make_parser(__doc__ or "")
     size = sizes(parser, rounds=3)
     figures: dict[str, Any] = {"nodes": size.nodes, "rounds": size.rounds, "model": size.model, "params": size.params,
                                "tls": True}
+    flower = _flower_rounds(stock_federation(size), size)
     with bench_federation(size) as bench:
-        timings = bench.home / "flower-fedavg.jsonl"
-        fab = baseline_fab("flower-fedavg-baseline", "flower_fedavg_app", ["flower_fedavg_app.py"],
-                           {**size.common, "num-nodes": size.nodes, "round-timeout": 900.0,
-                            "timings-file": str(timings)})
-        baseline_rounds(bench.federation, fab, timings, size.rounds)
-        flower = [json.loads(line) for line in timings.read_text().splitlines()]
+        flower_warm = _flower_rounds(contextlib.nullcontext((bench.home, bench.federation)), size)
         plain = quorumfl_rounds(bench.federation, bench.repo, {**bench.ours, "secure-aggregation": "none"})
         masked = quorumfl_rounds(bench.federation, bench.repo, {**bench.ours, "secure-aggregation": "masking",
                                                                 "secagg-threshold": 0.6})
@@ -72,15 +93,17 @@ def main() -> None:
                                                               "secagg-threshold": 0.6, "secagg-stage-timeout": 900.0})
         rss = [m.value for run in bench.repo.list_runs() for m in bench.repo.metrics(run.id, name="server-peak-rss-mb")]
 
-    flower_s = statistics.median(r["round_s"] for r in flower)
-    flower_train = statistics.median(r["train_s"] for r in flower)
-    figures.update({"flower_round_s": flower_s, "flower_train_s": flower_train, "flower_overhead_s": flower_s - flower_train,
-                    "flower_rounds_s": [round(r["round_s"], 2) for r in flower]})
+    for name, rounds in (("flower", flower), ("flower_warm", flower_warm)):
+        round_s = statistics.median(r["round_s"] for r in rounds)
+        train_s = statistics.median(r["train_s"] for r in rounds)
+        figures.update({f"{name}_round_s": round_s, f"{name}_train_s": train_s, f"{name}_overhead_s": round_s - train_s,
+                        f"{name}_rounds_s": [round(r["round_s"], 2) for r in rounds]})
     figures.update(_quorumfl("plain", plain))
     figures.update(_quorumfl("masked", masked))
     figures.update(_quorumfl("ckks", ckks))
     figures.update({
-        "quorumfl_over_flower": figures["plain_round_s"] / flower_s,
+        "quorumfl_over_flower": figures["plain_round_s"] / figures["flower_round_s"],
+        "quorumfl_over_flower_warm": figures["plain_round_s"] / figures["flower_warm_round_s"],
         "masked_over_plain": figures["masked_round_s"] / figures["plain_round_s"],
         "ckks_over_plain": figures["ckks_round_s"] / figures["plain_round_s"],
         "plain_aggregate_s": statistics.median(t.get("aggregate", 0.0) for t in plain),
