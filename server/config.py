@@ -211,7 +211,8 @@ class RunConfig:
     secagg_threshold: float = key(
         0.6, "t: a fraction in (0.5, 1) of the round's (masking) or the ceremony's (ckks) nodes, or a whole number "
         "of nodes (a majority, ≥ 2)", low=0.5, open_low=True, applies="masking, ckks")
-    secagg_epoch_rounds: int = key(10, "rounds served by one key set-up (each round uses its own pre-shared keys)",
+    secagg_epoch_rounds: int = key(10, "rounds served by one key set-up (each round uses its own pre-shared keys; "
+                                   "fewer when the run has fewer rounds left)",
                                    low=1, high=10_000, applies="masking")
     secagg_clip: float = key(8.0, "fixed-point encoding: updates clipped to ±clip", low=0.0, open_low=True,
                              applies="masking, ckks")

@@ -111,13 +111,19 @@ class MaskingSession:
             or len(selected) < epoch.params.threshold
         )
 
-    def _setup(self, cohort: Sequence[int], failures: Failures) -> CoordinatorEpoch:
-        """Key epoch: advertise, then share (two round trips). Raises when fewer than t finish."""
+    def _setup(self, cohort: Sequence[int], failures: Failures, *, rounds_left: int) -> CoordinatorEpoch:
+        """Key epoch: advertise, then share (two round trips). Raises when fewer than t finish.
+
+        The epoch has a slot for each round it may serve: ``secagg-epoch-rounds``, or fewer when the
+        run has fewer rounds left. Every slot costs each node a key pair and a seed, each pair of
+        neighbours two shares per slot, and the server relays and keeps commitments to all of them, so
+        slots no round will use would only make the set-up slower and its messages larger (at 1,000
+        departments they are most of the server's memory)."""
         self.epoch = None
         config = self.config
         params = MaskingParams(
             threshold=resolve_threshold(config.secagg_threshold, len(cohort)),
-            slots=config.secagg_epoch_rounds,
+            slots=max(1, min(config.secagg_epoch_rounds, rounds_left)),
             modulus_bits=config.secagg_modulus_bits,
             clip=config.secagg_clip,
             min_group=config.secagg_min_group,
@@ -176,7 +182,8 @@ class MaskingSession:
             start = self.clock()
             epoch = self.epoch
             if epoch is None or self._needs_new_epoch(selected):
-                epoch = self._setup(selected, failures)
+                number = min((c.server_round for c in configs.values()), default=1)
+                epoch = self._setup(selected, failures, rounds_left=self.config.num_rounds - number + 1)
             timings["secagg-setup"] = self.clock() - start
             return self._masked_round(epoch, list(models), choice, configs, failures, timings, clustered=clustered)
         except QuorumError as exc:
