@@ -4,6 +4,8 @@ the server sends them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from flwr.app import Message
 
@@ -28,8 +30,8 @@ def _announced_slots(num_rounds: int, epoch_rounds: int, server_round: int) -> i
                                      "secagg-epoch-rounds": epoch_rounds, "min-nodes": 2})
     sent: list[Message] = []
 
-    def exchange(messages: list[Message], failures: dict[int, tuple[str, str]], stage: str,
-                 timeout: float) -> list[tuple[int, Message]]:
+    def exchange(messages: list[Message], failures: dict[int, tuple[str, str]], stage: str, timeout: float,
+                 consume: Callable[[int, Message], None] | None = None) -> list[tuple[int, Message]]:
         sent.extend(messages)
         return []  # nobody answers: the set-up stops after the announcement
 
