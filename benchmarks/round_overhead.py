@@ -34,10 +34,8 @@ plain_store_s (the server's own steps); per-round lists; server peak RSS.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import statistics
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -66,16 +64,14 @@ def _quorumfl(name: str, rounds: list[dict[str, float]]) -> dict[str, Any]:
             f"{name}_rounds_s": [round(s, 2) for s in seconds]}
 
 
-def _flower_rounds(federation: AbstractContextManager[tuple[Path, LocalFederation]], size: Sizes) -> list[dict[str, float]]:
+def _flower_rounds(home: Path, federation: LocalFederation, size: Sizes) -> list[dict[str, float]]:
     """The bare Flower app's rounds (``round_s``, ``train_s``) on ``federation``'s nodes."""
-    with federation as (home, nodes):
-        timings = home / "flower-fedavg.jsonl"
-        timings.unlink(missing_ok=True)
-        fab = baseline_fab("flower-fedavg-baseline", "flower_fedavg_app", ["flower_fedavg_app.py"],
-                           {**size.common, "num-nodes": size.nodes, "round-timeout": 900.0,
-                            "timings-file": str(timings)})
-        baseline_rounds(nodes, fab, timings, size.rounds)
-        return [json.loads(line) for line in timings.read_text().splitlines()]
+    timings = home / "flower-fedavg.jsonl"
+    timings.unlink(missing_ok=True)
+    fab = baseline_fab("flower-fedavg-baseline", "flower_fedavg_app", ["flower_fedavg_app.py"],
+                       {**size.common, "num-nodes": size.nodes, "round-timeout": 900.0, "timings-file": str(timings)})
+    baseline_rounds(federation, fab, timings, size.rounds)
+    return [json.loads(line) for line in timings.read_text().splitlines()]
 
 
 def main() -> None:
@@ -83,9 +79,10 @@ def main() -> None:
     size = sizes(parser, rounds=3)
     figures: dict[str, Any] = {"nodes": size.nodes, "rounds": size.rounds, "model": size.model, "params": size.params,
                                "tls": True}
-    flower = _flower_rounds(stock_federation(size), size)
+    with stock_federation(size) as (stock_home, stock):
+        flower = _flower_rounds(stock_home, stock, size)
     with bench_federation(size) as bench:
-        flower_warm = _flower_rounds(contextlib.nullcontext((bench.home, bench.federation)), size)
+        flower_warm = _flower_rounds(bench.home, bench.federation, size)
         plain = quorumfl_rounds(bench.federation, bench.repo, {**bench.ours, "secure-aggregation": "none"})
         masked = quorumfl_rounds(bench.federation, bench.repo, {**bench.ours, "secure-aggregation": "masking",
                                                                 "secagg-threshold": 0.6})

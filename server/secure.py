@@ -72,6 +72,8 @@ __all__ = ["MaskingSession"]
 log = logging.getLogger(__name__)
 Arrays = dict[str, NDArray[np.generic]]
 Failures = dict[int, tuple[str, str]]
+
+
 class Exchange(Protocol):
     """``server.exchange.Exchange``: send, wait up to ``timeout`` s, fill ``failures``; the good replies
     are returned, or handed to ``consume`` one by one as they are pulled and not kept."""

@@ -14,15 +14,7 @@ from quorumfl.protocol.wire import TrainConfig
 from quorumfl.server.config import RunConfig
 from quorumfl.server.secure import MaskingSession
 
-
-@pytest.fixture(autouse=True)
-def task_identity(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Flower's Message needs the task's identity that a ServerApp process has."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    monkeypatch.setattr(TaskIdentity, "_run_id", 7)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 def _announced_slots(num_rounds: int, epoch_rounds: int, server_round: int) -> int:

@@ -18,15 +18,7 @@ from quorumfl.protocol.wire import ARRAYS, METRICS, to_array_record
 from quorumfl.server.replies import Robust, StreamedTrain, aggregate_train_replies
 from quorumfl.server.strategies import FedAvg
 
-
-@pytest.fixture(autouse=True)
-def task_identity(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Flower's Message needs the task's identity that a ClientApp process has."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    monkeypatch.setattr(TaskIdentity, "_run_id", 7)
-    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 def _reply(node: int, arrays: dict[str, np.ndarray], examples: float, loss: float) -> tuple[int, Message]:
