@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import tempfile
 import time
 from collections.abc import Iterator
@@ -24,29 +23,6 @@ from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository, RoundStatus
 
 HERE = Path(__file__).resolve().parent
-
-
-def peak_rss_mb(*, children: bool = False) -> float:
-    """Peak resident set size of this process (or of its waited-for children), in MiB."""
-    who = resource.RUSAGE_CHILDREN if children else resource.RUSAGE_SELF
-    return resource.getrusage(who).ru_maxrss / 1024.0  # Linux reports KiB
-
-
-def report(figures: dict[str, Any], *, as_json: bool) -> None:
-    width = max(len(k) for k in figures)
-    for key, value in figures.items():
-        shown = f"{value:.4f}" if isinstance(value, float) else str(value)
-        print(f"{key:<{width}}  {shown}")
-    if as_json:
-        print(json.dumps(figures))
-
-
-def parser(doc: str) -> argparse.ArgumentParser:
-    """An argument parser with the flags every benchmark takes: --smoke and --json."""
-    out = argparse.ArgumentParser(description=doc.splitlines()[0])
-    out.add_argument("--smoke", action="store_true", help="tiny sizes for CI")
-    out.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    return out
 
 
 def baseline_fab(name: str, module: str, files: list[str], config: dict[str, Any]) -> dict[str, bytes]:

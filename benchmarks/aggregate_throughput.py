@@ -33,8 +33,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from _common import parser as make_parser
-from _common import peak_rss_mb, report
+from _cli import parser as make_parser
+from _cli import peak_rss_mb, report
 from quorumfl.aggregation import NodeUpdate, WeightedMean
 from quorumfl.aggregation.ckks import CiphertextSum, CkksParams, pack_residues, unpack_residues
 from quorumfl.aggregation.ckks.seal import Seal

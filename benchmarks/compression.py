@@ -35,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from _common import department_split, fedavg_start, parser, peak_rss_mb, report
+from _cli import parser, peak_rss_mb, report
+from _common import department_split, fedavg_start
 from quorumfl.aggregation import NodeUpdate
 from quorumfl.aggregation.compression import ErrorFeedback, Scheme, warmup_fraction
 from quorumfl.client.node_round import train_round

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from _common import parser, peak_rss_mb, report
+from _cli import parser, peak_rss_mb, report
 from quorumfl.core.data.datasets import holdout_split
 from quorumfl.core.models import build_model
 from quorumfl.edge.export import ArtifactFormat, onnx_bytes, pte_bytes

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from _common import parser, report
+from _cli import parser, report
 from quorumfl.core.data.datasets import Dataset
 from quorumfl.core.models import build_model
 from quorumfl.training.engine import Amp, EngineSettings, TrainJob, train_model

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from _common import parser, peak_rss_mb, report
+from _cli import parser, peak_rss_mb, report
 from quorumfl.aggregation import NodeUpdate
 from quorumfl.aggregation.clustering import cluster_purity
 from quorumfl.client.node_round import evaluate_round, train_round

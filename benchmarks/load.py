@@ -29,7 +29,8 @@ import threading
 import time
 from pathlib import Path
 
-from _common import parser, report, round_seconds
+from _cli import parser, report
+from _common import round_seconds
 from quorumfl.core.data import prepare_partitions
 from quorumfl.deploy.local import local_federation
 from quorumfl.deploy.processes import _descendants, terminate_on_signals

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from _common import parser, peak_rss_mb, report
+from _cli import parser, peak_rss_mb, report
 from quorumfl.aggregation import NodeUpdate
 from quorumfl.aggregation.monitor import RobustRule
 from quorumfl.client.node_round import train_round

@@ -39,19 +39,18 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from _cli import parser as make_parser
+from _cli import peak_rss_mb, report
 from _common import (
     Sizes,
     baseline_fab,
     baseline_rounds,
     bench_federation,
-    peak_rss_mb,
     quorumfl_rounds,
-    report,
     round_seconds,
     sizes,
     stock_federation,
 )
-from _common import parser as make_parser
 from quorumfl.deploy.local import LocalFederation
 
 

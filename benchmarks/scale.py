@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import parser as make_parser
-from _common import report
+from _cli import parser as make_parser
+from _cli import report
 from quorumfl.core.models import build_model
 from quorumfl.deploy.simulation import SimulationSettings, simulate
 from quorumfl.errors import QuorumError

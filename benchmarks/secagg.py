@@ -37,17 +37,16 @@ from __future__ import annotations
 
 import statistics
 
+from _cli import parser as make_parser
+from _cli import peak_rss_mb, report
 from _common import (
     baseline_fab,
     baseline_rounds,
     bench_federation,
-    peak_rss_mb,
     quorumfl_rounds,
-    report,
     round_seconds,
     sizes,
 )
-from _common import parser as make_parser
 
 FILES = ["flower_secaggplus_app.py", "flower_secaggplus_eager.py"]
 

@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from _common import department_split, parser, peak_rss_mb, report
+from _cli import parser, peak_rss_mb, report
+from _common import department_split
 from quorumfl.aggregation import NodeUpdate, WeightedMean
 from quorumfl.core.models import arrays_to_model, build_model, model_to_arrays
 from quorumfl.server.selection import NodeResult, Outcome, RoundFeedback, build_selector

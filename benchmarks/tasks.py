@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from _common import parser, peak_rss_mb, report
+from _cli import parser, peak_rss_mb, report
 from quorumfl.aggregation import NodeUpdate
 from quorumfl.aggregation.momentum import ServerMomentum
 from quorumfl.client.node_round import evaluate_round, train_round

@@ -40,17 +40,16 @@ import numpy as np
 import tenseal as ts
 from cryptography.hazmat.primitives.asymmetric import ec
 
+from _cli import parser as make_parser
+from _cli import peak_rss_mb, report
 from _common import (
     baseline_fab,
     baseline_rounds,
     bench_federation,
-    peak_rss_mb,
     quorumfl_rounds,
-    report,
     round_seconds,
     sizes,
 )
-from _common import parser as make_parser
 from quorumfl.aggregation.ckks import (
     CiphertextSum,
     CkksParams,
