@@ -91,7 +91,7 @@ def test_dp_smoke() -> None:
 
 def test_gpu_check_smoke() -> None:
     figures = _run("gpu_check.py")  # without CUDA: the CPU counterparts (bf16, 2 gloo workers)
-    assert {"cuda", "gpus", "bf16_max_diff", "ok"} <= set(figures)
+    assert {"cuda", "gpus", "step_bf16_max_diff", "step_ddp_vs_single_max_diff", "bf16_max_diff", "ok"} <= set(figures)
     assert figures["ok"] is True
 
 

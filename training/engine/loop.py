@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +98,27 @@ def proximal_term(model: nn.Module, anchor: list[torch.Tensor], mu: float) -> to
     return 0.5 * mu * total
 
 
+@contextlib.contextmanager
+def cuda_numerics(device: torch.device, amp: Amp) -> Iterator[None]:
+    """On CUDA, for the loop's duration: without AMP, float32 is float32 (no TF32 tensor-core rounding in
+    matmuls or convolutions; cuDNN allows TF32 by default), and cuDNN picks deterministic algorithms
+    (no autotuning). So a GPU node's update agrees with a CPU node's on the same job to float tolerance,
+    and a job resumed from its checkpoint repeats its steps bit for bit. AMP (bf16, fp16) is the way to
+    ask for reduced-precision speed. The process's previous flags come back afterwards."""
+    if device.type != "cuda":
+        yield
+        return
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = (cudnn.allow_tf32, matmul.allow_tf32, cudnn.deterministic, cudnn.benchmark)
+    exact = amp is Amp.OFF
+    cudnn.allow_tf32, matmul.allow_tf32 = saved[0] and not exact, saved[1] and not exact
+    cudnn.deterministic, cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        cudnn.allow_tf32, matmul.allow_tf32, cudnn.deterministic, cudnn.benchmark = saved
+
+
 def _is_spike(norm: float, history: list[float], factor: float) -> bool:
     return len(history) >= 5 and math.isfinite(norm) and norm > factor * statistics.median(history)
 
@@ -164,61 +185,62 @@ def run_loop(
     skipped = 0
     forward.train()
     epoch_loss = math.nan
-    while epoch < job.epochs:
-        epoch_generator = generator.get_state()
-        order = torch.randperm(n, generator=generator)
-        batches = list(torch.split(order, job.batch_size))
-        for index in range(next_batch, len(batches)):
-            batch = batches[index]
-            scale = world / len(batch)
-            mine = torch.tensor_split(batch, world)[rank]
-            micro = torch.tensor_split(mine, settings.accumulation_steps)
-            optimizer.zero_grad(set_to_none=True)
-            step_loss = torch.zeros((), dtype=torch.float64)
-            for m, part in enumerate(micro):
-                last = m == len(micro) - 1
-                sync = contextlib.nullcontext() if (last or ddp is None) else ddp.no_sync()  # type: ignore[operator]
-                with sync:
-                    xb, yb = x_all[part].to(device), y_all[part].to(device)
-                    with torch.autocast(device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
-                        data_loss = loss_fn(forward(xb).float(), yb)
-                    loss = data_loss * scale
-                    step_loss += float(data_loss.detach())
-                    if last and job.proximal_mu > 0:
-                        prox = proximal_term(module, anchor_t, job.proximal_mu)
-                        loss = loss + prox
-                        if rank == 0:
-                            step_loss += float(prox.detach()) * len(batch)
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
-            for group in optimizer.param_groups:
-                group["lr"] = job.lr_at(steps)
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            max_norm = job.clip_norm if job.clip_norm > 0 else math.inf
-            norm = float(torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm))
-            if correction_t is not None:
-                for parameter, term in zip(module.parameters(), correction_t, strict=True):
-                    if parameter.grad is not None:
-                        parameter.grad.add_(term)
-            if scaler is not None:
-                before = scaler.get_scale()
-                scaler.step(optimizer)
-                scaler.update()
-                skipped += int(scaler.get_scale() < before)
-            else:
-                optimizer.step()
-            if all_reduce is not None:
-                all_reduce(step_loss)
-            spikes += _is_spike(norm, norms, settings.spike_factor)
-            norms.append(norm)
-            loss_sum += float(step_loss)
-            seen += len(batch)
-            steps += 1
-            if checkpoint is not None and settings.checkpoint_every and steps % settings.checkpoint_every == 0:
-                _save(checkpoint, fingerprint, module, optimizer, scaler, epoch, index + 1, steps, epoch_generator,
-                      loss_sum, seen, norms, rank, device, gather)
-        epoch_loss = loss_sum / max(seen, 1)
-        epoch, next_batch, loss_sum, seen = epoch + 1, 0, 0.0, 0
+    with cuda_numerics(device, settings.amp):
+        while epoch < job.epochs:
+            epoch_generator = generator.get_state()
+            order = torch.randperm(n, generator=generator)
+            batches = list(torch.split(order, job.batch_size))
+            for index in range(next_batch, len(batches)):
+                batch = batches[index]
+                scale = world / len(batch)
+                mine = torch.tensor_split(batch, world)[rank]
+                micro = torch.tensor_split(mine, settings.accumulation_steps)
+                optimizer.zero_grad(set_to_none=True)
+                step_loss = torch.zeros((), dtype=torch.float64)
+                for m, part in enumerate(micro):
+                    last = m == len(micro) - 1
+                    sync = contextlib.nullcontext() if (last or ddp is None) else ddp.no_sync()  # type: ignore[operator]
+                    with sync:
+                        xb, yb = x_all[part].to(device), y_all[part].to(device)
+                        with torch.autocast(device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
+                            data_loss = loss_fn(forward(xb).float(), yb)
+                        loss = data_loss * scale
+                        step_loss += float(data_loss.detach())
+                        if last and job.proximal_mu > 0:
+                            prox = proximal_term(module, anchor_t, job.proximal_mu)
+                            loss = loss + prox
+                            if rank == 0:
+                                step_loss += float(prox.detach()) * len(batch)
+                        (scaler.scale(loss) if scaler is not None else loss).backward()
+                for group in optimizer.param_groups:
+                    group["lr"] = job.lr_at(steps)
+                if scaler is not None:
+                    scaler.unscale_(optimizer)
+                max_norm = job.clip_norm if job.clip_norm > 0 else math.inf
+                norm = float(torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm))
+                if correction_t is not None:
+                    for parameter, term in zip(module.parameters(), correction_t, strict=True):
+                        if parameter.grad is not None:
+                            parameter.grad.add_(term)
+                if scaler is not None:
+                    before = scaler.get_scale()
+                    scaler.step(optimizer)
+                    scaler.update()
+                    skipped += int(scaler.get_scale() < before)
+                else:
+                    optimizer.step()
+                if all_reduce is not None:
+                    all_reduce(step_loss)
+                spikes += _is_spike(norm, norms, settings.spike_factor)
+                norms.append(norm)
+                loss_sum += float(step_loss)
+                seen += len(batch)
+                steps += 1
+                if checkpoint is not None and settings.checkpoint_every and steps % settings.checkpoint_every == 0:
+                    _save(checkpoint, fingerprint, module, optimizer, scaler, epoch, index + 1, steps, epoch_generator,
+                          loss_sum, seen, norms, rank, device, gather)
+            epoch_loss = loss_sum / max(seen, 1)
+            epoch, next_batch, loss_sum, seen = epoch + 1, 0, 0.0, 0
     return LoopResult(epoch_loss, n, steps, norms, int(spikes), skipped, resumed_from)
 
 
