@@ -71,6 +71,7 @@ class Exchange:
         self.round_deadline = round_deadline  # set: a node silent in the train stage is recorded 'deadline'
         self.clock = clock
         self.round_id: int | None = None  # the running round, whose progress is recorded
+        self.round_number: int | None = None  # its number: each request's Flower group_id, as Flower's strategies set it
         self.progress_written = -math.inf  # clock of the last progress write
         self.progress_interval = 1.0  # seconds between progress writes within a stage
         self.quota: int | None = None  # over-selection: the train stage stops after this many good replies
@@ -123,6 +124,9 @@ class Exchange:
         job resumes from the node's training checkpoint. ``retried`` counts the re-sends per node.
         Other errors (the app raised, the node is gone) are final: asking again would fail again.
         """
+        if self.round_number is not None:  # SuperNodes log "[RUN r, ROUND n]" with each message
+            for m in messages:
+                m.metadata.group_id = m.metadata.group_id or str(self.round_number)
         expected = {int(m.metadata.dst_node_id) for m in messages}
         request = {int(m.metadata.dst_node_id): m for m in messages}
         message_ids = list(self.grid.push_messages(messages))  # Flower sends an object shared by messages once
@@ -196,7 +200,8 @@ class Exchange:
                     report()
                 if again:
                     copies = [Message(content=request[n].content, dst_node_id=n,
-                                      message_type=request[n].metadata.message_type) for n in again]
+                                      message_type=request[n].metadata.message_type,
+                                      group_id=request[n].metadata.group_id) for n in again]
                     self.sent_bytes += sum(array_bytes(m.content) for m in copies)
                     for mid, node in zip(self.grid.push_messages(copies), again, strict=True):
                         destination[mid] = node

@@ -113,6 +113,13 @@ class TrainPhase:
         noted["uplink-bytes"] = float(array_bytes(content))
         self.departments[node] = department_of(content)
 
+    def note_retries(self, retried: Mapping[int, int]) -> None:
+        """The node metric ``train-retries`` for each node whose input arrived after its ClientApp
+        crashed and it was asked again."""
+        for node, times in retried.items():
+            if node in self.node_metrics:
+                self.node_metrics[node]["train-retries"] = float(times)
+
 
 def cluster_groups(nodes: Iterable[int], cluster_of: Mapping[int, int], fewest: int,
                    failures: dict[int, tuple[str, str]]) -> dict[int, list[int]]:

@@ -266,7 +266,7 @@ class Federation:
         selection = self.feedback.select(available)
         selected = sorted(selection.nodes)
         rnd = self.repo.start_round(run_id, number, selected)
-        self.exchange.round_id = rnd.id
+        self.exchange.round_id, self.exchange.round_number = rnd.id, number
         sent_before = self.exchange.sent_bytes
         outcome = RoundOutcome()
         timings: dict[str, float] = {}

@@ -76,10 +76,12 @@ Failures = dict[int, tuple[str, str]]
 
 class Exchange(Protocol):
     """``server.exchange.Exchange``: send, wait up to ``timeout`` s, fill ``failures``; the good replies
-    are returned, or handed to ``consume`` one by one as they are pulled and not kept."""
+    are returned, or handed to ``consume`` one by one as they are pulled and not kept. A node whose
+    ClientApp crashed is asked again up to ``retries`` times (``retried`` counts them)."""
 
     def __call__(self, messages: list[Message], failures: Failures, stage: str, timeout: float,
-                 consume: Callable[[int, Message], None] | None = None) -> list[tuple[int, Message]]: ...
+                 consume: Callable[[int, Message], None] | None = None, *, retries: int = 0,
+                 retried: dict[int, int] | None = None) -> list[tuple[int, Message]]: ...
 
 
 def _with_noise_share(config: TrainConfig, quorum: int) -> TrainConfig:
@@ -262,7 +264,10 @@ class MaskingSession:
                 return
             result.note_node(node, content)
 
-        self.exchange(messages, failures, "train", config.train_deadline(), consume=take)
+        retried: dict[int, int] = {}
+        self.exchange(messages, failures, "train", config.train_deadline(), consume=take,
+                      retries=config.train_retries, retried=retried)
+        result.note_retries(retried)
         timings["train"] = self.clock() - start
         self.stale = any(stage == "train" and MISSING_KEYS in reason
                          for node, (stage, reason) in failures.items() if node in participants)

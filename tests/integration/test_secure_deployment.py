@@ -12,6 +12,7 @@ nodes left (t = 3) and completes.
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from pathlib import Path
@@ -33,11 +34,20 @@ DEPARTMENTS = [f"dept-{i:02d}" for i in range(10)]
 EPOCHS = 15
 
 
-def _wait_for_train_messages(federation: LocalFederation, names: list[str], count: int, timeout: float = 600) -> None:
-    """Until each named SuperNode has logged receiving its ``count``-th train message."""
+def _holds_train_message(log_text: str, round_number: int) -> bool:
+    """Whether a SuperNode's log shows it received round ``round_number``'s train message: the server
+    tags each request with its round (Flower's group_id), which the SuperNode logs as
+    ``[RUN r, ROUND n]`` just before ``Receiving: train message``. (Counting train messages would
+    count a request sent again to a node whose ClientApp crashed as the next round's.)"""
+    return re.search(rf"\[RUN \d+, ROUND {round_number}\]\s*\n[^\n]*Receiving: train message", log_text) is not None
+
+
+def _wait_for_train_messages(federation: LocalFederation, names: list[str], round_number: int,
+                             timeout: float = 600) -> None:
+    """Until each named SuperNode has received round ``round_number``'s train message."""
     deadline = time.monotonic() + timeout
-    while any(federation.nodes[n].log.read_text(errors="replace").count("Receiving: train message") < count
-              for n in names):
+    while not all(_holds_train_message(federation.nodes[n].log.read_text(errors="replace"), round_number)
+                  for n in names):
         assert time.monotonic() < deadline, federation.logs()
         time.sleep(0.2)
 

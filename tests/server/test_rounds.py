@@ -33,15 +33,20 @@ class LoopbackGrid(Grid):
 
     ``push_messages`` runs the nodes at once; ``pull_messages`` hands out their replies. A silent
     node's reply never comes, so tests that plant one use a short round timeout. ``drop`` lets a
-    test lose replies of one push (a node that died after receiving its message).
+    test lose replies of one push (a node that died after receiving its message). ``crashes`` kills a
+    node's ClientApp before it replies, that many times (in ``fault_stages``): the app never finishes,
+    so, as on a SuperNode, none of its context changes are kept, and the reply is Flower's
+    CLIENT_APP_CRASHED error (a ``Fault`` instead rewrites the reply of an app that did finish).
     """
 
     def __init__(
-        self, nodes: dict[int, Context], faults: dict[int, Fault] | None = None, *, fault_stages: tuple[str, ...] = ("train",)
+        self, nodes: dict[int, Context], faults: dict[int, Fault] | None = None, *, fault_stages: tuple[str, ...] = ("train",),
+        crashes: dict[int, int] | None = None,
     ) -> None:
         self.nodes = nodes
         self.faults = faults or {}
         self.fault_stages = fault_stages
+        self.crashes = dict(crashes or {})
         self.drop: Callable[[list[Message], list[Message]], list[Message]] = lambda _sent, replies: replies
         self.sent: list[Message] = []
         self.replies: list[Message] = []
@@ -71,6 +76,10 @@ class LoopbackGrid(Grid):
             msg.metadata.__dict__["_message_id"] = f"m{len(self.sent)}"  # the SuperLink assigns ids
             self.sent.append(msg)
             node = msg.metadata.dst_node_id
+            if self.crashes.get(node, 0) > 0 and msg.metadata.message_type in self.fault_stages:
+                self.crashes[node] -= 1
+                out.append(Message(Error(code=8, reason="ClientApp stopped responding."), reply_to=msg))
+                continue
             try:
                 reply: Message | None = app(msg, self.nodes[node])  # routed by message type, as on a node
             except Exception as exc:  # what Flower turns into an error reply

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, Error, Message, RecordDict
 
 from quorumfl.errors import FederationError
 from quorumfl.protocol.secure_wire import ADVERTISE, MASKED, SHARE, UNMASK
@@ -253,3 +253,64 @@ def test_the_secure_sum_reveals_norm_and_loss_histograms_and_the_node_bounds_its
     assert float(np.linalg.norm(bounded[HEADER:])) == pytest.approx(0.2)
     assert float(np.linalg.norm(weighted_payload(updates[0], examples=100.0, loss=1.0, max_weight=100.0,
                                                  norm_bound=0.2)[HEADER:])) == pytest.approx(norms[0])
+
+
+@pytest.mark.parametrize("retries", [1, 0])
+def test_a_node_whose_clientapp_crashed_mid_training_is_asked_again_in_a_masked_round(
+    tmp_path: Path, six_parts: dict[str, Path], retries: int
+) -> None:
+    """As in plaintext rounds, the same request goes to the node again (``train-retries``). The crashed
+    ClientApp never replied, so its slot was never used: the node trains from the same model with
+    the same participant set (its contribution ledger admits that), masks with the slot once, and
+    the sum equals plaintext FedAvg. With no retries the crash is final and the round completes
+    without the node."""
+    contexts = _contexts(six_parts, REPRODUCIBLE)
+    ids = list(contexts)
+    grid = LoopbackGrid(contexts, crashes={ids[2]: 1})
+    federation, repo = _federation(tmp_path, grid, **{**SECURE, "num-rounds": 1, "train-retries": retries})
+    run_id = federation.run()
+    [rnd] = repo.get_run(run_id).rounds
+
+    assert rnd.status == RoundStatus.COMPLETED
+    asked = [m.metadata.dst_node_id for m in grid.sent if m.metadata.message_type == "train"]
+    assert asked.count(ids[2]) == 1 + retries and asked.count(ids[0]) == 1
+    metric = {m.node_id: m.value for m in repo.metrics(run_id) if m.name == "train-retries"}
+    if retries:
+        assert sorted(rnd.participants) == ids and rnd.failures == [] and metric == {ids[2]: 1.0}
+        plain_fed, plain_repo = _federation(tmp_path / "plain", LoopbackGrid(_contexts(six_parts, REPRODUCIBLE)),
+                                            **{"num-rounds": 1})
+        [plain] = _models(plain_repo, plain_fed.run())
+        [masked] = _models(repo, run_id)
+        for key in plain:
+            np.testing.assert_allclose(masked[key], plain[key], rtol=0, atol=1e-5)
+    else:
+        assert sorted(rnd.participants) == sorted(set(ids) - {ids[2]}) and metric == {}
+        assert [(f.node_id, f.stage) for f in rnd.failures] == [(ids[2], "train")]
+        assert "node error 8" in rnd.failures[0].reason
+
+
+def test_a_server_that_claims_a_crash_after_the_node_replied_gets_no_second_masked_input(
+    tmp_path: Path, six_parts: dict[str, Path]
+) -> None:
+    """The attacker: the node's ClientApp finished and its masked input left (its slot is spent), but
+    the server reports Flower's CLIENT_APP_CRASHED for it and asks again, hoping for a second input
+    under the same masks (the difference of the two would be the difference of two of the node's
+    updates). The node refuses: a mask key is never used twice."""
+    contexts = _contexts(six_parts)
+    ids = list(contexts)
+
+    def lie(request: Message, reply: Message) -> Message:
+        lie.replied.append(reply)  # type: ignore[attr-defined]
+        if len(lie.replied) == 1:  # type: ignore[attr-defined]
+            return Message(Error(code=8, reason="ClientApp stopped responding."), reply_to=request)
+        return reply
+
+    lie.replied = []  # type: ignore[attr-defined]
+    grid = LoopbackGrid(contexts, {ids[2]: lie})
+    federation, repo = _federation(tmp_path, grid, **{**SECURE, "num-rounds": 1, "train-retries": 1})
+    [rnd] = repo.get_run(federation.run()).rounds
+
+    first, second = lie.replied  # type: ignore[attr-defined]
+    assert MASKED in first.content.array_records  # what the server withheld as "crashed"
+    assert second.has_error() and "slot 0 was already used; a mask key is never used twice" in second.error.reason
+    assert rnd.status == RoundStatus.COMPLETED and ids[2] not in rnd.participants
