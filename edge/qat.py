@@ -1,8 +1,8 @@
 """Quantisation-aware fine-tuning and INT8 conversion of a federation model, for edge devices.
 
 The model is captured with ``torch.export`` (batch dimension dynamic), prepared for QAT by torchao's
-pt2e flow with ExecuTorch's XNNPACK quantizer (symmetric INT8, per-channel weights, per-tensor
-activations), fine-tuned on local data with fake quantisation in the loop, then converted to a graph
+pt2e flow with ExecuTorch's XNNPACK quantizer (symmetric INT8 per-channel weights in 7 bits of range,
+``WEIGHT_QMAX``; per-tensor activations), fine-tuned on local data with fake quantisation in the loop, then converted to a graph
 of real INT8 quantise/dequantise ops that the ONNX and ExecuTorch exporters lower to INT8 kernels.
 Nothing here is written by hand that torchao provides; this module only wires the steps together and
 checks its inputs. The loss is the task's objective (cross-entropy for classes, squared error for a
@@ -33,6 +33,13 @@ __all__ = ["QatSettings", "QuantizedModel", "accuracy", "evaluate", "int8_obstac
 
 # Layers that run as table lookups: no INT8 kernel exists for them in XNNPACK or onnxruntime.
 _LOOKUPS: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
+
+# Weights take 7 bits of their INT8 range (onnxruntime's "reduce_range"). On x86 CPUs without VNNI
+# (AVX2 only: many edge devices) onnxruntime's INT8 GEMM multiplies with VPMADDUBSW, which adds two
+# uint8 × int8 products into an int16 with saturation; with full-range weights that sum can clip.
+# Seen on an AVX2-only AMD EPYC: one prediction of a table model off by 48,000 dollars (36 % of the
+# target's spread) while the same graph without onnxruntime's fusions was right. 255 · 63 · 2 < 2^15.
+WEIGHT_QMAX = 63
 
 # Largest batch the exported graph accepts; torch.export needs a bound for the symbolic dimension.
 MAX_BATCH = 4096
@@ -144,7 +151,8 @@ def quantize_aware(
                 _copy_eval(model), (example,), dynamic_shapes=({0: batch},)
             ).module()
             quantizer = XNNPACKQuantizer().set_global(
-                get_symmetric_quantization_config(is_per_channel=True, is_qat=True)
+                get_symmetric_quantization_config(is_per_channel=True, is_qat=True, weight_qmin=-WEIGHT_QMAX,
+                                                  weight_qmax=WEIGHT_QMAX)
             )
             prepared = prepare_qat_pt2e(captured, quantizer)
     except Exception as exc:  # torch.export / torchao raise many types; name the step

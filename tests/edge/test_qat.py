@@ -8,7 +8,7 @@ import torch
 
 from quorumfl.core.data.datasets import holdout_split
 from quorumfl.edge.export import ArtifactFormat, onnx_bytes, pte_bytes
-from quorumfl.edge.qat import QatSettings, accuracy, quantize_aware
+from quorumfl.edge.qat import WEIGHT_QMAX, QatSettings, accuracy, quantize_aware
 from quorumfl.edge.runtime import load_model
 from quorumfl.errors import ConfigError, EdgeError
 
@@ -44,6 +44,11 @@ def test_qat_round_trip_keeps_accuracy_within_one_point() -> None:
     proto = onnx.load_from_string(exported)
     int8_weights = [i for i in proto.graph.initializer if i.data_type == onnx.TensorProto.INT8 and len(i.dims) == 2]
     assert len(int8_weights) == 3  # the three Linear layers' weights
+    # in 7 bits of range, so onnxruntime's INT8 GEMM on an AVX2-only CPU cannot saturate (qat.WEIGHT_QMAX)
+    from onnx import numpy_helper
+
+    peaks = [int(np.abs(numpy_helper.to_array(i).astype(np.int32)).max()) for i in int8_weights]
+    assert max(peaks) == WEIGHT_QMAX, peaks
     scales = [i for i in proto.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) == 1]
     assert {tuple(s.dims) for s in scales} >= {(128,), (64,), (10,)}  # per-channel scales
 
