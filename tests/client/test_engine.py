@@ -30,7 +30,7 @@ from quorumfl.training.engine import (
     plan_devices,
     train_model,
 )
-from quorumfl.training.engine.loop import _is_spike
+from quorumfl.training.engine.loop import _is_spike, cuda_numerics
 
 HERE = Path(__file__).parent
 
@@ -271,3 +271,22 @@ def test_two_gloo_workers_match_one_process_on_the_text_and_tabular_tasks(kind: 
     assert _max_diff(single, reference) < 1e-5
     assert _max_diff(ddp, reference) < 1e-5
     assert _max_diff(ddp, _task_data(kind)[0]) > 1e-3  # it did train
+
+
+def test_cuda_numerics_keeps_float32_exact_unless_amp_and_restores_the_process_flags() -> None:
+    """The flags are plain process settings (no GPU needed to set them): without AMP a CUDA loop runs
+    with TF32 off and deterministic cuDNN; with AMP TF32 stays as it was; on the CPU nothing changes;
+    afterwards the process has its own settings back."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    saved = (cudnn.allow_tf32, matmul.allow_tf32, cudnn.deterministic, cudnn.benchmark)
+    try:
+        cudnn.allow_tf32, matmul.allow_tf32, cudnn.deterministic, cudnn.benchmark = True, True, False, True
+        with cuda_numerics(torch.device("cuda"), Amp.OFF):
+            assert (cudnn.allow_tf32, matmul.allow_tf32, cudnn.deterministic, cudnn.benchmark) == (False, False, True, False)
+        with cuda_numerics(torch.device("cuda"), Amp.BF16):
+            assert (cudnn.allow_tf32, matmul.allow_tf32, cudnn.deterministic, cudnn.benchmark) == (True, True, True, False)
+        with cuda_numerics(torch.device("cpu"), Amp.OFF):
+            assert (cudnn.allow_tf32, matmul.allow_tf32, cudnn.deterministic, cudnn.benchmark) == (True, True, False, True)
+        assert (cudnn.allow_tf32, matmul.allow_tf32, cudnn.deterministic, cudnn.benchmark) == (True, True, False, True)
+    finally:
+        cudnn.allow_tf32, matmul.allow_tf32, cudnn.deterministic, cudnn.benchmark = saved
