@@ -109,18 +109,18 @@ def main() -> None:
         half, result = whole(fp16, "fp16")
         figures["fp16_max_diff"], figures["loss_fp16"] = _diff(half, fp32), result.loop.loss
         figures["fp16_skipped_steps"] = result.loop.skipped_steps
-        brain, result = whole(bf16, "bf16")
-        figures["bf16_max_diff"], figures["loss_bf16"] = _diff(brain, fp32), result.loop.loss
+        bfloat, result = whole(bf16, "bf16")
+        figures["bf16_max_diff"], figures["loss_bf16"] = _diff(bfloat, fp32), result.loop.loss
         ok &= all(_sound(m, figures[f"loss_{k}"], learned=not args.smoke)
-                  for m, k in ((fp32, "fp32"), (half, "fp16"), (brain, "bf16")))
+                  for m, k in ((fp32, "fp32"), (half, "fp16"), (bfloat, "bf16")))
         reference, reference_step = fp32, fp32_step
         ddp_settings = EngineSettings(device="cuda", workers=0) if gpus >= 2 else None
     else:
         bf16 = EngineSettings(device="cpu", amp=Amp.BF16)
         figures["step_bf16_max_diff"] = _diff(step(bf16), cpu_step)
-        brain, result = whole(bf16, "bf16")
-        figures["bf16_max_diff"], figures["loss_bf16"] = _diff(brain, cpu), result.loop.loss
-        ok &= figures["step_bf16_max_diff"] < 1e-2 and _sound(brain, figures["loss_bf16"], learned=not args.smoke)
+        bfloat, result = whole(bf16, "bf16")
+        figures["bf16_max_diff"], figures["loss_bf16"] = _diff(bfloat, cpu), result.loop.loss
+        ok &= figures["step_bf16_max_diff"] < 1e-2 and _sound(bfloat, figures["loss_bf16"], learned=not args.smoke)
         reference, reference_step = cpu, cpu_step
         ddp_settings = EngineSettings(device="cpu", workers=2)
     if ddp_settings is not None:

@@ -195,8 +195,8 @@ def _finish_phase(phase: TrainPhase, parsed: Sequence[TrainReply], accepted_ids:
     )
     phase.accepted = list(accepted_ids)
     phase.train_loss = train_metrics.get("train-loss", math.nan)
-    phase.node_metrics = {p.node_id: {**p.metrics, **({"train-retries": float(retried[p.node_id])}
-                                                        if p.node_id in retried else {})} for p in accepted}
+    phase.node_metrics = {p.node_id: dict(p.metrics) for p in accepted}
+    phase.note_retries(retried)
     for node, stat in monitored.items():  # one global model: each accepted update, monitored
         phase.node_metrics[node].update({"update-norm": stat.norm, "update-cosine": stat.cosine,
                                          "update-flagged": float(stat.flagged)})
