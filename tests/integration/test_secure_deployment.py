@@ -68,7 +68,7 @@ def _story(run: object) -> str:
 
 
 def _expected_fedavg(global_arrays: dict[str, np.ndarray], parts: dict[str, Path], departments: list[str],
-                     server_round: int) -> dict[str, np.ndarray]:
+                     server_round: int, *, model_name: str = "mlp-wide", epochs: int = EPOCHS) -> dict[str, np.ndarray]:
     """What the survivors trained (same model, data, seed — the nodes run with reproducible-training —
     one thread), averaged by example count."""
     torch.set_num_threads(1)
@@ -76,9 +76,9 @@ def _expected_fedavg(global_arrays: dict[str, np.ndarray], parts: dict[str, Path
     weight = 0.0
     for name in departments:
         part = read_partition(parts[name])
-        model = build_model("mlp-wide", part.train.input_shape, part.train.num_classes)
+        model = build_model(model_name, part.train.input_shape, part.train.num_classes)
         arrays_to_model(model, global_arrays)
-        result = train(model, part.train, epochs=EPOCHS, batch_size=32, learning_rate=0.05, seed=server_round)
+        result = train(model, part.train, epochs=epochs, batch_size=32, learning_rate=0.05, seed=server_round)
         for key, value in model_to_arrays(model).items():
             total[key] += result.num_examples * value.astype(np.float64)
         weight += result.num_examples
