@@ -101,6 +101,32 @@ def keys_show(
     print(public_key_path(path).read_text(), end="")
 
 
+@edge_keys_app.command("rotate")
+def keys_rotate(
+    ctx: typer.Context,
+    key: Annotated[Path | None, typer.Option(help="The signing key (default HOME/edge/signing-key.pem).")] = None,
+) -> None:
+    """Replace the signing key with a new one that the old key endorses; devices follow on their next
+    sync. (A stolen key is not revoked this way: README "Edge devices".)"""
+    from datetime import UTC, datetime
+
+    from quorumfl.edge.promotion import default_key_path
+    from quorumfl.edge.rotation import chain_path, rotate_signing_key
+    from quorumfl.edge.signing import public_key_path
+    from quorumfl.server.state.artifacts import ArtifactRecords
+
+    path = key or default_key_path(settings(ctx).home)
+    records = ArtifactRecords(settings(ctx).repository().sessions)
+    done = rotate_signing_key(path, records, created_at=datetime.now(UTC).isoformat(timespec="seconds"))
+    if done.finished_interrupted:
+        console.print(f"finished an interrupted rotation: key {done.sequence} ({done.fingerprint[:16]}…) is in place, "
+                      f"{done.resigned} manifest(s) signed again; run the command again to rotate")
+        return
+    console.print(f"signing key {done.sequence} ({done.fingerprint[:16]}…) endorsed by key {done.sequence - 1} in "
+                  f"{chain_path(path)}; {done.resigned} manifest(s) signed again. Devices move to it on their next "
+                  f"sync; new devices get {public_key_path(path)}")
+
+
 @artifacts_app.command("list")
 def artifacts_list(
     ctx: typer.Context,
@@ -136,13 +162,21 @@ def serve(
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 9095,
     tls_cert: Annotated[Path | None, typer.Option(help="TLS certificate (PEM); with --tls-key.")] = None,
     tls_key: Annotated[Path | None, typer.Option(help="TLS private key (PEM).")] = None,
+    key: Annotated[Path | None, typer.Option(help="The signing key whose endorsement chain devices get "
+                                                   "(default HOME/edge/signing-key.pem; only its public chain "
+                                                   "file is read).")] = None,
 ) -> None:
     """Serve the artifact registry to edge devices until interrupted."""
+    from quorumfl.edge.promotion import default_key_path
+    from quorumfl.edge.rotation import load_chain
     from quorumfl.edge.service import start_server
     from quorumfl.server.state.artifacts import ArtifactRecords
 
     records = ArtifactRecords(settings(ctx).repository().sessions)
-    server = start_server(records, host=host, port=port, tls_cert=tls_cert, tls_key=tls_key)
+    path = key or default_key_path(settings(ctx).home)
+    load_chain(path)  # a damaged chain file: refuse to start, naming it
+    server = start_server(records, host=host, port=port, tls_cert=tls_cert, tls_key=tls_key,
+                          key_chain=lambda: load_chain(path))
     console.print(f"edge sync serving on {host}:{server.port} ({'TLS' if tls_cert else 'no TLS'})")
     try:
         server.server.wait_for_termination()

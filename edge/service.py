@@ -4,14 +4,16 @@ Every call reads the registry afresh, so a newly promoted artifact is offered wi
 Downloads stream fixed-size chunks from the requested offset; an offset outside the artifact is
 refused with OUT_OF_RANGE, an unknown channel/format/version with INVALID_ARGUMENT/NOT_FOUND, a
 file that no longer matches its signed manifest with DATA_LOSS (the server never streams bytes it
-cannot vouch for). TLS is optional (certificate and key PEM files).
+cannot vouch for). Every manifest goes out with the signing key's endorsement chain, read afresh
+too, so devices given an older key move to the current one after ``edge keys rotate`` without a
+restart of this service. TLS is optional (certificate and key PEM files).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +24,7 @@ import grpc
 
 from quorumfl.edge import sync_pb2, sync_pb2_grpc
 from quorumfl.edge.export import ArtifactFormat
+from quorumfl.edge.keychain import Endorsement
 from quorumfl.edge.manifest import Channel
 from quorumfl.edge.registry import Registry
 from quorumfl.errors import ArtifactError, ConfigError, NotFoundError
@@ -38,6 +41,7 @@ CHUNK_BYTES = 64 * 1024
 class SyncService(sync_pb2_grpc.ModelSyncServicer):
     records: ArtifactRecords
     chunk_bytes: int = CHUNK_BYTES
+    key_chain: Callable[[], Sequence[Endorsement]] = list  # the signing key's endorsements, oldest first
     # (version, format, offset) of the last 1024 downloads started, for operators and tests
     downloads: deque[tuple[int, str, int]] = field(default_factory=lambda: deque(maxlen=1024))
     _lock: Lock = field(default_factory=Lock)
@@ -66,6 +70,7 @@ class SyncService(sync_pb2_grpc.ModelSyncServicer):
         return sync_pb2.ManifestReply(
             available=True, newer=row.version > request.current_version,
             manifest=row.manifest.encode(), signature=bytes.fromhex(row.signature),
+            key_chain=[sync_pb2.KeyEndorsement(statement=e.statement, signature=e.signature) for e in self.key_chain()],
         )
 
     def Download(self, request: Any, context: Any) -> Iterator[Any]:  # noqa: N802
@@ -110,14 +115,16 @@ def start_server(
     chunk_bytes: int = CHUNK_BYTES,
     workers: int = 8,
     service: SyncService | None = None,
+    key_chain: Callable[[], Sequence[Endorsement]] = list,
 ) -> SyncServer:
-    """Start serving on ``host:port`` (0 = a free port); returns the bound port. ``service`` replaces
-    the default servicer (a subclass that, say, logs or throttles)."""
+    """Start serving on ``host:port`` (0 = a free port); returns the bound port. ``key_chain`` gives
+    the signing key's endorsements (``quorumfl.edge.rotation.load_chain``). ``service`` replaces the
+    default servicer (a subclass that, say, logs or throttles)."""
     if (tls_cert is None) != (tls_key is None):
         raise ConfigError("--tls-cert and --tls-key go together; pass both for TLS or neither")
     if chunk_bytes < 1:
         raise ConfigError(f"chunk size must be >= 1 byte, got {chunk_bytes}")
-    service = service or SyncService(records, chunk_bytes=chunk_bytes)
+    service = service or SyncService(records, chunk_bytes=chunk_bytes, key_chain=key_chain)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
     sync_pb2_grpc.add_ModelSyncServicer_to_server(service, server)  # type: ignore[no-untyped-call]
     address = f"{host}:{port}"

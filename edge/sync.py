@@ -5,9 +5,12 @@ Device folder::
     DIR/installed.json          current and previous artifact (signed manifest + signature), replaced atomically
     DIR/v7.onnx, DIR/v6.onnx    the current and the previous artifact (older ones are removed)
     DIR/.partial/v8.onnx.part   a download in progress, with v8.onnx.json (the manifest it belongs to)
+    DIR/trust.json              signing keys this device moved to after rotations (their endorsements)
 
-A sync verifies the manifest's Ed25519 signature before downloading anything, refuses a version
-that is not newer, resumes a broken download from the bytes already on disk (when they belong to
+A sync first follows the server's signing-key chain from the newest key the device trusts (the
+``--public-key`` it was given, or a key it moved to since: ``quorumfl.edge.keychain``), verifies the
+manifest's Ed25519 signature with the newest key only, and records the keys it moved to; then,
+before downloading anything, it refuses a version that is not newer, resumes a broken download from the bytes already on disk (when they belong to
 the same signed manifest), checks size and SHA-256 of the complete file and that the runtime can
 load it, and only then renames it into place and rewrites ``installed.json``. Whatever fails, the
 installed model stays as it was.
@@ -22,10 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from quorumfl.core.files import atomic_write
 from quorumfl.edge import sync_pb2, sync_pb2_grpc
 from quorumfl.edge.export import ArtifactFormat
+from quorumfl.edge.keychain import Endorsement, follow, raw_public_key, trusted_keys
 from quorumfl.edge.manifest import Channel, Manifest, check_newer, check_payload
 from quorumfl.edge.runtime import EdgeModel, load_model
 from quorumfl.edge.signing import load_public_key, verify
@@ -35,6 +40,7 @@ __all__ = ["Installed", "SyncResult", "installed", "load_current", "rollback", "
 
 STATE = "installed.json"
 PARTIAL = ".partial"
+TRUST = "trust.json"
 
 
 @dataclass(frozen=True)
@@ -94,6 +100,55 @@ def _prune(directory: Path, state: Installed) -> None:
     for path in directory.glob("v*.*"):
         if path.name not in keep and path.suffix in (".onnx", ".pte"):
             path.unlink(missing_ok=True)
+
+
+def accepted_keys(directory: Path, root: bytes) -> list[Endorsement]:
+    """The endorsements this device accepted since it was given the key ``root`` (raw bytes),
+    re-verified from ``root``; ``[]`` before the first rotation."""
+    path = directory / TRUST
+    if not path.exists():
+        return []
+    try:
+        body = json.loads(path.read_text())
+        recorded_root = bytes.fromhex(body["root"])
+        accepted = [Endorsement.parse(item["statement"].encode(), bytes.fromhex(item["signature"]))
+                    for item in body["endorsements"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ArtifactError(f"{path} is unreadable ({exc}); sync into a fresh --dir") from exc
+    if recorded_root != root:
+        raise ConfigError(f"{directory} follows the signing keys of another --public-key; pass the key this folder "
+                          "was first synced with, or sync into a fresh --dir")
+    trusted_keys(root, accepted)  # a damaged or edited record is refused, never believed
+    return accepted
+
+
+def _record_keys(directory: Path, root: bytes, accepted: list[Endorsement]) -> None:
+    body = {"root": root.hex(),
+            "endorsements": [{"statement": e.statement.decode(), "signature": e.signature.hex()} for e in accepted]}
+    atomic_write(directory / TRUST, json.dumps(body, indent=1).encode())
+
+
+def _verify_manifest(raw: bytes, signature: bytes, keys: list[bytes]) -> None:
+    """Verify with the newest of ``keys``; name a retired key that signed it, for the operator."""
+    try:
+        verify(Ed25519PublicKey.from_public_bytes(keys[-1]), raw, signature)
+    except ArtifactError:
+        for number, old in enumerate(keys[:-1]):
+            try:
+                verify(Ed25519PublicKey.from_public_bytes(old), raw, signature)
+            except ArtifactError:
+                continue
+            raise ArtifactError(f"the manifest is signed by a signing key this device has retired (key {number} of "
+                                f"{len(keys) - 1}); it is refused and the installed model kept") from None
+        raise
+
+
+def _verifies(key: bytes, raw: bytes, signature: bytes) -> bool:
+    try:
+        verify(Ed25519PublicKey.from_public_bytes(key), raw, signature)
+    except ArtifactError:
+        return False
+    return True
 
 
 def _channel(server: str, ca_cert: Path | None) -> grpc.Channel:
@@ -173,8 +228,9 @@ def sync(
     timeout: float = 60.0,
 ) -> SyncResult:
     """One sync against ``server`` (HOST:PORT); see the module docstring for what is checked."""
-    key = load_public_key(public_key)
+    root = raw_public_key(load_public_key(public_key))
     directory.mkdir(parents=True, exist_ok=True)
+    accepted = accepted_keys(directory, root)
     state = installed(directory)
     if state.current is not None and (state.current.manifest.channel, state.current.manifest.format) != (channel, fmt):
         held = state.current.manifest
@@ -191,7 +247,12 @@ def sync(
         if not reply.available:
             return SyncResult("none", None, None, 0, 0)
         raw, signature = bytes(reply.manifest), bytes(reply.signature)
-        verify(key, raw, signature)  # before trusting a single field of it
+        chain = [Endorsement.parse(bytes(e.statement), bytes(e.signature)) for e in reply.key_chain]
+        moved = follow(accepted[-1].public_key if accepted else root, chain)
+        keys = trusted_keys(root, [*accepted, *moved])
+        _verify_manifest(raw, signature, keys)  # before trusting a single field of it
+        if moved:  # the newest key signed this manifest: the device moves to it for good
+            _record_keys(directory, root, [*accepted, *moved])
         offered = Signed(Manifest.from_bytes(raw), raw, signature)
         if not check_newer(offered.manifest, state.current.manifest if state.current else None,
                            channel=channel, fmt=fmt):
@@ -224,8 +285,12 @@ def load_current(directory: Path, *, public_key: Path | None = None, threads: in
     state = installed(directory)
     if state.current is None:
         raise ArtifactError(f"{directory} holds no model yet; run 'quorumfl edge sync' first")
-    if public_key is not None:
-        verify(load_public_key(public_key), state.current.raw, state.current.signature)
+    if public_key is not None:  # signed by the key the device was given or one it moved to since
+        root = raw_public_key(load_public_key(public_key))
+        keys = trusted_keys(root, accepted_keys(directory, root))
+        if not any(_verifies(key, state.current.raw, state.current.signature) for key in keys):
+            raise ArtifactError(f"the installed manifest in {directory} is not signed by --public-key {public_key} or "
+                                "a key it endorsed; it is refused")
     m = state.current.manifest
     try:
         payload = (directory / m.file_name).read_bytes()

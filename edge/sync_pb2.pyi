@@ -1,6 +1,8 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -15,16 +17,26 @@ class ManifestRequest(_message.Message):
     def __init__(self, channel: _Optional[str] = ..., format: _Optional[str] = ..., current_version: _Optional[int] = ...) -> None: ...
 
 class ManifestReply(_message.Message):
-    __slots__ = ("available", "newer", "manifest", "signature")
+    __slots__ = ("available", "newer", "manifest", "signature", "key_chain")
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     NEWER_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    KEY_CHAIN_FIELD_NUMBER: _ClassVar[int]
     available: bool
     newer: bool
     manifest: bytes
     signature: bytes
-    def __init__(self, available: _Optional[bool] = ..., newer: _Optional[bool] = ..., manifest: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+    key_chain: _containers.RepeatedCompositeFieldContainer[KeyEndorsement]
+    def __init__(self, available: _Optional[bool] = ..., newer: _Optional[bool] = ..., manifest: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., key_chain: _Optional[_Iterable[_Union[KeyEndorsement, _Mapping]]] = ...) -> None: ...
+
+class KeyEndorsement(_message.Message):
+    __slots__ = ("statement", "signature")
+    STATEMENT_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    statement: bytes
+    signature: bytes
+    def __init__(self, statement: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class DownloadRequest(_message.Message):
     __slots__ = ("version", "format", "offset")

@@ -3,7 +3,7 @@ channel and format. One transaction per call, like the main repository."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import func, select
@@ -48,6 +48,21 @@ class ArtifactRecords:
             s.add_all(rows)
             s.flush()
             return rows
+
+        return write(self._sessions, op)
+
+    def resign(self, sign: Callable[[bytes], str]) -> int:
+        """Replace every artifact's signature with ``sign(manifest bytes)`` (hex), all in one
+        transaction: what a rotation of the signing key does. Returns how many rows changed."""
+
+        def op(s: Session) -> int:
+            changed = 0
+            for row in s.scalars(select(EdgeArtifact)):
+                signature = sign(row.manifest.encode())
+                if signature != row.signature:
+                    row.signature = signature
+                    changed += 1
+            return changed
 
         return write(self._sessions, op)
 

@@ -254,7 +254,8 @@ class EdgeArtifact(Base):
     """A signed INT8 artifact for edge devices: one format of one promotion of a model version.
 
     ``manifest`` is the exact signed byte string (canonical JSON); the columns repeat its fields for
-    queries. Artifacts are never updated in place; a new promotion gets the next version.
+    queries. Artifacts are never updated in place (a new promotion gets the next version), except for
+    ``signature``, which a rotation of the signing key replaces with the new key's.
     """
 
     __tablename__ = "edge_artifacts"
