@@ -1,5 +1,7 @@
 """Edge sync end to end with the CLI alone: `edge serve`, two devices running `edge sync --every`,
-and `models promote --edge` publishing a new artifact that both devices pick up, verify and swap in."""
+and `models promote --edge` publishing a new artifact that both devices pick up, verify and swap in;
+between the two promotions the admin rotates the signing key (`edge keys rotate`), and the devices,
+still started with the first public key, follow the served chain to the new one."""
 
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ def test_server_and_two_devices_sync_a_newly_promoted_artifact(tmp_path: Path) -
     version_id = store_version(repo, home, model)
     init = subprocess.run(_cli(home, "edge", "keys", "init"), capture_output=True, text=True, timeout=120, check=False)
     assert init.returncode == 0, init.stderr
-    public_key = home / "edge" / "signing-key.pub.pem"
+    public_key = tmp_path / "edge-public.pem"  # the devices' own copy, as provisioned (the server's file is rotated)
+    public_key.write_bytes((home / "edge" / "signing-key.pub.pem").read_bytes())
     port = free_port()
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -70,8 +73,12 @@ def test_server_and_two_devices_sync_a_newly_promoted_artifact(tmp_path: Path) -
             start(device.name, _cli(None, "edge", "sync", "--server", f"127.0.0.1:{port}", "--dir", str(device),
                                     "--public-key", str(public_key), "--channel", "stable", "--every", "1"))
 
-        # Execute: promote twice while the devices keep syncing
+        # Execute: promote twice while the devices keep syncing, rotating the signing key in between
         for expected in (1, 2):
+            if expected == 2:
+                rotated = subprocess.run(_cli(home, "edge", "keys", "rotate"), capture_output=True, text=True,
+                                         timeout=120, check=False)
+                assert rotated.returncode == 0 and "signing key 1" in rotated.stdout, rotated.stdout + rotated.stderr
             promoted = subprocess.run(_cli(home, "models", "promote", str(version_id), "--edge", "--qat-epochs", "1"),
                                       capture_output=True, text=True, timeout=300, check=False)
             assert promoted.returncode == 0, promoted.stdout + promoted.stderr
@@ -84,6 +91,8 @@ def test_server_and_two_devices_sync_a_newly_promoted_artifact(tmp_path: Path) -
         for device in devices:
             state = installed(device)
             assert state.previous is not None and state.previous.manifest.version == 1
+            trust = json.loads((device / "trust.json").read_text())  # moved to key 1 through the served chain
+            assert [json.loads(e["statement"])["sequence"] for e in trust["endorsements"]] == [1]
             predicted = subprocess.run(_cli(None, "edge", "predict", "--dir", str(device), "--public-key", str(public_key),
                                             "--samples", "64", "--format", "json"),
                                        capture_output=True, text=True, timeout=120, check=False)
