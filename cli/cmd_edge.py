@@ -226,8 +226,9 @@ def sync(
             print_json(result.__dict__)
         elif result.status == "updated":
             resumed = f", resumed at byte {result.resumed_from}" if result.resumed_from else ""
+            as_delta = f" as a delta against v{result.delta_from}" if result.delta_from else ""
             console.print(f"installed v{result.version} (previous v{result.previous or '-'}; "
-                          f"{result.downloaded_bytes} bytes downloaded{resumed})")
+                          f"{result.downloaded_bytes} bytes downloaded{as_delta}{resumed})")
         elif result.status == "up-to-date":
             console.print(f"up to date at v{result.version}")
         else:

@@ -1,7 +1,8 @@
 """The model-sync gRPC service that edge devices pull artifacts from (``quorumfl edge serve``).
 
 Every call reads the registry afresh, so a newly promoted artifact is offered without a restart.
-Downloads stream fixed-size chunks from the requested offset; an offset outside the artifact is
+Downloads stream fixed-size chunks from the requested offset, of the artifact or of its delta
+against an older version the device names (``quorumfl.edge.delta``); an offset outside the artifact is
 refused with OUT_OF_RANGE, an unknown channel/format/version with INVALID_ARGUMENT/NOT_FOUND, a
 file that no longer matches its signed manifest with DATA_LOSS (the server never streams bytes it
 cannot vouch for). Every manifest goes out with the signing key's endorsement chain, read afresh
@@ -22,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from quorumfl.edge import sync_pb2, sync_pb2_grpc
+from quorumfl.edge import delta, sync_pb2, sync_pb2_grpc
 from quorumfl.edge.export import ArtifactFormat
 from quorumfl.edge.keychain import Endorsement
 from quorumfl.edge.manifest import Channel
@@ -44,6 +45,7 @@ class SyncService(sync_pb2_grpc.ModelSyncServicer):
     key_chain: Callable[[], Sequence[Endorsement]] = list  # the signing key's endorsements, oldest first
     # (version, format, offset) of the last 1024 downloads started, for operators and tests
     downloads: deque[tuple[int, str, int]] = field(default_factory=lambda: deque(maxlen=1024))
+    deltas: deque[int] = field(default_factory=lambda: deque(maxlen=1024))  # each download's base version (0: none)
     _lock: Lock = field(default_factory=Lock)
 
     @staticmethod
@@ -71,26 +73,36 @@ class SyncService(sync_pb2_grpc.ModelSyncServicer):
             available=True, newer=row.version > request.current_version,
             manifest=row.manifest.encode(), signature=bytes.fromhex(row.signature),
             key_chain=[sync_pb2.KeyEndorsement(statement=e.statement, signature=e.signature) for e in self.key_chain()],
+            deltas=True,
         )
 
-    def Download(self, request: Any, context: Any) -> Iterator[Any]:  # noqa: N802
-        fmt = self._format(context, request.format)
+    def _payload(self, context: Any, version: int, fmt: ArtifactFormat) -> bytes:
         try:
-            row = self.records.get(int(request.version), fmt.value)
-            payload = Registry.payload(row)
+            return Registry.payload(self.records.get(version, fmt.value))
         except NotFoundError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
             raise
         except ArtifactError as exc:
-            log.error("refusing to serve artifact v%s (%s): %s", request.version, fmt.value, exc)
-            context.abort(grpc.StatusCode.DATA_LOSS, f"the server's copy of v{request.version} is damaged")
+            log.error("refusing to serve artifact v%s (%s): %s", version, fmt.value, exc)
+            context.abort(grpc.StatusCode.DATA_LOSS, f"the server's copy of v{version} is damaged")
             raise
+
+    def Download(self, request: Any, context: Any) -> Iterator[Any]:  # noqa: N802
+        fmt = self._format(context, request.format)
+        payload = self._payload(context, int(request.version), fmt)
+        base = int(request.base_version)
+        if base:  # the delta against the version the device holds (the device checks what it rebuilds)
+            if base >= int(request.version):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"base_version {base} is not older than {request.version}")
+            payload = delta.encode(payload, self._payload(context, base, fmt))
+        what = f"delta from v{base}" if base else "artifact"
         if not 0 <= request.offset < len(payload):
             context.abort(grpc.StatusCode.OUT_OF_RANGE,
-                          f"offset {request.offset} is outside the artifact (0..{len(payload) - 1})")
+                          f"offset {request.offset} is outside the {what} (0..{len(payload) - 1})")
         with self._lock:
-            self.downloads.append((row.version, fmt.value, int(request.offset)))
-        log.info("streaming artifact v%s (%s) from byte %s", row.version, fmt.value, request.offset)
+            self.downloads.append((int(request.version), fmt.value, int(request.offset)))
+            self.deltas.append(base)
+        log.info("streaming %s of v%s (%s) from byte %s", what, request.version, fmt.value, request.offset)
         for start in range(int(request.offset), len(payload), self.chunk_bytes):
             yield sync_pb2.Chunk(offset=start, data=payload[start : start + self.chunk_bytes])
 

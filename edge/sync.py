@@ -4,15 +4,19 @@ Device folder::
 
     DIR/installed.json          current and previous artifact (signed manifest + signature), replaced atomically
     DIR/v7.onnx, DIR/v6.onnx    the current and the previous artifact (older ones are removed)
-    DIR/.partial/v8.onnx.part   a download in progress, with v8.onnx.json (the manifest it belongs to)
+    DIR/.partial/v8.onnx.part   a download in progress, with v8.onnx.json (the manifest it belongs to);
+                                v8.onnx.from-v7.part/.json for a delta against v7
     DIR/trust.json              signing keys this device moved to after rotations (their endorsements)
 
 A sync first follows the server's signing-key chain from the newest key the device trusts (the
 ``--public-key`` it was given, or a key it moved to since: ``quorumfl.edge.keychain``), verifies the
 manifest's Ed25519 signature with the newest key only, and records the keys it moved to; then,
-before downloading anything, it refuses a version that is not newer, resumes a broken download from the bytes already on disk (when they belong to
-the same signed manifest), checks size and SHA-256 of the complete file and that the runtime can
-load it, and only then renames it into place and rewrites ``installed.json``. Whatever fails, the
+before downloading anything, it refuses a version that is not newer, downloads only the delta
+against the version it holds when the server offers deltas (``quorumfl.edge.delta``; the whole
+artifact when the server cannot make one, or when a delta of this version was refused before),
+resumes a broken download from the bytes already on disk (when they belong to the same signed
+manifest), rebuilds and checks size and SHA-256 of the complete file and that the runtime can load
+it, and only then renames it into place and rewrites ``installed.json``. Whatever fails, the
 installed model stays as it was.
 """
 
@@ -28,7 +32,7 @@ import grpc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from quorumfl.core.files import atomic_write
-from quorumfl.edge import sync_pb2, sync_pb2_grpc
+from quorumfl.edge import delta, sync_pb2, sync_pb2_grpc
 from quorumfl.edge.export import ArtifactFormat
 from quorumfl.edge.keychain import Endorsement, follow, raw_public_key, trusted_keys
 from quorumfl.edge.manifest import Channel, Manifest, check_newer, check_payload
@@ -41,6 +45,8 @@ __all__ = ["Installed", "SyncResult", "installed", "load_current", "rollback", "
 STATE = "installed.json"
 PARTIAL = ".partial"
 TRUST = "trust.json"
+_REFUSED = ".delta-refused"  # marks a version whose delta was refused: fetch it whole next time
+_NO_DELTA = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.INVALID_ARGUMENT)
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,7 @@ class SyncResult:
     previous: int | None
     downloaded_bytes: int
     resumed_from: int
+    delta_from: int | None = None  # the installed version the download was a delta against
 
 
 def installed(directory: Path) -> Installed:
@@ -151,6 +158,10 @@ def _verifies(key: bytes, raw: bytes, signature: bytes) -> bool:
     return True
 
 
+def _has_file(directory: Path, signed: Signed | None) -> bool:
+    return signed is not None and (directory / signed.manifest.file_name).is_file()
+
+
 def _channel(server: str, ca_cert: Path | None) -> grpc.Channel:
     if ca_cert is None:
         return grpc.insecure_channel(server)
@@ -168,31 +179,43 @@ def _rpc_error(exc: grpc.RpcError, what: str, server: str) -> ArtifactError:
                          "the installed model is unchanged")
 
 
-def _download(stub: Any, signed: Signed, directory: Path, *, timeout: float, server: str) -> tuple[bytes, int, int]:
-    """Fetch the artifact into ``.partial`` (resuming), returning (payload, bytes fetched, resume offset)."""
+class _NoDelta(Exception):
+    """The server cannot make the delta (base version gone or damaged): download the whole artifact."""
+
+
+def _download(stub: Any, signed: Signed, directory: Path, *, timeout: float, server: str,
+              base: Signed | None = None) -> tuple[bytes, int, int]:
+    """Fetch the artifact into ``.partial`` (resuming), returning (payload, bytes fetched, resume
+    offset). With ``base`` (the installed artifact) fetch its delta instead and rebuild the artifact
+    from it (``quorumfl.edge.delta``); either way the result is checked against the signed manifest."""
     m = signed.manifest
     partial = directory / PARTIAL
     partial.mkdir(exist_ok=True)
-    part, owner = partial / f"{m.file_name}.part", partial / f"{m.file_name}.json"
+    suffix = f".from-v{base.manifest.version}" if base is not None else ""
+    part, owner = partial / f"{m.file_name}{suffix}.part", partial / f"{m.file_name}{suffix}.json"
+    # a delta's length is known only at its end; zlib's worst case is a few bytes over its input
+    limit = m.size + m.size // 64 + 1024 if base is not None else m.size
     offset = 0
     if part.exists() and owner.exists() and owner.read_bytes() == signed.raw:
         offset = part.stat().st_size
-        if offset > m.size:
+        if offset > limit:
             offset = 0
     if offset == 0:
         for stale in partial.iterdir():
-            stale.unlink()
+            if not stale.name.endswith(_REFUSED):
+                stale.unlink()
         atomic_write(owner, signed.raw)
         part.write_bytes(b"")
     start, fetched = offset, 0
-    if offset < m.size:
-        request = sync_pb2.DownloadRequest(version=m.version, format=m.format.value, offset=offset)
+    if base is not None or offset < m.size:
+        request = sync_pb2.DownloadRequest(version=m.version, format=m.format.value, offset=offset,
+                                           base_version=base.manifest.version if base is not None else 0)
         with open(part, "r+b") as fh:
             fh.truncate(offset)
             fh.seek(offset)
             try:
                 for chunk in stub.Download(request, timeout=timeout):
-                    if chunk.offset != offset or offset + len(chunk.data) > m.size:
+                    if chunk.offset != offset or offset + len(chunk.data) > limit:
                         raise ArtifactError(f"server sent bytes {chunk.offset}..{chunk.offset + len(chunk.data)} of "
                                             f"v{m.version} where {offset} was expected; the download is refused")
                     fh.write(chunk.data)
@@ -201,19 +224,35 @@ def _download(stub: Any, signed: Signed, directory: Path, *, timeout: float, ser
             except grpc.RpcError as exc:
                 fh.flush()
                 os.fsync(fh.fileno())
+                code = exc.code() if hasattr(exc, "code") else None
+                if base is not None and code in _NO_DELTA:
+                    part.unlink(missing_ok=True)
+                    owner.unlink(missing_ok=True)
+                    raise _NoDelta(str(code)) from None
                 raise ArtifactError(
-                    f"download of v{m.version} broke off at byte {offset} of {m.size} ({exc.code().name}); "
+                    f"download of v{m.version} broke off at byte {offset} of "
+                    f"{'its delta' if base is not None else m.size} ({code.name if code else 'error'}); "
                     "run the sync again to resume from there; the installed model is unchanged"
                 ) from None
             fh.flush()
             os.fsync(fh.fileno())
-    payload = part.read_bytes()
     try:
+        payload = part.read_bytes()
+        if base is not None:
+            held = (directory / base.manifest.file_name).read_bytes()
+            check_payload(base.manifest, held)
+            payload = delta.decode(payload, held, m.size)
         check_payload(m, payload)
     except ArtifactError:
         part.unlink(missing_ok=True)
         owner.unlink(missing_ok=True)
+        if base is not None:  # the next sync downloads the whole artifact instead
+            (partial / f"{m.file_name}{_REFUSED}").write_bytes(b"")
         raise
+    if base is not None:  # the rebuilt artifact takes the place a full download would have
+        atomic_write(partial / f"{m.file_name}.part", payload)
+        part.unlink(missing_ok=True)
+        owner.unlink(missing_ok=True)
     return payload, fetched, start
 
 
@@ -257,15 +296,24 @@ def sync(
         if not check_newer(offered.manifest, state.current.manifest if state.current else None,
                            channel=channel, fmt=fmt):
             return SyncResult("up-to-date", current_version or None, None, 0, 0)
-        payload, fetched, resumed = _download(stub, offered, directory, timeout=timeout, server=server)
+        base = state.current if reply.deltas and _has_file(directory, state.current) else None
+        if base is not None and (directory / PARTIAL / f"{offered.manifest.file_name}{_REFUSED}").exists():
+            base = None
+        try:
+            payload, fetched, resumed = _download(stub, offered, directory, timeout=timeout, server=server, base=base)
+        except _NoDelta:
+            base = None
+            payload, fetched, resumed = _download(stub, offered, directory, timeout=timeout, server=server)
     load_model(payload, fmt, offered.manifest.input_shape, input_dtype=offered.manifest.input_dtype)  # refuse a file the runtime cannot load
     partial = directory / PARTIAL
     os.replace(partial / f"{offered.manifest.file_name}.part", directory / offered.manifest.file_name)
     (partial / f"{offered.manifest.file_name}.json").unlink(missing_ok=True)
+    (partial / f"{offered.manifest.file_name}{_REFUSED}").unlink(missing_ok=True)
     new_state = Installed(offered, state.current)
     _write_state(directory, new_state)
     _prune(directory, new_state)
-    return SyncResult("updated", offered.manifest.version, current_version or None, fetched, resumed)
+    return SyncResult("updated", offered.manifest.version, current_version or None, fetched, resumed,
+                      base.manifest.version if base is not None else None)
 
 
 def rollback(directory: Path) -> Installed:

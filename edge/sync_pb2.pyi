@@ -17,18 +17,20 @@ class ManifestRequest(_message.Message):
     def __init__(self, channel: _Optional[str] = ..., format: _Optional[str] = ..., current_version: _Optional[int] = ...) -> None: ...
 
 class ManifestReply(_message.Message):
-    __slots__ = ("available", "newer", "manifest", "signature", "key_chain")
+    __slots__ = ("available", "newer", "manifest", "signature", "key_chain", "deltas")
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     NEWER_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     KEY_CHAIN_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
     available: bool
     newer: bool
     manifest: bytes
     signature: bytes
     key_chain: _containers.RepeatedCompositeFieldContainer[KeyEndorsement]
-    def __init__(self, available: _Optional[bool] = ..., newer: _Optional[bool] = ..., manifest: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., key_chain: _Optional[_Iterable[_Union[KeyEndorsement, _Mapping]]] = ...) -> None: ...
+    deltas: bool
+    def __init__(self, available: _Optional[bool] = ..., newer: _Optional[bool] = ..., manifest: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., key_chain: _Optional[_Iterable[_Union[KeyEndorsement, _Mapping]]] = ..., deltas: _Optional[bool] = ...) -> None: ...
 
 class KeyEndorsement(_message.Message):
     __slots__ = ("statement", "signature")
@@ -39,14 +41,16 @@ class KeyEndorsement(_message.Message):
     def __init__(self, statement: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class DownloadRequest(_message.Message):
-    __slots__ = ("version", "format", "offset")
+    __slots__ = ("version", "format", "offset", "base_version")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     version: int
     format: str
     offset: int
-    def __init__(self, version: _Optional[int] = ..., format: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+    base_version: int
+    def __init__(self, version: _Optional[int] = ..., format: _Optional[str] = ..., offset: _Optional[int] = ..., base_version: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("offset", "data")

@@ -71,11 +71,13 @@ def test_pte_artifact_installs_and_runs(server: SyncServer, published: Published
 
 
 class Flipping(SyncService):
-    """A man in the middle: flips one bit of one chunk."""
+    """A man in the middle: flips one bit of one chunk (of the artifact or of its delta)."""
+
+    chunk = 3
 
     def Download(self, request: Any, context: Any) -> Iterator[Any]:  # noqa: N802
         for i, chunk in enumerate(super().Download(request, context)):
-            if i == 3:
+            if i == self.chunk:
                 data = bytearray(chunk.data)
                 data[5] ^= 0x01
                 chunk.data = bytes(data)
@@ -124,16 +126,94 @@ def test_tampered_download_keeps_the_installed_model(published: Published, tmp_p
     before = _install_old(published, device)
     rows = publish(published.repo, published.home, published.version_id)  # a newer artifact appears
     records = ArtifactRecords(published.repo.sessions)
-    srv = start_server(records, chunk_bytes=1024, service=Flipping(records, chunk_bytes=1024))
+    for chunk in (0, 1):  # a delta of a few chunks: a flipped bit in its zlib stream, or in what it inflates to
+        flipping = Flipping(records, chunk_bytes=256)
+        flipping.chunk = chunk
+        srv = start_server(records, service=flipping)
+        try:
+            with pytest.raises(ArtifactError, match="SHA-256|delta is damaged|does not rebuild"):
+                _sync(srv, published, device)
+        finally:
+            srv.stop()
+        assert list(flipping.deltas) == [0 if chunk else installed(device).current.manifest.version]  # type: ignore[union-attr]
+        state = installed(device)
+        assert state.current is not None and state.current.manifest.sha256 == before
+        assert state.current.manifest.version < rows[0].version
+        load_current(device, public_key=published.public_key)  # still verifies and loads
+
+
+def test_a_newer_version_travels_as_a_delta_and_a_refused_delta_is_fetched_whole(published: Published,
+                                                                                  tmp_path: Path) -> None:
+    device = tmp_path / "dev"
+    _install_old(published, device)
+    held = installed(device).current
+    assert held is not None
+    rows = publish(published.repo, published.home, published.version_id)  # retrained by QAT: other weights
+    records = ArtifactRecords(published.repo.sessions)
+    # A delta: only its bytes travel, and the rebuilt file is the artifact itself
+    clean = SyncService(records, chunk_bytes=256)
+    srv = start_server(records, service=clean)
     try:
-        with pytest.raises(ArtifactError, match="SHA-256"):
+        result = _sync(srv, published, device)
+    finally:
+        srv.stop()
+    assert (result.status, result.version, result.delta_from) == ("updated", rows[0].version, held.manifest.version)
+    assert 0 < result.downloaded_bytes < rows[0].size_bytes
+    assert list(clean.deltas) == [held.manifest.version]
+    assert hashlib.sha256((device / f"v{rows[0].version}.onnx").read_bytes()).hexdigest() == rows[0].sha256
+    assert not list((device / ".partial").iterdir())
+
+    # A tampered delta is refused (the installed model kept); the next sync fetches the version whole
+    newer = publish(published.repo, published.home, published.version_id)
+    flipping = Flipping(records, chunk_bytes=256)
+    flipping.chunk = 0
+    srv = start_server(records, service=flipping)
+    try:
+        with pytest.raises(ArtifactError):
             _sync(srv, published, device)
     finally:
         srv.stop()
-    state = installed(device)
-    assert state.current is not None and state.current.manifest.sha256 == before
-    assert state.current.manifest.version < rows[0].version
-    load_current(device, public_key=published.public_key)  # still verifies and loads
+    assert installed(device).current.manifest.version == rows[0].version  # type: ignore[union-attr]
+    srv = start_server(records, service=(whole := SyncService(records, chunk_bytes=4096)))
+    try:
+        result = _sync(srv, published, device)
+    finally:
+        srv.stop()
+    assert (result.version, result.delta_from, result.downloaded_bytes) == (newer[0].version, None, newer[0].size_bytes)
+    assert list(whole.deltas) == [0]
+
+
+class Baseless(SyncService):
+    """A server that no longer has the version the device holds (or cannot read it)."""
+
+    def Download(self, request: Any, context: Any) -> Iterator[Any]:  # noqa: N802
+        if request.base_version:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"edge artifact v{request.base_version} does not exist")
+        yield from super().Download(request, context)
+
+
+class Older(SyncService):
+    """A server from before deltas: its manifest reply does not offer them."""
+
+    def GetManifest(self, request: Any, context: Any) -> Any:  # noqa: N802
+        reply = super().GetManifest(request, context)
+        reply.deltas = False
+        return reply
+
+
+def test_without_a_delta_the_whole_artifact_is_downloaded(published: Published, tmp_path: Path) -> None:
+    records = ArtifactRecords(published.repo.sessions)
+    for service in (Baseless(records), Older(records)):
+        device = tmp_path / type(service).__name__
+        _install_old(published, device)
+        rows = publish(published.repo, published.home, published.version_id)
+        srv = start_server(records, service=service)
+        try:
+            result = _sync(srv, published, device)
+        finally:
+            srv.stop()
+        assert (result.status, result.delta_from, result.downloaded_bytes) == ("updated", None, rows[0].size_bytes)
+        assert hashlib.sha256((device / f"v{rows[0].version}.onnx").read_bytes()).hexdigest() == rows[0].sha256
 
 
 def test_flipped_signature_byte_is_refused_and_old_model_kept(published: Published, tmp_path: Path) -> None:
@@ -267,3 +347,25 @@ def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
     for name in ("sync_pb2.py", "sync_pb2.pyi", "sync_pb2_grpc.py"):
         assert (out / "quorumfl" / "edge" / name).read_text() == (root / name).read_text(), \
             f"{name} is stale: run edge/proto/generate.sh"
+
+
+def test_a_cut_delta_download_resumes_from_its_offset(published: Published, tmp_path: Path) -> None:
+    device = tmp_path / "dev"
+    _install_old(published, device)
+    held = installed(device).current
+    assert held is not None
+    rows = publish(published.repo, published.home, published.version_id)
+    records = ArtifactRecords(published.repo.sessions)
+    cutting = Cutting(records, chunk_bytes=8)  # the same model promoted again: a delta of tens of bytes
+    srv = start_server(records, service=cutting)
+    try:
+        with pytest.raises(ArtifactError, match="broke off at byte 40 of its delta"):
+            _sync(srv, published, device)
+        assert (device / ".partial" / f"v{rows[0].version}.onnx.from-v{held.manifest.version}.part").stat().st_size == 40
+        result = _sync(srv, published, device)
+    finally:
+        srv.stop()
+    assert list(cutting.downloads) == [(rows[0].version, "onnx", 0), (rows[0].version, "onnx", 40)]
+    assert list(cutting.deltas) == [held.manifest.version, held.manifest.version]
+    assert (result.status, result.resumed_from, result.delta_from) == ("updated", 40, held.manifest.version)
+    assert hashlib.sha256((device / f"v{rows[0].version}.onnx").read_bytes()).hexdigest() == rows[0].sha256

@@ -1,11 +1,13 @@
 """Edge sync end to end with the CLI alone: `edge serve`, two devices running `edge sync --every`,
 and `models promote --edge` publishing a new artifact that both devices pick up, verify and swap in;
 between the two promotions the admin rotates the signing key (`edge keys rotate`), and the devices,
-still started with the first public key, follow the served chain to the new one."""
+still started with the first public key, follow the served chain to the new one, and fetch v2 as a
+delta against the v1 they hold."""
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -107,6 +109,7 @@ def test_server_and_two_devices_sync_a_newly_promoted_artifact(tmp_path: Path) -
         for device in devices:
             log = (logs / f"{device.name}.log").read_text()
             assert "installed v1" in log and "installed v2 (previous v1" in log
+            assert re.search(r"installed v2 \(previous v1; \d+ bytes downloaded as a delta against v1\)", log), log
     finally:
         for proc in started:
             proc.send_signal(signal.SIGTERM)
