@@ -229,11 +229,14 @@ def _download(stub: Any, signed: Signed, directory: Path, *, timeout: float, ser
                     part.unlink(missing_ok=True)
                     owner.unlink(missing_ok=True)
                     raise _NoDelta(str(code)) from None
-                raise ArtifactError(
-                    f"download of v{m.version} broke off at byte {offset} of "
-                    f"{'its delta' if base is not None else m.size} ({code.name if code else 'error'}); "
-                    "run the sync again to resume from there; the installed model is unchanged"
-                ) from None
+                # OUT_OF_RANGE past a delta's first byte: all of it was on disk already (a sync that
+                # stopped before rebuilding), so rebuild it now
+                if not (base is not None and code is grpc.StatusCode.OUT_OF_RANGE and offset > 0):
+                    raise ArtifactError(
+                        f"download of v{m.version} broke off at byte {offset} of "
+                        f"{'its delta' if base is not None else m.size} ({code.name if code else 'error'}); "
+                        "run the sync again to resume from there; the installed model is unchanged"
+                    ) from None
             fh.flush()
             os.fsync(fh.fileno())
     try:

@@ -106,10 +106,12 @@ def test_selection_smoke() -> None:
 @pytest.mark.slow
 def test_edge_smoke() -> None:
     figures = _run("edge.py")
-    keys = {"fp32_acc", "int8_acc", "size_ratio", "latency_speedup_b1", "latency_speedup_b64"}
+    keys = {"fp32_acc", "int8_acc", "size_ratio", "latency_speedup_b1", "latency_speedup_b64", "delta_sync_bytes",
+            "full_sync_bytes", "round_int8_acc"}
     assert keys <= set(figures)
     assert all(float(figures[k]) > 0 for k in keys)  # type: ignore[arg-type]
     assert float(figures["int8_onnx_bytes"]) < float(figures["fp32_onnx_bytes"])  # type: ignore[arg-type]
+    assert float(figures["delta_sync_bytes"]) < float(figures["full_sync_bytes"])  # type: ignore[arg-type]
 
 
 @pytest.mark.slow

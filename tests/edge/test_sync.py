@@ -369,3 +369,33 @@ def test_a_cut_delta_download_resumes_from_its_offset(published: Published, tmp_
     assert list(cutting.deltas) == [held.manifest.version, held.manifest.version]
     assert (result.status, result.resumed_from, result.delta_from) == ("updated", 40, held.manifest.version)
     assert hashlib.sha256((device / f"v{rows[0].version}.onnx").read_bytes()).hexdigest() == rows[0].sha256
+
+
+class EndsBroken(SyncService):
+    """Streams the whole of the first download, then breaks the link before the stream's end."""
+
+    def Download(self, request: Any, context: Any) -> Iterator[Any]:  # noqa: N802
+        yield from super().Download(request, context)
+        if len(self.downloads) == 1:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "link dropped at the end")
+
+
+def test_a_delta_complete_on_disk_is_rebuilt_by_the_next_sync(published: Published, tmp_path: Path) -> None:
+    device = tmp_path / "dev"
+    _install_old(published, device)
+    held = installed(device).current
+    assert held is not None
+    rows = publish(published.repo, published.home, published.version_id)
+    records = ArtifactRecords(published.repo.sessions)
+    service = EndsBroken(records, chunk_bytes=16)
+    srv = start_server(records, service=service)
+    try:
+        with pytest.raises(ArtifactError, match="broke off at byte"):
+            _sync(srv, published, device)
+        on_disk = (device / ".partial" / f"v{rows[0].version}.onnx.from-v{held.manifest.version}.part").stat().st_size
+        result = _sync(srv, published, device)  # the server answers OUT_OF_RANGE: nothing is left to fetch
+    finally:
+        srv.stop()
+    assert on_disk > 0 and list(service.downloads) == [(rows[0].version, "onnx", 0)]  # the second was refused
+    assert (result.status, result.downloaded_bytes, result.delta_from) == ("updated", 0, held.manifest.version)
+    assert hashlib.sha256((device / f"v{rows[0].version}.onnx").read_bytes()).hexdigest() == rows[0].sha256
