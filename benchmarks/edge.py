@@ -9,18 +9,24 @@ Both models are exported to ONNX the same way and measured in onnxruntime on the
 - accuracy: top-1 on the 10,000 test images (fp32 and INT8 both through onnxruntime);
 - size: bytes of the fp32 ONNX file over bytes of the INT8 ONNX file;
 - latency: median wall time of one ``session.run`` at batch 1 and at batch 64, one intra-op thread
-  (an edge CPU), both sessions warmed up and timed alternately in the same loop.
+  (an edge CPU), both sessions warmed up and timed alternately in the same loop;
+- delta sync: the fp32 model then trains one more federated round (one local epoch of SGD at lr 0.05
+  on each of 10 IID departments' tenth of the pool, averaged: FedAvg), goes through the same QAT
+  and export, and the bytes a device holding the first artifact downloads for the second
+  (``quorumfl.edge.delta``, as ``edge sync`` fetches it) are compared with the whole file.
 
     python benchmarks/edge.py            # Fashion-MNIST, cnn-wide, 3 fp32 epochs, 1 QAT epoch
     python benchmarks/edge.py --smoke    # digits, small cnn, tiny sizes
     python benchmarks/edge.py --json     # last line: one JSON object
 
 Keys: fp32_acc, int8_acc, acc_drop_pts, size_ratio, latency_speedup_b1, latency_speedup_b64, the
-latencies in ms, file sizes, the .pte size, times of each step and peak RSS.
+latencies in ms, file sizes, the .pte size, delta_sync_bytes, full_sync_bytes, delta_over_full,
+round_int8_acc, times of each step and peak RSS.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
@@ -30,17 +36,20 @@ from torch import nn
 
 from _cli import parser, peak_rss_mb, report
 from quorumfl.core.data.datasets import holdout_split
-from quorumfl.core.models import build_model
+from quorumfl.core.models import arrays_to_model, build_model, model_to_arrays
+from quorumfl.edge.delta import decode, encode
 from quorumfl.edge.export import ArtifactFormat, onnx_bytes, pte_bytes
 from quorumfl.edge.qat import QatSettings, quantize_aware
 from quorumfl.edge.runtime import load_model
 
 
-def train_fp32(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch: int, lr: float, seed: int) -> None:
+def train_fp32(model: nn.Module, x: np.ndarray, y: np.ndarray, *, epochs: int, batch: int, lr: float, seed: int,
+               schedule: bool = True) -> None:
     generator = torch.Generator().manual_seed(seed)
     features, labels = torch.from_numpy(x), torch.from_numpy(y)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, epochs * ((len(x) + batch - 1) // batch))
+    steps = epochs * ((len(x) + batch - 1) // batch) if schedule else 10**9  # no schedule: lr stays as given
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps)
     model.train()
     for _ in range(epochs):
         order = torch.randperm(len(x), generator=generator)
@@ -106,6 +115,29 @@ def main() -> None:
     b1 = median_latency([fp32, int8], test.x[:1], args.repeats)
     b64 = median_latency([fp32, int8], test.x[:64], max(10, args.repeats // 5))
 
+    # One more federated round (FedAvg of 10 departments' one-epoch updates), promoted the same way
+    t0 = time.perf_counter()
+    parts = np.array_split(rng.permutation(len(pool)), 10)
+    updates = []
+    for part in parts:
+        local = copy.deepcopy(model)
+        train_fp32(local, pool.x[part], pool.y[part], epochs=1, batch=64, lr=0.05, seed=args.seed, schedule=False)
+        updates.append((model_to_arrays(local), len(part)))
+    total = sum(n for _, n in updates)
+    averaged = {k: sum(a[k] * (n / total) for a, n in updates).astype(np.float32) for k in updates[0][0]}
+    next_model = copy.deepcopy(model)
+    arrays_to_model(next_model, averaged)
+    next_model.eval()
+    next_quantized = quantize_aware(next_model, pool.x[chosen], pool.y[chosen], pool.input_shape,
+                                    settings=QatSettings(epochs=args.qat_epochs, batch_size=64, seed=args.seed))
+    next_file = onnx_bytes(next_quantized.module, next_quantized.example)
+    patch = encode(next_file, int8_file)
+    assert decode(patch, int8_file, len(next_file)) == next_file
+    next_int8 = load_model(next_file, ArtifactFormat.ONNX, pool.input_shape, threads=1)
+    round_acc = float(np.mean(np.concatenate([next_int8(test.x[i : i + 500]).argmax(1)
+                                              for i in range(0, len(test), 500)]) == test.y))
+    round_s = time.perf_counter() - t0
+
     report({
         "dataset": args.dataset,
         "model": args.model,
@@ -125,6 +157,11 @@ def main() -> None:
         "int8_ms_b64": b64[1] * 1e3,
         "latency_speedup_b1": b1[0] / b1[1],
         "latency_speedup_b64": b64[0] / b64[1],
+        "full_sync_bytes": len(next_file),
+        "delta_sync_bytes": len(patch),
+        "delta_over_full": len(patch) / len(next_file),
+        "round_int8_acc": round_acc,
+        "round_s": round_s,
         "train_s": train_s,
         "qat_s": qat_s,
         "export_s": export_s,
