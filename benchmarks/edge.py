@@ -7,7 +7,10 @@ XNNPACK quantizer, per-channel INT8 weights, then ``convert_pt2e``; ``quorumfl.e
 Both models are exported to ONNX the same way and measured in onnxruntime on the official test set:
 
 - accuracy: top-1 on the 10,000 test images (fp32 and INT8 both through onnxruntime);
-- size: bytes of the fp32 ONNX file over bytes of the INT8 ONNX file;
+- size: bytes of the fp32 ONNX file over the bytes a device downloads for the INT8 artifact (the
+  file as one zlib stream, as ``edge sync`` fetches it: ``size_ratio``), and over the INT8 file
+  itself (``file_size_ratio``); with ``--sparsity S`` each layer's smallest S of weights are pruned
+  before QAT and kept zero (``quorumfl.edge.qat``), which the zlib stream shrinks with;
 - latency: median wall time of one ``session.run`` at batch 1 and at batch 64, one intra-op thread
   (an edge CPU), both sessions warmed up and timed alternately in the same loop;
 - delta sync: the fp32 model then trains one more federated round (one local epoch of SGD at lr 0.05
@@ -19,7 +22,8 @@ Both models are exported to ONNX the same way and measured in onnxruntime on the
     python benchmarks/edge.py --smoke    # digits, small cnn, tiny sizes
     python benchmarks/edge.py --json     # last line: one JSON object
 
-Keys: fp32_acc, int8_acc, acc_drop_pts, size_ratio, latency_speedup_b1, latency_speedup_b64, the
+Keys: fp32_acc, int8_acc, acc_drop_pts, size_ratio, file_size_ratio, int8_download_bytes, sparsity,
+int8_weight_sparsity, latency_speedup_b1, latency_speedup_b64, the
 latencies in ms, file sizes, the .pte size, delta_sync_bytes, full_sync_bytes, delta_over_full,
 round_int8_acc, times of each step and peak RSS.
 """
@@ -39,7 +43,7 @@ from quorumfl.core.data.datasets import holdout_split
 from quorumfl.core.models import arrays_to_model, build_model, model_to_arrays
 from quorumfl.edge.delta import decode, encode
 from quorumfl.edge.export import ArtifactFormat, onnx_bytes, pte_bytes
-from quorumfl.edge.qat import QatSettings, quantize_aware
+from quorumfl.edge.qat import QatSettings, quantize_aware, weight_sparsity
 from quorumfl.edge.runtime import load_model
 
 
@@ -84,6 +88,7 @@ def main() -> None:
     p.add_argument("--qat-samples", type=int, default=20000, help="training images used for QAT")
     p.add_argument("--repeats", type=int, default=300, help="timed runs per batch size")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sparsity", type=float, default=0.0, help="prune this fraction of each layer before QAT")
     args = p.parse_args()
     if args.smoke:
         args.dataset, args.model, args.epochs, args.qat_samples, args.repeats = "digits", "cnn", 2, 400, 20
@@ -99,7 +104,8 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     chosen = np.sort(rng.permutation(len(pool))[: args.qat_samples])
     quantized = quantize_aware(model, pool.x[chosen], pool.y[chosen], pool.input_shape,
-                               settings=QatSettings(epochs=args.qat_epochs, batch_size=64, seed=args.seed))
+                               settings=QatSettings(epochs=args.qat_epochs, batch_size=64, seed=args.seed,
+                                                   sparsity=args.sparsity))
     qat_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -129,7 +135,8 @@ def main() -> None:
     arrays_to_model(next_model, averaged)
     next_model.eval()
     next_quantized = quantize_aware(next_model, pool.x[chosen], pool.y[chosen], pool.input_shape,
-                                    settings=QatSettings(epochs=args.qat_epochs, batch_size=64, seed=args.seed))
+                                    settings=QatSettings(epochs=args.qat_epochs, batch_size=64, seed=args.seed,
+                                                         sparsity=args.sparsity))
     next_file = onnx_bytes(next_quantized.module, next_quantized.example)
     patch = encode(next_file, int8_file)
     assert decode(patch, int8_file, len(next_file)) == next_file
@@ -150,16 +157,21 @@ def main() -> None:
         "fp32_onnx_bytes": len(fp32_file),
         "int8_onnx_bytes": len(int8_file),
         "int8_pte_bytes": len(pte_file),
-        "size_ratio": len(fp32_file) / len(int8_file),
+        "size_ratio": len(fp32_file) / len(encode(int8_file, b"")),  # what a device downloads: one zlib stream
+        "file_size_ratio": len(fp32_file) / len(int8_file),
+        "int8_download_bytes": len(encode(int8_file, b"")),
+        "sparsity": args.sparsity,
+        "int8_weight_sparsity": weight_sparsity(quantized.module.buffers()),
         "fp32_ms_b1": b1[0] * 1e3,
         "int8_ms_b1": b1[1] * 1e3,
         "fp32_ms_b64": b64[0] * 1e3,
         "int8_ms_b64": b64[1] * 1e3,
         "latency_speedup_b1": b1[0] / b1[1],
         "latency_speedup_b64": b64[0] / b64[1],
-        "full_sync_bytes": len(next_file),
+        "full_sync_bytes": len(encode(next_file, b"")),  # a device holding nothing: the file as one zlib stream
         "delta_sync_bytes": len(patch),
-        "delta_over_full": len(patch) / len(next_file),
+        "delta_over_full": len(patch) / len(encode(next_file, b"")),
+        "round_int8_onnx_bytes": len(next_file),
         "round_int8_acc": round_acc,
         "round_s": round_s,
         "train_s": train_s,

@@ -39,6 +39,9 @@ def promote(
                                                          "needed for models of departments' own data.")] = None,
     qat_epochs: Annotated[int, typer.Option(help="QAT fine-tuning epochs.")] = 2,
     qat_lr: Annotated[float, typer.Option(help="QAT learning rate.")] = 0.005,
+    sparsity: Annotated[float, typer.Option(help="int8 only: zero this fraction of each layer's smallest weights "
+                                                  "before QAT and keep them zero (0 to 0.95); the download, a zlib "
+                                                  "stream, shrinks with them.")] = 0.0,
     key: Annotated[Path | None, typer.Option(help="Ed25519 signing key (default HOME/edge/signing-key.pem, "
                                                    "created on first use).")] = None,
 ) -> None:
@@ -57,7 +60,7 @@ def promote(
         return
     chosen = parse_channel(channel)
     level = parse_precision(precision)
-    qat = QatSettings(epochs=qat_epochs, learning_rate=qat_lr)
+    qat = QatSettings(epochs=qat_epochs, learning_rate=qat_lr, sparsity=sparsity)
     with console.status(f"{level.value} export of model version {version}…"):
         rows, calibration, created = promote_to_edge(repo, version, home=opts.home, channel=chosen,
                                                      partition=partition, key_path=key, settings=qat, precision=level)

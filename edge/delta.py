@@ -27,6 +27,9 @@ from quorumfl.errors import ArtifactError
 
 __all__ = ["decode", "encode"]
 
+# A whole artifact travels the same way, as its delta against nothing (b""): a zlib stream of the
+# file, which the zeros of a pruned INT8 model shrink (``edge.qat`` ``sparsity``).
+
 LEVEL = 9
 
 
@@ -51,8 +54,9 @@ def decode(delta: bytes, base: bytes, size: int) -> bytes:
     try:
         xored = inflate.decompress(delta, size + 1)
     except zlib.error as exc:
-        raise ArtifactError(f"the delta is damaged ({exc}); it is refused and the installed model kept") from None
+        raise ArtifactError(f"the downloaded zlib stream is damaged ({exc}); it is refused and the installed model "
+                            "kept") from None
     if len(xored) != size or not inflate.eof or inflate.unconsumed_tail or inflate.unused_data:
-        raise ArtifactError(f"the delta does not rebuild a {size}-byte artifact; it is refused and the installed "
-                            "model kept")
+        raise ArtifactError(f"the downloaded zlib stream does not rebuild a {size}-byte artifact; it is refused and "
+                            "the installed model kept")
     return _xor(xored, base)

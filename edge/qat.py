@@ -5,7 +5,10 @@ pt2e flow with ExecuTorch's XNNPACK quantizer (symmetric INT8 per-channel weight
 ``WEIGHT_QMAX``; per-tensor activations), fine-tuned on local data with fake quantisation in the loop, then converted to a graph
 of real INT8 quantise/dequantise ops that the ONNX and ExecuTorch exporters lower to INT8 kernels.
 Nothing here is written by hand that torchao provides; this module only wires the steps together and
-checks its inputs. The loss is the task's objective (cross-entropy for classes, squared error for a
+checks its inputs. With ``sparsity`` (``QatSettings``), each Linear/Conv weight first loses that
+fraction of its smallest-magnitude entries (torch's ``prune.l1_unstructured``), and the zeros are
+kept through fine-tuning, so the INT8 weights hold the same zeros and the artifact compresses
+(``quorumfl.edge.delta``: downloads are zlib streams). The loss is the task's objective (cross-entropy for classes, squared error for a
 regression target), so a table model fine-tunes as it was trained. No I/O.
 
 A model whose arithmetic is mostly a lookup (``nn.Embedding``/``nn.EmbeddingBag``: the text task's
@@ -17,7 +20,7 @@ INT8 for it and offers dynamic quantisation (INT8 weights, ``quorumfl.edge.expor
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +32,8 @@ from torch import nn
 from quorumfl.core.tasks.objective import CLASSIFICATION, Objective
 from quorumfl.errors import ConfigError, EdgeError
 
-__all__ = ["QatSettings", "QuantizedModel", "accuracy", "evaluate", "int8_obstacle", "quantize_aware"]
+__all__ = ["MAX_SPARSITY", "QatSettings", "QuantizedModel", "accuracy", "evaluate", "int8_obstacle", "prune_by_magnitude",
+           "quantize_aware", "weight_sparsity"]
 
 # Layers that run as table lookups: no INT8 kernel exists for them in XNNPACK or onnxruntime.
 _LOOKUPS: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
@@ -54,9 +58,12 @@ class QatSettings:
     learning_rate: float = 0.005
     momentum: float = 0.9
     seed: int = 0
+    sparsity: float = 0.0  # fraction of each Linear/Conv weight pruned by magnitude before QAT (0: none)
 
     def __post_init__(self) -> None:
         problems = []
+        if not 0 <= self.sparsity <= MAX_SPARSITY:
+            problems.append(f"sparsity={self.sparsity} must be in [0, {MAX_SPARSITY}] (the fraction of weights zeroed)")
         if self.epochs < 0:
             problems.append(f"epochs={self.epochs} must be >= 0 (0 = calibrate only, no fine-tuning)")
         if self.batch_size < 1:
@@ -67,6 +74,33 @@ class QatSettings:
             problems.append(f"momentum={self.momentum} must be in [0, 1)")
         if problems:
             raise ConfigError("QAT settings: " + "; ".join(problems))
+
+
+MAX_SPARSITY = 0.95
+_PRUNED: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d)
+
+
+def prune_by_magnitude(model: nn.Module, sparsity: float) -> None:
+    """Zero the ``sparsity`` fraction of smallest-magnitude weights of every Linear/Conv layer, each
+    layer on its own (torch's ``l1_unstructured``, made permanent). Biases are kept."""
+    from torch.nn.utils import prune
+
+    if sparsity <= 0:
+        return
+    for module in model.modules():
+        if isinstance(module, _PRUNED):
+            prune.l1_unstructured(module, "weight", amount=sparsity)  # type: ignore[no-untyped-call]
+            prune.remove(module, "weight")  # type: ignore[no-untyped-call]
+
+
+def weight_sparsity(parameters: Iterable[torch.Tensor]) -> float:
+    """Fraction of exact zeros among the weight matrices and kernels (tensors of 2 or more dims)."""
+    zeros = total = 0
+    for tensor in parameters:
+        if tensor.dim() >= 2:
+            zeros += int((tensor == 0).sum())
+            total += tensor.numel()
+    return zeros / total if total else 0.0
 
 
 @dataclass(frozen=True)
@@ -145,10 +179,12 @@ def quantize_aware(
     features, labels = _tensor(x), _tensor(y)
     example = features[: min(len(features), settings.batch_size)].clone()
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+    source = _copy_eval(model)
+    prune_by_magnitude(source, settings.sparsity)
     try:
         with quiet():  # torch.export's notes on deprecated internals, not ours
             captured = torch.export.export(
-                _copy_eval(model), (example,), dynamic_shapes=({0: batch},)
+                source, (example,), dynamic_shapes=({0: batch},)
             ).module()
             quantizer = XNNPACKQuantizer().set_global(
                 get_symmetric_quantization_config(is_per_channel=True, is_qat=True, weight_qmin=-WEIGHT_QMAX,
@@ -160,6 +196,9 @@ def quantize_aware(
 
     generator = torch.Generator().manual_seed(settings.seed)
     optimizer = torch.optim.SGD(prepared.parameters(), lr=settings.learning_rate, momentum=settings.momentum)
+    # Pruned weights stay zero through fine-tuning: re-zeroed after every step (an exact zero
+    # quantises to INT8 zero, so the converted graph keeps the sparsity).
+    masks = [(p, p != 0) for p in prepared.parameters() if p.dim() >= 2] if settings.sparsity > 0 else []
     move_exported_model_to_train(prepared)
     for _ in range(settings.epochs):
         for index in _batches(len(features), settings.batch_size, generator):
@@ -169,6 +208,9 @@ def quantize_aware(
                 raise EdgeError("QAT loss became NaN/Inf; lower the QAT learning rate")
             loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
+            with torch.no_grad():
+                for parameter, keep in masks:
+                    parameter.mul_(keep)
     if settings.epochs == 0:  # calibration only: let the observers see the data once
         with torch.no_grad():
             for index in _batches(len(features), settings.batch_size, generator):

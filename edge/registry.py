@@ -33,7 +33,7 @@ from quorumfl.edge.manifest import Channel, Manifest, check_payload
 from quorumfl.edge.qat import QatSettings, evaluate, quantize_aware
 from quorumfl.edge.runtime import load_model
 from quorumfl.edge.signing import load_private_key, sign
-from quorumfl.errors import ArtifactError, ModelError
+from quorumfl.errors import ArtifactError, ConfigError, ModelError
 from quorumfl.server.state.artifacts import ArtifactRecords, NewArtifact
 from quorumfl.server.state.orm import EdgeArtifact, ModelVersion
 
@@ -99,6 +99,9 @@ class Registry:
         precision: Precision = Precision.INT8,
     ) -> list[EdgeArtifact]:
         key = load_private_key(key_path)  # before any work: a missing key fails fast
+        if settings is not None and settings.sparsity > 0 and precision is not Precision.INT8:
+            raise ConfigError(f"--sparsity prunes before quantisation-aware training, which only --precision int8 runs "
+                              f"(got {precision.value}); drop --sparsity or use int8")
         model, input_shape, objective = source.model, source.input_shape, calibration.objective
         dtype = input_dtype(calibration.x_train)
         metric = objective.primary

@@ -95,7 +95,9 @@ class SyncService(sync_pb2_grpc.ModelSyncServicer):
             if base >= int(request.version):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"base_version {base} is not older than {request.version}")
             payload = delta.encode(payload, self._payload(context, base, fmt))
-        what = f"delta from v{base}" if base else "artifact"
+        elif request.compressed:  # the whole artifact, zlib-compressed: a delta against nothing
+            payload = delta.encode(payload, b"")
+        what = f"delta from v{base}" if base else "compressed artifact" if request.compressed else "artifact"
         if not 0 <= request.offset < len(payload):
             context.abort(grpc.StatusCode.OUT_OF_RANGE,
                           f"offset {request.offset} is outside the {what} (0..{len(payload) - 1})")

@@ -5,7 +5,8 @@ Device folder::
     DIR/installed.json          current and previous artifact (signed manifest + signature), replaced atomically
     DIR/v7.onnx, DIR/v6.onnx    the current and the previous artifact (older ones are removed)
     DIR/.partial/v8.onnx.part   a download in progress, with v8.onnx.json (the manifest it belongs to);
-                                v8.onnx.from-v7.part/.json for a delta against v7
+                                v8.onnx.from-v7.part/.json for a delta against v7, v8.onnx.z.part/.json
+                                for the whole file as a zlib stream
     DIR/trust.json              signing keys this device moved to after rotations (their endorsements)
 
 A sync first follows the server's signing-key chain from the newest key the device trusts (the
@@ -13,7 +14,8 @@ A sync first follows the server's signing-key chain from the newest key the devi
 manifest's Ed25519 signature with the newest key only, and records the keys it moved to; then,
 before downloading anything, it refuses a version that is not newer, downloads only the delta
 against the version it holds when the server offers deltas (``quorumfl.edge.delta``; the whole
-artifact when the server cannot make one, or when a delta of this version was refused before),
+artifact, zlib-compressed, when it holds none, the server cannot make one, or a delta of this
+version was refused before; uncompressed from a server that predates deltas),
 resumes a broken download from the bytes already on disk (when they belong to the same signed
 manifest), rebuilds and checks size and SHA-256 of the complete file and that the runtime can load
 it, and only then renames it into place and rewrites ``installed.json``. Whatever fails, the
@@ -184,17 +186,19 @@ class _NoDelta(Exception):
 
 
 def _download(stub: Any, signed: Signed, directory: Path, *, timeout: float, server: str,
-              base: Signed | None = None) -> tuple[bytes, int, int]:
+              base: Signed | None = None, compressed: bool = False) -> tuple[bytes, int, int]:
     """Fetch the artifact into ``.partial`` (resuming), returning (payload, bytes fetched, resume
     offset). With ``base`` (the installed artifact) fetch its delta instead and rebuild the artifact
-    from it (``quorumfl.edge.delta``); either way the result is checked against the signed manifest."""
+    from it (``quorumfl.edge.delta``); with ``compressed`` the artifact as a zlib stream (a delta
+    against nothing); either way the result is checked against the signed manifest."""
     m = signed.manifest
     partial = directory / PARTIAL
     partial.mkdir(exist_ok=True)
-    suffix = f".from-v{base.manifest.version}" if base is not None else ""
+    suffix = f".from-v{base.manifest.version}" if base is not None else ".z" if compressed else ""
     part, owner = partial / f"{m.file_name}{suffix}.part", partial / f"{m.file_name}{suffix}.json"
-    # a delta's length is known only at its end; zlib's worst case is a few bytes over its input
-    limit = m.size + m.size // 64 + 1024 if base is not None else m.size
+    encoded = base is not None or compressed
+    # a zlib stream's length is known only at its end; its worst case is a few bytes over its input
+    limit = m.size + m.size // 64 + 1024 if encoded else m.size
     offset = 0
     if part.exists() and owner.exists() and owner.read_bytes() == signed.raw:
         offset = part.stat().st_size
@@ -207,9 +211,10 @@ def _download(stub: Any, signed: Signed, directory: Path, *, timeout: float, ser
         atomic_write(owner, signed.raw)
         part.write_bytes(b"")
     start, fetched = offset, 0
-    if base is not None or offset < m.size:
+    if encoded or offset < m.size:
         request = sync_pb2.DownloadRequest(version=m.version, format=m.format.value, offset=offset,
-                                           base_version=base.manifest.version if base is not None else 0)
+                                           base_version=base.manifest.version if base is not None else 0,
+                                           compressed=compressed and base is None)
         with open(part, "r+b") as fh:
             fh.truncate(offset)
             fh.seek(offset)
@@ -231,10 +236,11 @@ def _download(stub: Any, signed: Signed, directory: Path, *, timeout: float, ser
                     raise _NoDelta(str(code)) from None
                 # OUT_OF_RANGE past a delta's first byte: all of it was on disk already (a sync that
                 # stopped before rebuilding), so rebuild it now
-                if not (base is not None and code is grpc.StatusCode.OUT_OF_RANGE and offset > 0):
+                if not (encoded and code is grpc.StatusCode.OUT_OF_RANGE and offset > 0):
                     raise ArtifactError(
                         f"download of v{m.version} broke off at byte {offset} of "
-                        f"{'its delta' if base is not None else m.size} ({code.name if code else 'error'}); "
+                        f"{'its delta' if base is not None else 'its zlib stream' if compressed else m.size} "
+                        f"({code.name if code else 'error'}); "
                         "run the sync again to resume from there; the installed model is unchanged"
                     ) from None
             fh.flush()
@@ -245,6 +251,8 @@ def _download(stub: Any, signed: Signed, directory: Path, *, timeout: float, ser
             held = (directory / base.manifest.file_name).read_bytes()
             check_payload(base.manifest, held)
             payload = delta.decode(payload, held, m.size)
+        elif compressed:
+            payload = delta.decode(payload, b"", m.size)
         check_payload(m, payload)
     except ArtifactError:
         part.unlink(missing_ok=True)
@@ -252,7 +260,7 @@ def _download(stub: Any, signed: Signed, directory: Path, *, timeout: float, ser
         if base is not None:  # the next sync downloads the whole artifact instead
             (partial / f"{m.file_name}{_REFUSED}").write_bytes(b"")
         raise
-    if base is not None:  # the rebuilt artifact takes the place a full download would have
+    if encoded:  # the rebuilt artifact takes the place a plain download would have
         atomic_write(partial / f"{m.file_name}.part", payload)
         part.unlink(missing_ok=True)
         owner.unlink(missing_ok=True)
@@ -303,10 +311,12 @@ def sync(
         if base is not None and (directory / PARTIAL / f"{offered.manifest.file_name}{_REFUSED}").exists():
             base = None
         try:
-            payload, fetched, resumed = _download(stub, offered, directory, timeout=timeout, server=server, base=base)
+            payload, fetched, resumed = _download(stub, offered, directory, timeout=timeout, server=server, base=base,
+                                                  compressed=reply.deltas)
         except _NoDelta:
             base = None
-            payload, fetched, resumed = _download(stub, offered, directory, timeout=timeout, server=server)
+            payload, fetched, resumed = _download(stub, offered, directory, timeout=timeout, server=server,
+                                                  compressed=reply.deltas)
     load_model(payload, fmt, offered.manifest.input_shape, input_dtype=offered.manifest.input_dtype)  # refuse a file the runtime cannot load
     partial = directory / PARTIAL
     os.replace(partial / f"{offered.manifest.file_name}.part", directory / offered.manifest.file_name)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18quorumfl/edge/sync.proto\x12\x10quorumfl.edge.v1\"K\n\x0fManifestRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\x17\n\x0f\x63urrent_version\x18\x03 \x01(\x03\"\x9b\x01\n\rManifestReply\x12\x11\n\tavailable\x18\x01 \x01(\x08\x12\r\n\x05newer\x18\x02 \x01(\x08\x12\x10\n\x08manifest\x18\x03 \x01(\x0c\x12\x11\n\tsignature\x18\x04 \x01(\x0c\x12\x33\n\tkey_chain\x18\x05 \x03(\x0b\x32 .quorumfl.edge.v1.KeyEndorsement\x12\x0e\n\x06\x64\x65ltas\x18\x06 \x01(\x08\"6\n\x0eKeyEndorsement\x12\x11\n\tstatement\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"X\n\x0f\x44ownloadRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\"%\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x32\xa8\x01\n\tModelSync\x12Q\n\x0bGetManifest\x12!.quorumfl.edge.v1.ManifestRequest\x1a\x1f.quorumfl.edge.v1.ManifestReply\x12H\n\x08\x44ownload\x12!.quorumfl.edge.v1.DownloadRequest\x1a\x17.quorumfl.edge.v1.Chunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18quorumfl/edge/sync.proto\x12\x10quorumfl.edge.v1\"K\n\x0fManifestRequest\x12\x0f\n\x07\x63hannel\x18\x01 \x01(\t\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\x17\n\x0f\x63urrent_version\x18\x03 \x01(\x03\"\x9b\x01\n\rManifestReply\x12\x11\n\tavailable\x18\x01 \x01(\x08\x12\r\n\x05newer\x18\x02 \x01(\x08\x12\x10\n\x08manifest\x18\x03 \x01(\x0c\x12\x11\n\tsignature\x18\x04 \x01(\x0c\x12\x33\n\tkey_chain\x18\x05 \x03(\x0b\x32 .quorumfl.edge.v1.KeyEndorsement\x12\x0e\n\x06\x64\x65ltas\x18\x06 \x01(\x08\"6\n\x0eKeyEndorsement\x12\x11\n\tstatement\x18\x01 \x01(\x0c\x12\x11\n\tsignature\x18\x02 \x01(\x0c\"l\n\x0f\x44ownloadRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06\x66ormat\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x04 \x01(\x03\x12\x12\n\ncompressed\x18\x05 \x01(\x08\"%\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x32\xa8\x01\n\tModelSync\x12Q\n\x0bGetManifest\x12!.quorumfl.edge.v1.ManifestRequest\x1a\x1f.quorumfl.edge.v1.ManifestReply\x12H\n\x08\x44ownload\x12!.quorumfl.edge.v1.DownloadRequest\x1a\x17.quorumfl.edge.v1.Chunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,9 +38,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KEYENDORSEMENT']._serialized_start=281
   _globals['_KEYENDORSEMENT']._serialized_end=335
   _globals['_DOWNLOADREQUEST']._serialized_start=337
-  _globals['_DOWNLOADREQUEST']._serialized_end=425
-  _globals['_CHUNK']._serialized_start=427
-  _globals['_CHUNK']._serialized_end=464
-  _globals['_MODELSYNC']._serialized_start=467
-  _globals['_MODELSYNC']._serialized_end=635
+  _globals['_DOWNLOADREQUEST']._serialized_end=445
+  _globals['_CHUNK']._serialized_start=447
+  _globals['_CHUNK']._serialized_end=484
+  _globals['_MODELSYNC']._serialized_start=487
+  _globals['_MODELSYNC']._serialized_end=655
 # @@protoc_insertion_point(module_scope)

@@ -41,16 +41,18 @@ class KeyEndorsement(_message.Message):
     def __init__(self, statement: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class DownloadRequest(_message.Message):
-    __slots__ = ("version", "format", "offset", "base_version")
+    __slots__ = ("version", "format", "offset", "base_version", "compressed")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSED_FIELD_NUMBER: _ClassVar[int]
     version: int
     format: str
     offset: int
     base_version: int
-    def __init__(self, version: _Optional[int] = ..., format: _Optional[str] = ..., offset: _Optional[int] = ..., base_version: _Optional[int] = ...) -> None: ...
+    compressed: bool
+    def __init__(self, version: _Optional[int] = ..., format: _Optional[str] = ..., offset: _Optional[int] = ..., base_version: _Optional[int] = ..., compressed: _Optional[bool] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("offset", "data")

@@ -75,3 +75,34 @@ def test_bad_inputs_are_refused_with_the_fix() -> None:
         quantize_aware(model, bad, np.zeros(8, np.int64), (1, 8, 8))
     with pytest.raises(ConfigError, match="batch_size=0.*learning_rate=-1"):
         QatSettings(batch_size=0, learning_rate=-1)
+
+
+def test_a_pruned_int8_artifact_keeps_its_zeros_matches_its_graph_and_downloads_smaller() -> None:
+    import zlib
+
+    from quorumfl.edge.qat import weight_sparsity
+
+    model, _ = train_digits_mlp()
+    _, held_out = holdout_split("digits", seed=0)
+    order = np.random.default_rng(0).permutation(len(held_out))
+    tune, measure = np.sort(order[: len(order) // 2]), np.sort(order[len(order) // 2 :])
+    x_eval, y_eval = held_out.x[measure], held_out.y[measure]
+    fp32 = accuracy(model, x_eval, y_eval)
+    files, accuracies = {}, {}
+    for sparsity in (0.0, 0.6):
+        quantized = quantize_aware(model, held_out.x[tune], held_out.y[tune], (1, 8, 8),
+                                   settings=QatSettings(epochs=2, sparsity=sparsity))
+        # every weight matrix of the INT8 graph holds the pruned share of exact zeros, kept through QAT
+        # (plus the few small weights that round to zero in INT8 anyway)
+        layers = [b for b in quantized.module.buffers() if b.dim() >= 2]
+        assert layers and all(sparsity - 0.001 <= weight_sparsity([b]) < sparsity + 0.05 for b in layers), \
+            [weight_sparsity([b]) for b in layers]
+        files[sparsity] = onnx_bytes(quantized.module, quantized.example)
+        logits = load_model(files[sparsity], ArtifactFormat.ONNX, (1, 8, 8))(x_eval)
+        reference = quantized(torch.from_numpy(x_eval)).numpy()  # the INT8 graph in torch
+        assert np.mean(reference.argmax(1) == logits.argmax(1)) >= 0.99
+        accuracies[sparsity] = float(np.mean(logits.argmax(1) == y_eval))
+    assert accuracies[0.6] >= fp32 - 0.02, (fp32, accuracies)
+    assert len(zlib.compress(files[0.6], 9)) < 0.75 * len(zlib.compress(files[0.0], 9))
+    with pytest.raises(ConfigError, match="sparsity"):
+        QatSettings(sparsity=0.99)

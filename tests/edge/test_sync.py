@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from sqlalchemy import update
 
+from quorumfl.edge.delta import encode
 from quorumfl.edge.export import ArtifactFormat
 from quorumfl.edge.manifest import Channel
 from quorumfl.edge.service import SyncServer, SyncService, start_server
@@ -51,9 +52,11 @@ def _latest(published: Published, fmt: str = "onnx") -> EdgeArtifact:
 def test_two_devices_install_and_run_the_artifact(server: SyncServer, published: Published, tmp_path: Path,
                                                   digits_eval: tuple[np.ndarray, np.ndarray]) -> None:
     row = _latest(published)
+    wire = len(encode(Path(row.path).read_bytes(), b""))  # the whole file as one zlib stream
+    assert wire < row.size_bytes
     for device in ("a", "b"):
         result = _sync(server, published, tmp_path / device)
-        assert (result.status, result.version, result.downloaded_bytes) == ("updated", row.version, row.size_bytes)
+        assert (result.status, result.version, result.downloaded_bytes) == ("updated", row.version, wire)
         assert hashlib.sha256((tmp_path / device / f"v{row.version}.onnx").read_bytes()).hexdigest() == row.sha256
         assert _sync(server, published, tmp_path / device).status == "up-to-date"
     manifest, model = load_current(tmp_path / "a", public_key=published.public_key)
@@ -109,16 +112,19 @@ def _install_old(published: Published, directory: Path) -> str:
 
 
 def test_flipped_byte_in_transit_is_refused_and_not_kept(published: Published, tmp_path: Path) -> None:
-    device = tmp_path / "dev"
     records = ArtifactRecords(published.repo.sessions)
-    srv = start_server(records, service=Flipping(records, chunk_bytes=1024))
-    try:
-        with pytest.raises(ArtifactError, match="SHA-256"):
-            _sync(srv, published, device)
-    finally:
-        srv.stop()
-    assert installed(device).current is None  # nothing installed from a bad download
-    assert not list((device / ".partial").iterdir())  # the bad bytes are gone; a retry starts afresh
+    # the whole file as a zlib stream (servers that offer deltas), and as plain bytes (older servers)
+    for service, refusal in ((Flipping(records, chunk_bytes=1024), "stream is damaged|does not rebuild|SHA-256"),
+                             (OlderFlipping(records, chunk_bytes=1024), "SHA-256")):
+        device = tmp_path / type(service).__name__
+        srv = start_server(records, service=service)
+        try:
+            with pytest.raises(ArtifactError, match=refusal):
+                _sync(srv, published, device)
+        finally:
+            srv.stop()
+        assert installed(device).current is None  # nothing installed from a bad download
+        assert not [p for p in (device / ".partial").iterdir() if not p.name.endswith(".delta-refused")]
 
 
 def test_tampered_download_keeps_the_installed_model(published: Published, tmp_path: Path) -> None:
@@ -131,7 +137,7 @@ def test_tampered_download_keeps_the_installed_model(published: Published, tmp_p
         flipping.chunk = chunk
         srv = start_server(records, service=flipping)
         try:
-            with pytest.raises(ArtifactError, match="SHA-256|delta is damaged|does not rebuild"):
+            with pytest.raises(ArtifactError, match="SHA-256|stream is damaged|does not rebuild"):
                 _sync(srv, published, device)
         finally:
             srv.stop()
@@ -179,7 +185,8 @@ def test_a_newer_version_travels_as_a_delta_and_a_refused_delta_is_fetched_whole
         result = _sync(srv, published, device)
     finally:
         srv.stop()
-    assert (result.version, result.delta_from, result.downloaded_bytes) == (newer[0].version, None, newer[0].size_bytes)
+    assert (result.version, result.delta_from, result.downloaded_bytes) == (
+        newer[0].version, None, len(encode(Path(newer[0].path).read_bytes(), b"")))
     assert list(whole.deltas) == [0]
 
 
@@ -201,6 +208,10 @@ class Older(SyncService):
         return reply
 
 
+class OlderFlipping(Older, Flipping):
+    """An older server's plain download, one bit flipped on the way."""
+
+
 def test_without_a_delta_the_whole_artifact_is_downloaded(published: Published, tmp_path: Path) -> None:
     records = ArtifactRecords(published.repo.sessions)
     for service in (Baseless(records), Older(records)):
@@ -212,7 +223,8 @@ def test_without_a_delta_the_whole_artifact_is_downloaded(published: Published, 
             result = _sync(srv, published, device)
         finally:
             srv.stop()
-        assert (result.status, result.delta_from, result.downloaded_bytes) == ("updated", None, rows[0].size_bytes)
+        whole = len(encode(Path(rows[0].path).read_bytes(), b"")) if isinstance(service, Baseless) else rows[0].size_bytes
+        assert (result.status, result.delta_from, result.downloaded_bytes) == ("updated", None, whole)
         assert hashlib.sha256((device / f"v{rows[0].version}.onnx").read_bytes()).hexdigest() == rows[0].sha256
 
 
@@ -269,16 +281,17 @@ def test_cut_download_resumes_from_its_offset(published: Published, tmp_path: Pa
         # Execute: the first sync breaks off; the second resumes
         with pytest.raises(ArtifactError, match="broke off at byte"):
             _sync(srv, published, device)
-        partial = device / ".partial" / f"v{row.version}.onnx.part"
+        partial = device / ".partial" / f"v{row.version}.onnx.z.part"  # the file as one zlib stream
         cut_at = partial.stat().st_size
         assert installed(device).current is None
         result = _sync(srv, published, device)
     finally:
         srv.stop()
     # Assert: the second request started at the bytes already on disk, and only the rest travelled
-    assert 0 < cut_at < row.size_bytes
+    wire = len(encode(Path(row.path).read_bytes(), b""))
+    assert 0 < cut_at < wire
     assert list(cutting.downloads) == [(row.version, "onnx", 0), (row.version, "onnx", cut_at)]
-    assert (result.status, result.resumed_from, result.downloaded_bytes) == ("updated", cut_at, row.size_bytes - cut_at)
+    assert (result.status, result.resumed_from, result.downloaded_bytes) == ("updated", cut_at, wire - cut_at)
     assert hashlib.sha256((device / f"v{row.version}.onnx").read_bytes()).hexdigest() == row.sha256
     assert not (device / ".partial" / f"v{row.version}.onnx.part").exists()
 
@@ -399,3 +412,15 @@ def test_a_delta_complete_on_disk_is_rebuilt_by_the_next_sync(published: Publish
     assert on_disk > 0 and list(service.downloads) == [(rows[0].version, "onnx", 0)]  # the second was refused
     assert (result.status, result.downloaded_bytes, result.delta_from) == ("updated", 0, held.manifest.version)
     assert hashlib.sha256((device / f"v{rows[0].version}.onnx").read_bytes()).hexdigest() == rows[0].sha256
+
+
+def test_sparsity_is_refused_for_a_precision_without_qat(published: Published) -> None:
+    from quorumfl.edge.export import Precision
+    from quorumfl.edge.promotion import promote_to_edge
+    from quorumfl.edge.qat import QatSettings
+
+    before = len(ArtifactRecords(published.repo.sessions).list())
+    with pytest.raises(ConfigError, match="--sparsity prunes before quantisation-aware training"):
+        promote_to_edge(published.repo, published.version_id, home=published.home, channel=Channel.STABLE,
+                        settings=QatSettings(sparsity=0.5), precision=Precision.DYNAMIC)
+    assert len(ArtifactRecords(published.repo.sessions).list()) == before  # nothing published
