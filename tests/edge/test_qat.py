@@ -15,17 +15,23 @@ from quorumfl.errors import ConfigError, EdgeError
 from .conftest import train_digits_mlp
 
 
-def test_qat_round_trip_keeps_accuracy_within_one_point() -> None:
-    # Prepare: a trained fp32 model and the server's held-out split, halved into QAT and measure sets
+def _model_and_halves() -> tuple[torch.nn.Module, np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]:
+    """A trained fp32 model, the server's held-out split halved into QAT (x, y) and measure (x, y)
+    sets, and the model's accuracy on the latter."""
     model, _ = train_digits_mlp()
     _, held_out = holdout_split("digits", seed=0)
     order = np.random.default_rng(0).permutation(len(held_out))
     tune, measure = np.sort(order[: len(order) // 2]), np.sort(order[len(order) // 2 :])
     x_eval, y_eval = held_out.x[measure], held_out.y[measure]
-    fp32 = accuracy(model, x_eval, y_eval)
+    return model, held_out.x[tune], held_out.y[tune], x_eval, y_eval, accuracy(model, x_eval, y_eval)
+
+
+def test_qat_round_trip_keeps_accuracy_within_one_point() -> None:
+    # Prepare: a trained fp32 model and the server's held-out split, halved into QAT and measure sets
+    model, x_tune, y_tune, x_eval, y_eval, fp32 = _model_and_halves()
 
     # Execute
-    quantized = quantize_aware(model, held_out.x[tune], held_out.y[tune], (1, 8, 8), settings=QatSettings(epochs=2))
+    quantized = quantize_aware(model, x_tune, y_tune, (1, 8, 8), settings=QatSettings(epochs=2))
     exported = onnx_bytes(quantized.module, quantized.example)
     onnx_model = load_model(exported, ArtifactFormat.ONNX, (1, 8, 8))
     int8_logits = onnx_model(x_eval)
@@ -82,16 +88,10 @@ def test_a_pruned_int8_artifact_keeps_its_zeros_matches_its_graph_and_downloads_
 
     from quorumfl.edge.qat import weight_sparsity
 
-    model, _ = train_digits_mlp()
-    _, held_out = holdout_split("digits", seed=0)
-    order = np.random.default_rng(0).permutation(len(held_out))
-    tune, measure = np.sort(order[: len(order) // 2]), np.sort(order[len(order) // 2 :])
-    x_eval, y_eval = held_out.x[measure], held_out.y[measure]
-    fp32 = accuracy(model, x_eval, y_eval)
+    model, x_tune, y_tune, x_eval, y_eval, fp32 = _model_and_halves()
     files, accuracies = {}, {}
     for sparsity in (0.0, 0.6):
-        quantized = quantize_aware(model, held_out.x[tune], held_out.y[tune], (1, 8, 8),
-                                   settings=QatSettings(epochs=2, sparsity=sparsity))
+        quantized = quantize_aware(model, x_tune, y_tune, (1, 8, 8), settings=QatSettings(epochs=2, sparsity=sparsity))
         # every weight matrix of the INT8 graph holds the pruned share of exact zeros, kept through QAT
         # (plus the few small weights that round to zero in INT8 anyway)
         layers = [b for b in quantized.module.buffers() if b.dim() >= 2]

@@ -111,6 +111,14 @@ def _install_old(published: Published, directory: Path) -> str:
     return state.current.manifest.sha256
 
 
+def _held_and_newer(published: Published, device: Path) -> tuple[Any, list[EdgeArtifact]]:
+    """Install the current artifact on ``device``, then publish a newer one: (what the device holds, the new rows)."""
+    _install_old(published, device)
+    held = installed(device).current
+    assert held is not None
+    return held, publish(published.repo, published.home, published.version_id)
+
+
 def test_flipped_byte_in_transit_is_refused_and_not_kept(published: Published, tmp_path: Path) -> None:
     records = ArtifactRecords(published.repo.sessions)
     # the whole file as a zlib stream (servers that offer deltas), and as plain bytes (older servers)
@@ -364,10 +372,7 @@ def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:
 
 def test_a_cut_delta_download_resumes_from_its_offset(published: Published, tmp_path: Path) -> None:
     device = tmp_path / "dev"
-    _install_old(published, device)
-    held = installed(device).current
-    assert held is not None
-    rows = publish(published.repo, published.home, published.version_id)
+    held, rows = _held_and_newer(published, device)
     records = ArtifactRecords(published.repo.sessions)
     cutting = Cutting(records, chunk_bytes=8)  # the same model promoted again: a delta of tens of bytes
     srv = start_server(records, service=cutting)
@@ -395,10 +400,7 @@ class EndsBroken(SyncService):
 
 def test_a_delta_complete_on_disk_is_rebuilt_by_the_next_sync(published: Published, tmp_path: Path) -> None:
     device = tmp_path / "dev"
-    _install_old(published, device)
-    held = installed(device).current
-    assert held is not None
-    rows = publish(published.repo, published.home, published.version_id)
+    held, rows = _held_and_newer(published, device)
     records = ArtifactRecords(published.repo.sessions)
     service = EndsBroken(records, chunk_bytes=16)
     srv = start_server(records, service=service)
