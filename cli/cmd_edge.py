@@ -69,8 +69,9 @@ def promote(
                       f"its public key {opts.home / 'edge' / 'signing-key.pub.pem'}")
     manifest = json.loads(rows[0].manifest)
     console.print(f"{'QAT' if level.value == 'int8' else 'measured on'} data: {calibration.source}")
+    pruned = f", {manifest['sparsity']:.0%} of weights pruned" if manifest.get("sparsity") else ""
     console.print(f"{manifest['metric']}: fp32 model {manifest['fp32_metric']}, {manifest['precision']} artifact "
-                  f"(onnxruntime) {manifest['edge_metric']}")
+                  f"(onnxruntime) {manifest['edge_metric']}{pruned}")
     for row in rows:
         console.print(f"artifact v{row.version} {row.format} ({row.channel}): {row.size_bytes} bytes, "
                       f"sha256 {row.sha256[:12]}…")
@@ -136,7 +137,8 @@ def artifacts_list(
     channel: Annotated[str | None, typer.Option(help="Only this channel.")] = None,
     fmt: FormatOpt = Format.TABLE,
 ) -> None:
-    """Published artifacts: version, channel, format, precision, size, SHA-256, parent model version, metric."""
+    """Published artifacts: version, channel, format, precision, sparsity, size, SHA-256, parent model version,
+    metric."""
     from quorumfl.server.state.artifacts import ArtifactRecords
 
     rows: list[dict[str, Any]] = []
@@ -148,13 +150,14 @@ def artifacts_list(
                      "metric": manifest.get("metric", "accuracy"),  # schema 1 (before tasks): INT8 accuracy
                      "edge_metric": manifest.get("edge_metric", manifest.get("int8_accuracy")),
                      "fp32_metric": manifest.get("fp32_metric", manifest.get("fp32_accuracy")),
+                     "sparsity": manifest.get("sparsity", 0.0),
                      "created_at": manifest["created_at"]})
     if fmt is Format.JSON:
         print_json(rows)
         return
     for view in rows:
         view["sha"] = view["sha256"][:12]
-    console.print(table("Edge artifacts", rows, ["version", "channel", "format", "precision", "size",
+    console.print(table("Edge artifacts", rows, ["version", "channel", "format", "precision", "sparsity", "size",
                                                  "parent_model_version", "metric", "edge_metric", "fp32_metric", "sha"]))
 
 

@@ -3,9 +3,10 @@
 A manifest names the artifact's version (a positive integer the registry assigns in promotion
 order), channel, format, size, SHA-256, the model version it was made from, how to feed it (input
 shape and dtype: float32 features or images, int64 token ids), its precision (``int8``, ``dynamic``,
-``fp32``) and the task's primary metric of the fp32 model and of the artifact itself. Its
-canonical bytes (sorted-key compact JSON) are what the Ed25519 signature covers, so the channel and
-version cannot be changed without breaking the signature. ``check_payload`` and ``check_newer`` fail
+``fp32``), the share of weights pruned to zero (``sparsity``, schema 3) and the task's primary
+metric of the fp32 model and of the artifact itself. Its canonical bytes (sorted-key compact JSON)
+are what the Ed25519 signature covers, so the channel and version cannot be changed without breaking
+the signature. ``check_payload`` and ``check_newer`` fail
 closed: anything unexpected raises ``ArtifactError``. Pure: no I/O.
 """
 
@@ -22,7 +23,9 @@ from quorumfl.errors import ArtifactError
 
 __all__ = ["Channel", "Manifest", "check_newer", "check_payload"]
 
-SCHEMA = 2  # 2: precision, input_dtype and the task's metric (1 had accuracies of INT8 image models only)
+SCHEMA = 3  # 3: sparsity; 2: precision, input_dtype and the task's metric (1: accuracies of INT8 image models only)
+# An unpruned artifact is still written as schema 2 (no sparsity field), so devices that read schema
+# 2 keep installing everything that is not pruned; only a pruned one needs a client that reads 3.
 INPUT_DTYPES = ("float32", "int64")
 PRECISIONS = ("int8", "dynamic", "fp32")
 _SCHEMA_1 = {"version", "channel", "format", "size", "sha256", "parent_model_version", "architecture", "dataset",
@@ -56,6 +59,7 @@ class Manifest:
     metric: str = "accuracy"  # the task's primary metric, measured on the calibration's evaluation split
     fp32_metric: float | None = None  # of the model as trained (torch)
     edge_metric: float | None = None  # of this artifact's ONNX form in onnxruntime
+    sparsity: float = 0.0  # fraction of weights pruned to zero before QAT (``edge.qat``)
 
     @property
     def file_name(self) -> str:
@@ -66,7 +70,9 @@ class Manifest:
         body["channel"] = self.channel.value
         body["format"] = self.format.value
         body["input_shape"] = list(self.input_shape)
-        body["schema"] = SCHEMA
+        body["schema"] = SCHEMA if self.sparsity else 2
+        if not self.sparsity:
+            del body["sparsity"]
         return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
     @classmethod
@@ -76,14 +82,22 @@ class Manifest:
             body = json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ArtifactError(f"artifact manifest is not JSON ({exc})") from None
-        if not isinstance(body, dict) or body.get("schema") not in (1, SCHEMA):
+        if not isinstance(body, dict) or body.get("schema") not in (1, 2, SCHEMA):
             raise ArtifactError(f"artifact manifest has an unknown schema (expected {SCHEMA}); update the edge client")
+        if body["schema"] == 2:  # not pruned: no sparsity field
+            if "sparsity" in body:
+                raise ArtifactError("artifact manifest of schema 2 has a sparsity field (schema 3's); it is refused")
+            body = {**body, "sparsity": 0.0}
+        elif body["schema"] == SCHEMA:
+            sparsity = body.get("sparsity")
+            if isinstance(sparsity, bool) or not isinstance(sparsity, int | float) or not 0 < sparsity < 1:
+                raise ArtifactError(f"artifact manifest has an invalid sparsity {sparsity!r}")
         if body["schema"] == 1:  # published before tasks: INT8 image models, float32 input, accuracy
             if set(body) != _SCHEMA_1:
                 raise ArtifactError(f"artifact manifest fields {sorted(set(body) ^ _SCHEMA_1)} are unexpected or missing")
             body = {**{k: v for k, v in body.items() if k not in ("fp32_accuracy", "int8_accuracy")},
                     "input_dtype": "float32", "precision": "int8", "metric": "accuracy",
-                    "fp32_metric": body["fp32_accuracy"], "edge_metric": body["int8_accuracy"]}
+                    "fp32_metric": body["fp32_accuracy"], "edge_metric": body["int8_accuracy"], "sparsity": 0.0}
         expected = {f for f in cls.__dataclass_fields__} | {"schema"}
         if set(body) != expected:
             raise ArtifactError(f"artifact manifest fields {sorted(set(body) ^ expected)} are unexpected or missing")
@@ -111,6 +125,7 @@ class Manifest:
                 architecture=body["architecture"], dataset=body["dataset"], input_shape=tuple(shape), num_classes=body["num_classes"],
                 created_at=body["created_at"], input_dtype=body["input_dtype"], precision=body["precision"],
                 metric=body["metric"], fp32_metric=body["fp32_metric"], edge_metric=body["edge_metric"],
+                sparsity=float(body["sparsity"]),
             )
         except ValueError as exc:
             raise ArtifactError(f"artifact manifest has an unknown channel or format ({exc})") from None

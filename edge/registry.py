@@ -132,6 +132,7 @@ class Registry:
                 architecture=version.architecture, dataset=calibration.dataset, input_shape=input_shape,
                 num_classes=source.outputs, created_at=created, input_dtype=dtype, precision=precision.value,
                 metric=metric, fp32_metric=round(fp32, 6), edge_metric=None if edge is None else round(edge, 6),
+                sparsity=settings.sparsity if settings is not None and precision is Precision.INT8 else 0.0,
             )
             # the hash in the name: a concurrent promotion that drew the same version number (its
             # row is then refused by the unique constraint) can never overwrite this file

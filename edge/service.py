@@ -1,9 +1,10 @@
 """The model-sync gRPC service that edge devices pull artifacts from (``quorumfl edge serve``).
 
 Every call reads the registry afresh, so a newly promoted artifact is offered without a restart.
-Downloads stream fixed-size chunks from the requested offset, of the artifact or of its delta
-against an older version the device names (``quorumfl.edge.delta``); an offset outside the artifact is
-refused with OUT_OF_RANGE, an unknown channel/format/version with INVALID_ARGUMENT/NOT_FOUND, a
+Downloads stream fixed-size chunks from the requested offset: of the artifact, of the artifact as one
+zlib stream, or of its delta against an older version the device names (``quorumfl.edge.delta``;
+computed on each request, which is cheap for edge-sized models). An offset outside what is streamed
+is refused with OUT_OF_RANGE, an unknown channel/format/version with INVALID_ARGUMENT/NOT_FOUND, a
 file that no longer matches its signed manifest with DATA_LOSS (the server never streams bytes it
 cannot vouch for). Every manifest goes out with the signing key's endorsement chain, read afresh
 too, so devices given an older key move to the current one after ``edge keys rotate`` without a

@@ -140,6 +140,23 @@ def test_key_files(keys: tuple[Path, Path], tmp_path: Path) -> None:
         load_public_key(tmp_path / "ec.pem")
 
 
+def test_a_pruned_artifact_says_so_in_schema_3_and_an_unpruned_one_stays_schema_2() -> None:
+    import dataclasses
+    import json
+
+    plain = manifest()
+    assert json.loads(plain.to_bytes())["schema"] == 2 and "sparsity" not in json.loads(plain.to_bytes())
+    pruned = dataclasses.replace(plain, sparsity=0.5)
+    body = json.loads(pruned.to_bytes())
+    assert (body["schema"], body["sparsity"]) == (3, 0.5)
+    assert Manifest.from_bytes(pruned.to_bytes()) == pruned and Manifest.from_bytes(plain.to_bytes()) == plain
+    for bad in (0, 1.0, True, "0.5", None):
+        with pytest.raises(ArtifactError, match="sparsity"):
+            Manifest.from_bytes(json.dumps({**body, "sparsity": bad}).encode())
+    with pytest.raises(ArtifactError, match="schema 2 has a sparsity"):
+        Manifest.from_bytes(json.dumps({**body, "schema": 2}).encode())
+
+
 def test_a_manifest_signed_before_tasks_still_reads_as_int8_accuracy() -> None:
     """Artifacts published with schema 1 (INT8 image models) stay installable after the upgrade; a
     schema-1 body with a field of schema 2 is refused."""

@@ -426,3 +426,23 @@ def test_sparsity_is_refused_for_a_precision_without_qat(published: Published) -
         promote_to_edge(published.repo, published.version_id, home=published.home, channel=Channel.STABLE,
                         settings=QatSettings(sparsity=0.5), precision=Precision.DYNAMIC)
     assert len(ArtifactRecords(published.repo.sessions).list()) == before  # nothing published
+
+
+def test_a_pruned_artifact_is_published_with_its_sparsity_and_installs(published: Published, tmp_path: Path) -> None:
+    import json
+
+    from quorumfl.edge.promotion import promote_to_edge
+    from quorumfl.edge.qat import QatSettings
+
+    rows, _, _ = promote_to_edge(published.repo, published.version_id, home=published.home, channel=Channel.STABLE,
+                                 settings=QatSettings(epochs=1, sparsity=0.5), formats=(ONNX,))
+    body = json.loads(rows[0].manifest)
+    assert (body["schema"], body["sparsity"]) == (3, 0.5)
+    srv = start_server(ArtifactRecords(published.repo.sessions))
+    try:
+        result = _sync(srv, published, tmp_path / "dev")
+    finally:
+        srv.stop()
+    assert (result.status, result.version) == ("updated", rows[0].version)
+    manifest, _ = load_current(tmp_path / "dev", public_key=published.public_key)
+    assert manifest.sparsity == 0.5
