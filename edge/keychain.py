@@ -39,7 +39,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from quorumfl.errors import ArtifactError
 
-__all__ = ["PURPOSE", "Endorsement", "endorse", "follow", "raw_public_key", "trusted_keys"]
+__all__ = ["PURPOSE", "Endorsement", "endorse", "follow", "from_json", "raw_public_key", "to_json", "trusted_keys"]
 
 PURPOSE = "quorumfl-edge-signing-key"
 _FIELDS = {"schema", "purpose", "sequence", "previous", "public_key", "created_at"}
@@ -88,6 +88,17 @@ class Endorsement:
         if len(signature) != 64:
             raise ArtifactError("signing-key endorsement signature is not 64 bytes; the key chain is refused")
         return cls(statement, signature, body["sequence"], _hex32(body, "previous"), _hex32(body, "public_key"))
+
+
+def to_json(chain: Sequence[Endorsement]) -> list[dict[str, str]]:
+    """The endorsements as JSON values (the server's chain file, a device's ``trust.json``)."""
+    return [{"statement": e.statement.decode(), "signature": e.signature.hex()} for e in chain]
+
+
+def from_json(items: Any) -> list[Endorsement]:
+    """Read what ``to_json`` wrote; raises ``ArtifactError`` (malformed) or ``KeyError``/``TypeError``/
+    ``AttributeError``/``ValueError`` (not that shape), for the caller to name the file."""
+    return [Endorsement.parse(item["statement"].encode(), bytes.fromhex(item["signature"])) for item in items]
 
 
 def _canonical(body: dict[str, Any]) -> bytes:

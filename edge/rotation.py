@@ -28,13 +28,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from quorumfl.core.files import atomic_write
-from quorumfl.edge.keychain import Endorsement, endorse, raw_public_key
-from quorumfl.edge.signing import load_private_key, public_key_path
+from quorumfl.edge.keychain import Endorsement, endorse, from_json, raw_public_key, to_json
+from quorumfl.edge.signing import load_private_key, public_key_path, verifies
 from quorumfl.errors import ArtifactError, ConfigError
 from quorumfl.server.state.artifacts import ArtifactRecords
 
@@ -56,8 +55,7 @@ def load_chain(private_path: Path) -> list[Endorsement]:
         return []
     try:
         body = json.loads(path.read_text())
-        return [Endorsement.parse(item["statement"].encode(), bytes.fromhex(item["signature"]))
-                for item in body["endorsements"]]
+        return from_json(body["endorsements"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(f"signing-key chain {path} is unreadable ({exc}); restore it from a backup") from exc
     except ArtifactError as exc:
@@ -65,7 +63,7 @@ def load_chain(private_path: Path) -> list[Endorsement]:
 
 
 def _write_chain(private_path: Path, chain: list[Endorsement]) -> None:
-    body = {"endorsements": [{"statement": e.statement.decode(), "signature": e.signature.hex()} for e in chain]}
+    body = {"endorsements": to_json(chain)}
     atomic_write(chain_path(private_path), json.dumps(body, indent=1).encode())
 
 
@@ -100,15 +98,7 @@ def _finish(private_path: Path, records: ArtifactRecords, chain: list[Endorsemen
         atomic_write(public_file, _public_pem(key))
         did = True
     public = key.public_key()
-
-    def fresh(manifest: bytes, signature: str) -> bool:
-        try:
-            public.verify(bytes.fromhex(signature), manifest)
-        except (InvalidSignature, ValueError):
-            return False
-        return True
-
-    stale = [row for row in records.list() if not fresh(row.manifest.encode(), row.signature)]
+    stale = [row for row in records.list() if not verifies(public, row.manifest.encode(), bytes.fromhex(row.signature))]
     resigned = records.resign(lambda manifest: key.sign(manifest).hex()) if stale else 0
     if not did and not resigned:
         return None

@@ -17,7 +17,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from quorumfl.core.files import atomic_write
 from quorumfl.errors import ArtifactError, ConfigError
 
-__all__ = ["create_signing_key", "load_private_key", "load_public_key", "public_key_path", "sign", "verify"]
+__all__ = ["create_signing_key", "load_private_key", "load_public_key", "public_key_path", "sign", "verifies", "verify"]
 
 
 def public_key_path(private_path: Path) -> Path:
@@ -76,3 +76,13 @@ def verify(key: Ed25519PublicKey, message: bytes, signature: bytes) -> None:
     except InvalidSignature:
         raise ArtifactError("artifact signature does not verify with the given public key: the manifest "
                             "was altered or signed by another key; the artifact is refused") from None
+
+
+def verifies(key: Ed25519PublicKey | bytes, message: bytes, signature: bytes) -> bool:
+    """Whether ``signature`` is ``key``'s (a key, or its 32 raw bytes) over ``message``."""
+    try:
+        public = key if isinstance(key, Ed25519PublicKey) else Ed25519PublicKey.from_public_bytes(key)
+        public.verify(signature, message)
+    except (InvalidSignature, ValueError):
+        return False
+    return True

@@ -36,10 +36,17 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from quorumfl.core.files import atomic_write
 from quorumfl.edge import delta, sync_pb2, sync_pb2_grpc
 from quorumfl.edge.export import ArtifactFormat
-from quorumfl.edge.keychain import Endorsement, follow, raw_public_key, trusted_keys
+from quorumfl.edge.keychain import (
+    Endorsement,
+    follow,
+    from_json,
+    raw_public_key,
+    to_json,
+    trusted_keys,
+)
 from quorumfl.edge.manifest import Channel, Manifest, check_newer, check_payload
 from quorumfl.edge.runtime import EdgeModel, load_model
-from quorumfl.edge.signing import load_public_key, verify
+from quorumfl.edge.signing import load_public_key, verifies, verify
 from quorumfl.errors import ArtifactError, ConfigError
 
 __all__ = ["Installed", "SyncResult", "installed", "load_current", "rollback", "sync"]
@@ -120,8 +127,7 @@ def accepted_keys(directory: Path, root: bytes) -> list[Endorsement]:
     try:
         body = json.loads(path.read_text())
         recorded_root = bytes.fromhex(body["root"])
-        accepted = [Endorsement.parse(item["statement"].encode(), bytes.fromhex(item["signature"]))
-                    for item in body["endorsements"]]
+        accepted = from_json(body["endorsements"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ArtifactError(f"{path} is unreadable ({exc}); sync into a fresh --dir") from exc
     if recorded_root != root:
@@ -132,32 +138,19 @@ def accepted_keys(directory: Path, root: bytes) -> list[Endorsement]:
 
 
 def _record_keys(directory: Path, root: bytes, accepted: list[Endorsement]) -> None:
-    body = {"root": root.hex(),
-            "endorsements": [{"statement": e.statement.decode(), "signature": e.signature.hex()} for e in accepted]}
+    body = {"root": root.hex(), "endorsements": to_json(accepted)}
     atomic_write(directory / TRUST, json.dumps(body, indent=1).encode())
 
 
 def _verify_manifest(raw: bytes, signature: bytes, keys: list[bytes]) -> None:
     """Verify with the newest of ``keys``; name a retired key that signed it, for the operator."""
-    try:
-        verify(Ed25519PublicKey.from_public_bytes(keys[-1]), raw, signature)
-    except ArtifactError:
-        for number, old in enumerate(keys[:-1]):
-            try:
-                verify(Ed25519PublicKey.from_public_bytes(old), raw, signature)
-            except ArtifactError:
-                continue
-            raise ArtifactError(f"the manifest is signed by a signing key this device has retired (key {number} of "
-                                f"{len(keys) - 1}); it is refused and the installed model kept") from None
-        raise
-
-
-def _verifies(key: bytes, raw: bytes, signature: bytes) -> bool:
-    try:
-        verify(Ed25519PublicKey.from_public_bytes(key), raw, signature)
-    except ArtifactError:
-        return False
-    return True
+    if verifies(keys[-1], raw, signature):
+        return
+    retired = next((number for number, old in enumerate(keys[:-1]) if verifies(old, raw, signature)), None)
+    if retired is not None:
+        raise ArtifactError(f"the manifest is signed by a signing key this device has retired (key {retired} of "
+                            f"{len(keys) - 1}); it is refused and the installed model kept")
+    verify(Ed25519PublicKey.from_public_bytes(keys[-1]), raw, signature)  # raises the usual refusal
 
 
 def _has_file(directory: Path, signed: Signed | None) -> bool:
@@ -349,7 +342,7 @@ def load_current(directory: Path, *, public_key: Path | None = None, threads: in
     if public_key is not None:  # signed by the key the device was given or one it moved to since
         root = raw_public_key(load_public_key(public_key))
         keys = trusted_keys(root, accepted_keys(directory, root))
-        if not any(_verifies(key, state.current.raw, state.current.signature) for key in keys):
+        if not any(verifies(key, state.current.raw, state.current.signature) for key in keys):
             raise ArtifactError(f"the installed manifest in {directory} is not signed by --public-key {public_key} or "
                                 "a key it endorsed; it is refused")
     m = state.current.manifest
