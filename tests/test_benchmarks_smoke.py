@@ -83,12 +83,14 @@ def test_compression_smoke() -> None:
     assert float(figures["topk_byte_reduction"]) > 20  # type: ignore[arg-type]  # 1 % of a 17k-parameter model
 
 
+@pytest.mark.slow  # tens of seconds: the default suite stays under its 8 minutes
 def test_dp_smoke() -> None:
     figures = _run("dp.py")
     assert {"epsilon", "dp_acc", "nondp_acc"} <= set(figures)
     assert 0 < float(figures["epsilon"]) <= 3.0 * 1.001  # type: ignore[arg-type]  # the ledger never passes the target
 
 
+@pytest.mark.slow  # tens of seconds: the default suite stays under its 8 minutes
 def test_gpu_check_smoke() -> None:
     figures = _run("gpu_check.py")  # without CUDA: the CPU counterparts (bf16, 2 gloo workers)
     assert {"cuda", "gpus", "step_bf16_max_diff", "step_ddp_vs_single_max_diff", "bf16_max_diff", "ok"} <= set(figures)

@@ -36,13 +36,18 @@ from .conftest import Published, publish, store_version, train_digits_mlp
 WHEN = "2026-12-04T10:00:00+00:00"
 
 
+@pytest.fixture(scope="module")
+def trained() -> Any:
+    """One digits model for the module (each test publishes it into a registry of its own)."""
+    return train_digits_mlp(epochs=3)[0]
+
+
 @pytest.fixture
-def home(tmp_path: Path) -> Iterator[Published]:
+def home(tmp_path: Path, trained: Any) -> Iterator[Published]:
     """A fresh registry with one published ONNX artifact, signed by key 0 (this module rotates it)."""
     root = tmp_path / "server"
     repo = Repository(connect(f"sqlite:///{root / 'state.db'}", migrate=True))
-    model, _ = train_digits_mlp(epochs=3)
-    version_id = store_version(repo, root, model)
+    version_id = store_version(repo, root, trained)
     rows = publish(repo, root, version_id)
     yield Published(root, repo, version_id, rows)
 
