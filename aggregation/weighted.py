@@ -9,7 +9,9 @@ float32 tensors), independent of the node count.
 Speed (large float32 tensors, ``LARGE`` elements and up — the weight matrices that are nearly all of
 a model's bytes): w·x is accumulated in place (y ← y + w·x, one pass, on torch's intra-op threads;
 numpy's dot is single-threaded) into a float32 block. Every ``BLOCK`` updates the block is added into a
-float32 partial sum, and every ``BLOCKS`` blocks that partial sum into the float64 sums. Both float32
+float32 partial sum, and every ``BLOCKS`` blocks that partial sum into the float64 sums. Nothing is ever
+cleared: a block's first term is written into it (``mul`` with ``out``) rather than added to zeros, and a
+block that starts a partial sum becomes it (the two tensors swap) instead of being added to zeros. Both float32
 accumulators stay in the CPU's cache for models of a few million parameters, so the common case reads
 each update once and touches little else: converting a float32 block into the float64 sums costs as
 much as adding several updates (measured: 0.68 ms against 0.06–0.25 ms per 1M floats), which is why
@@ -129,6 +131,8 @@ class WeightedMean:
         self._partials: dict[str, Any] = {}  # float32 torch tensors: sums of up to BLOCKS blocks
         self._in_block = 0
         self._in_partial = 0
+        self._block_stale = True  # the blocks hold nothing that counts: the next term is written, not added
+        self._partial_stale = True  # the same for the partial sums
         self._widened = False  # whether any partial sum went into the float64 sums yet
         self._total = 0.0
         self._nodes: list[str] = []
@@ -238,8 +242,7 @@ class WeightedMean:
             self._in_block = len(pending)
             self._flush()
             return {}
-        for block in self._blocks.values():
-            block.zero_()
+        self._block_stale = True
         self._in_block = 0
         rejected: dict[str, str] = {}
         for update, _ in pending:
@@ -251,15 +254,22 @@ class WeightedMean:
         return rejected
 
     def _accumulate_large(self, update: NodeUpdate, weight: float) -> None:
-        """w·x into the float32 blocks, for the large float32 tensors."""
+        """w·x into the float32 blocks, for the large float32 tensors. A block's first term is written
+        (``mul`` into it) rather than added to zeros, so no pass over memory clears a block."""
+        stale = self._block_stale
         for name, array in update.arrays.items():
             arr = np.asarray(array)
             if _blas_path(arr):
                 torch = _torch()
                 block = self._blocks.get(name)
                 if block is None:  # torch's allocation is 64-byte aligned; numpy's is not always
-                    block = self._blocks[name] = torch.zeros(arr.size, dtype=torch.float32)
-                block.add_(torch.from_numpy(np.ascontiguousarray(arr).reshape(-1)), alpha=weight)
+                    block = self._blocks[name] = torch.empty(arr.size, dtype=torch.float32)
+                term = torch.from_numpy(np.ascontiguousarray(arr).reshape(-1))
+                if stale:
+                    torch.mul(term, weight, out=block)
+                else:
+                    block.add_(term, alpha=weight)
+        self._block_stale = False
 
     def _accumulate_small(self, update: NodeUpdate, weight: float) -> None:
         """w·x into the float64 sums, for the other tensors."""
@@ -284,16 +294,19 @@ class WeightedMean:
             torch = _torch()
             for name, block in self._blocks.items():
                 partial = self._partials.get(name)
-                if partial is None:
-                    partial = self._partials[name] = torch.zeros_like(block)
-                partial.add_(block)
-                block.zero_()
+                if self._partial_stale or partial is None:  # the block becomes the partial sum: no copy
+                    self._partials[name] = block
+                    self._blocks[name] = partial if partial is not None else torch.empty_like(block)
+                else:
+                    partial.add_(block)
+            self._partial_stale = False
+            self._block_stale = True
             self._in_block = 0
             self._in_partial += 1
         if self._in_partial >= BLOCKS:
             for name, partial in self._partials.items():
                 _torch().from_numpy(self._sums[name].reshape(-1)).add_(partial)
-                partial.zero_()
+            self._partial_stale = True
             self._in_partial = 0
             self._widened = True
 
@@ -307,7 +320,7 @@ class WeightedMean:
         result: dict[str, NDArray[np.generic]] = {}
         for name, acc in self._sums.items():
             partial = self._partials.get(name)
-            if partial is None:
+            if partial is None or self._partial_stale:  # everything is in the float64 sums
                 result[name] = (acc / self._total).astype(self._dtypes[name], copy=False)
             elif not self._widened:  # everything is in the float32 partial sum: divide there
                 result[name] = (partial / self._total).numpy().reshape(self._shapes[name])
