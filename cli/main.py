@@ -17,6 +17,7 @@ from typing import Annotated, Any, NoReturn
 
 import click
 import typer
+from rich.markup import escape
 from typer.core import TyperGroup
 
 from quorumfl.cli.context import Settings
@@ -189,7 +190,8 @@ def main() -> None:
     except QuorumError as exc:
         if debug:
             err_console.print_exception()
-        err_console.print(f"[red]error: {exc}[/red]", highlight=False, soft_wrap=True)
+        # the message is text, never markup: a "[run]" or ":x:" in it is printed as written
+        err_console.print(f"[red]error: {escape(str(exc))}[/red]", highlight=False, soft_wrap=True, emoji=False)
         sys.exit(exit_code(exc))
     except KeyboardInterrupt:
         _exit_interrupted()
@@ -204,5 +206,6 @@ def main() -> None:
             sys.exit(exc.exit_code)
         if debug:
             err_console.print_exception()
-        err_console.print(f"[red]unexpected error: {exc.__class__.__name__}: {exc} (run with --debug for the traceback)[/red]")
+        err_console.print(f"[red]unexpected error: {exc.__class__.__name__}: {escape(str(exc))} (run with --debug for the "
+                          "traceback)[/red]", highlight=False, emoji=False)
         sys.exit(1)

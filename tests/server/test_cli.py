@@ -124,6 +124,18 @@ def test_errors_are_one_line_with_documented_codes(seeded: tuple[str, Repository
     assert debug.returncode == 5 and "Traceback" in debug.stderr
 
 
+def test_an_error_message_is_printed_as_written_never_as_rich_markup(tmp_path: Path) -> None:
+    """The input an error names is the user's own text: ``lognormal:x`` once came out as
+    ``lognormal❌`` (Rich's emoji code ``:x:``), and a ``[tag]`` would have vanished as markup."""
+    speeds = quorumfl("--home", str(tmp_path / "home"), "simulate", "--departments", "2", "--speeds", "lognormal:x")
+    assert speeds.returncode == 3
+    assert "error: --speeds lognormal:x: σ must be a number in (0, 4]" in speeds.stderr, speeds.stderr
+    (tmp_path / "[run].json").write_text("[1]")
+    tagged = quorumfl("--home", str(tmp_path / "home"), "simulate", "--departments", "2", "--speeds",
+                      str(tmp_path / "[run].json"))
+    assert tagged.returncode == 3 and f"--speeds {tmp_path / '[run].json'}: the file must hold" in tagged.stderr
+
+
 def test_runs_start_validates_config_before_submitting(tmp_path: Path) -> None:
     config = tmp_path / "run.toml"
     config.write_text('strategy = "fedsgd"\nmodel = "resnet"\n')
