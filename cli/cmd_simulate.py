@@ -35,6 +35,11 @@ def simulate_command(
                                                     "with node config reproducible-training do.")] = False,
     dropout: Annotated[float, typer.Option(help="Each virtual department fails each message (key set-up, "
                                                 "training, unmasking, evaluation) with this probability.")] = 0.0,
+    speeds: Annotated[str, typer.Option(help="How fast each virtual department is, as a factor of this machine's "
+                                             "speed (its replies wait accordingly, so deadlines and selectors see "
+                                             "stragglers): lognormal:SIGMA (median 1, capped at 1) or a JSON file "
+                                             "{\"DEPARTMENT\": SPEED}. Slow departments hold their ClientApp slot "
+                                             "while they wait: give --cpus more slots than cores.")] = "",
     keep: Annotated[Path | None, typer.Option(help="Keep the simulation folder (partitions, node state) here; "
                                                     "by default it is removed when the run ends.")] = None,
     verbose: Annotated[bool, typer.Option(help="Show Flower's and Ray's logs and the ClientApps' output.")] = False,
@@ -54,7 +59,7 @@ def simulate_command(
         run_settings = SimulationSettings(
             departments=departments, root=keep if keep is not None else Path(scratch), split=split, alpha=alpha,
             data=data, cpus=cpus, node_config={"reproducible-training": True} if reproducible else {},
-            dropout=dropout, keep=keep is not None, verbose=verbose)
+            dropout=dropout, speeds=speeds, keep=keep is not None, verbose=verbose)
         err_console.print(f"[dim]starting Flower's simulation engine: {departments} virtual departments on "
                           f"{cpus or 'all'} CPU(s)[/dim]")
         run = simulate(values, run_settings, repo)

@@ -6,15 +6,24 @@ virtual node only ``partition-id`` and ``num-partitions``. ``virtual_department`
 (Flower's middleware) that fills the rest in from the simulation folder ``quorumfl simulate`` lays
 out, so the same handlers run unchanged::
 
-    ROOT/simulation.json      {"departments": [[NAME, PARTITION DIR], ...], "node-config": {...}}:
-                              partition i is department i; node config every one of them adds
-                              (e.g. reproducible-training)
+    ROOT/simulation.json      {"departments": [[NAME, PARTITION DIR], ...], "node-config": {...},
+                               "speeds": [S, ...]}: partition i is department i; node config every one
+                              of them adds (e.g. reproducible-training); department i's speed factor
+                              (``virtual-speed``; the list is absent when all run at this machine's speed)
     ROOT/nodes/NAME           the department's node state (key shares, ledgers, checkpoints)
 
 With ``virtual-dropout = P`` in that node config, a virtual department fails each message it is
 sent with probability P (drawn from ``virtual-seed``, its name and the message id): its reply is an
 error saying so (what a ClientApp that raised sends), which the server records as a dropout at that stage (key set-up, masked input, unmask,
 evaluation), so a rehearsal shows what dropouts do to a configuration.
+
+With ``virtual-speed = S`` (0 < S ≤ 1, per department: ``simulate --speeds``), the department is S
+times as fast as this machine: after its ClientApp has handled a message in T seconds, the reply
+waits another T·(1/S − 1) before it leaves, so it reaches the server when a department that slow
+would have sent it. The server's deadlines, its late and straggler records and the selectors'
+duration estimates (arrival times at the server) see the slow department as they would see a real
+one. Everything a department computes (training, masking, evaluation) slows by the same factor; a
+message that costs nothing to handle adds nothing.
 
 The folder is named by ``$QUORUMFL_SIMULATION_ROOT`` (inherited by the simulation's worker
 processes). The mod does nothing unless that variable is set *and* the node config has a
@@ -27,7 +36,8 @@ import functools
 import json
 import os
 import random
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from flwr.app import Context, Error, Message
@@ -35,29 +45,39 @@ from flwr.common.constant import ErrorCode
 
 from quorumfl.errors import ConfigError
 
-__all__ = ["DROPOUT_KEY", "LAYOUT_FILE", "SEED_KEY", "SIMULATION_ROOT_ENV", "NodeValue", "drops", "virtual_department",
-           "virtual_node_config", "write_layout"]
+__all__ = ["DROPOUT_KEY", "LAYOUT_FILE", "SEED_KEY", "SIMULATION_ROOT_ENV", "SPEED_KEY", "NodeValue", "drops", "slowdown",
+           "virtual_department", "virtual_node_config", "write_layout"]
 
 SIMULATION_ROOT_ENV = "QUORUMFL_SIMULATION_ROOT"
 LAYOUT_FILE = "simulation.json"
 DROPOUT_KEY = "virtual-dropout"
 SEED_KEY = "virtual-seed"
+SPEED_KEY = "virtual-speed"
 NodeValue = bool | int | float | str
 
 
-def write_layout(root: Path, partitions: list[tuple[str, Path]], node_config: dict[str, NodeValue]) -> None:
-    """Write ``ROOT/simulation.json``: department i's name and partition, and the shared node config."""
-    body = {"departments": [[name, str(path)] for name, path in partitions], "node-config": node_config}
+def write_layout(root: Path, partitions: list[tuple[str, Path]], node_config: dict[str, NodeValue],
+                 speeds: Sequence[float] | None = None) -> None:
+    """Write ``ROOT/simulation.json``: department i's name and partition, the shared node config and,
+    with ``speeds``, department i's speed factor."""
+    body: dict[str, object] = {"departments": [[name, str(path)] for name, path in partitions],
+                               "node-config": node_config}
+    if speeds is not None:
+        if len(speeds) != len(partitions):
+            raise ConfigError(f"{len(speeds)} speed(s) for {len(partitions)} departments")
+        body["speeds"] = [float(s) for s in speeds]
     root.mkdir(parents=True, exist_ok=True)
     (root / LAYOUT_FILE).write_text(json.dumps(body))
 
 
 @functools.cache
-def _layout(root: str) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, NodeValue], ...]]:
+def _layout(root: str) -> tuple[tuple[tuple[str, str, float], ...], tuple[tuple[str, NodeValue], ...]]:
     path = Path(root) / LAYOUT_FILE
     try:
         body = json.loads(path.read_text())
-        departments = tuple((str(name), str(data)) for name, data in body["departments"])
+        speeds = body.get("speeds") or [1.0] * len(body["departments"])
+        departments = tuple((str(name), str(data), float(speed))
+                            for (name, data), speed in zip(body["departments"], speeds, strict=True))
         extra = body["node-config"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"simulation folder {root} has no readable {LAYOUT_FILE} ({exc}); start simulations "
@@ -73,9 +93,21 @@ def virtual_node_config(node_config: dict[str, NodeValue], root: str) -> dict[st
     index = node_config.get("partition-id")
     if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(departments):
         raise ConfigError(f"virtual node has partition-id {index!r}; the simulation has {len(departments)} departments")
-    name, data = departments[index]
-    return {**node_config, **dict(extra), "data-path": data, "department": name,
-            "state-dir": str(Path(root) / "nodes" / name), "torch-threads": 1}
+    name, data, speed = departments[index]
+    mapped: dict[str, NodeValue] = {**node_config, **dict(extra), "data-path": data, "department": name,
+                                    "state-dir": str(Path(root) / "nodes" / name), "torch-threads": 1}
+    if speed != 1.0:
+        mapped[SPEED_KEY] = speed
+    return mapped
+
+
+def slowdown(node_config: dict[str, NodeValue], handled_s: float) -> float:
+    """Seconds a virtual department of ``virtual-speed`` S waits after handling a message in
+    ``handled_s`` seconds: handled_s·(1/S − 1), so the reply leaves after handled_s / S in all."""
+    speed = node_config.get(SPEED_KEY, 1.0)
+    if isinstance(speed, bool) or not isinstance(speed, int | float) or not 0.0 < speed <= 1.0:
+        raise ConfigError(f"node config {SPEED_KEY} must be a speed factor in (0, 1], got {speed!r}")
+    return max(0.0, handled_s) * (1.0 / speed - 1.0)
 
 
 def drops(node_config: dict[str, NodeValue], message_id: str) -> bool:
@@ -99,4 +131,10 @@ def virtual_department(msg: Message, context: Context, call_next: Callable[[Mess
             return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
                                  reason=f"virtual department {context.node_config['department']} dropped out of this "
                                         f"{msg.metadata.message_type} message (virtual-dropout)"), reply_to=msg)
+        started = time.monotonic()
+        reply = call_next(msg, context)
+        wait = slowdown(dict(context.node_config), time.monotonic() - started)
+        if wait > 0:
+            time.sleep(wait)
+        return reply
     return call_next(msg, context)

@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import logging
+import math
 import os
 import shutil
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from quorumfl.client.virtual import (
     DROPOUT_KEY,
@@ -42,7 +46,7 @@ from quorumfl.server.config import RunConfig
 from quorumfl.server.state.orm import Run
 from quorumfl.server.state.repository import Repository
 
-__all__ = ["SimulationSettings", "simulate", "virtual_departments"]
+__all__ = ["SimulationSettings", "department_speeds", "simulate", "virtual_departments"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +63,7 @@ class SimulationSettings:
     cpus: int = 0  # Ray's CPUs, one ClientApp actor each (0: all of this machine's)
     node_config: Mapping[str, NodeValue] = field(default_factory=dict)
     dropout: float = 0.0  # each virtual department fails each message with this probability
+    speeds: str = ""  # how fast each virtual department is (``department_speeds``); "": all at this machine's speed
     keep: bool = False
     verbose: bool = False
 
@@ -69,6 +74,51 @@ class SimulationSettings:
             raise ConfigError(f"--cpus must be 0 (all) or more, got {self.cpus}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"--dropout must be a probability in [0, 1), got {self.dropout}")
+
+
+MAX_SIGMA = 4.0  # a log-normal σ past this puts most departments below a millionth of this machine's speed
+
+
+def department_speeds(spec: str, names: Sequence[str], *, seed: int) -> list[float] | None:
+    """Each department's speed factor S in (0, 1] (``client.virtual``: it takes 1/S times as long as
+    this machine's ClientApp) from ``--speeds``; None for "" (all at this machine's speed).
+
+    ``lognormal:SIGMA``: S drawn log-normal with median 1 and σ = SIGMA, as ``benchmarks/selection.py``
+    draws departments' speeds, capped at 1 (a simulation cannot run faster than this machine, so
+    half the departments run at its speed and the rest are slower); the draw follows the run's seed.
+    Anything else is a JSON file ``{"DEPARTMENT": S, ...}``; a department it leaves out runs at 1."""
+    if not spec:
+        return None
+    if spec.startswith("lognormal:"):
+        raw = spec.split(":", 1)[1]
+        try:
+            sigma = float(raw)
+        except ValueError:
+            sigma = math.nan
+        if not 0.0 < sigma <= MAX_SIGMA:
+            raise ConfigError(f"--speeds {spec}: σ must be a number in (0, {MAX_SIGMA:g}], e.g. lognormal:1")
+        draws = np.random.default_rng([seed, 0x5BEED]).lognormal(0.0, sigma, len(names))
+        return [float(min(1.0, d)) for d in draws]
+    path = Path(spec)
+    try:
+        body = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--speeds {spec}: not 'lognormal:SIGMA' and not a readable JSON file ({exc}); give "
+                          "'lognormal:1' or a file {\"DEPARTMENT\": SPEED, ...}") from None
+    if not isinstance(body, dict):
+        raise ConfigError(f"--speeds {spec}: the file must hold one JSON object {{\"DEPARTMENT\": SPEED, ...}}")
+    unknown = sorted(set(body) - set(names))
+    if unknown:
+        raise ConfigError(f"--speeds {spec}: no department named {unknown[0]!r} in this simulation (its departments "
+                          f"are {names[0]!r}…); name departments as 'runs show' lists them")
+    speeds = []
+    for name in names:
+        value = body.get(name, 1.0)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 < value <= 1.0:
+            raise ConfigError(f"--speeds {spec}: {name!r} has speed {value!r}; a speed is a factor in (0, 1] of this "
+                              "machine's (0.25: four times as slow)")
+        speeds.append(float(value))
+    return speeds
 
 
 def virtual_departments(count: int) -> list[str]:
@@ -142,7 +192,8 @@ def simulate(values: Mapping[str, Any], settings: SimulationSettings, repo: Repo
     try:
         partitions = _partitions(settings, config)
         extra = {**settings.node_config, DROPOUT_KEY: settings.dropout, SEED_KEY: config.seed}
-        write_layout(settings.root, partitions, extra)
+        speeds = department_speeds(settings.speeds, [name for name, _ in partitions], seed=config.seed)
+        write_layout(settings.root, partitions, extra, speeds)
         return _run(values, settings, repo)
     finally:
         if not settings.keep:

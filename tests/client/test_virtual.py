@@ -13,13 +13,20 @@ from quorumfl.client.virtual import (
     DROPOUT_KEY,
     SEED_KEY,
     SIMULATION_ROOT_ENV,
+    SPEED_KEY,
     drops,
+    slowdown,
     virtual_department,
     virtual_node_config,
     write_layout,
 )
 from quorumfl.core.data.departments import propose_schema
-from quorumfl.deploy.simulation import SimulationSettings, simulate, virtual_departments
+from quorumfl.deploy.simulation import (
+    SimulationSettings,
+    department_speeds,
+    simulate,
+    virtual_departments,
+)
 from quorumfl.errors import ConfigError
 from tests.core.city_data import property_rows, write_csv
 
@@ -130,6 +137,74 @@ def test_a_virtual_department_that_drops_out_answers_with_an_error(tmp_path: Pat
     reply = virtual_department(Message(RecordDict(), dst_node_id=7, message_type="train"), context, handler)
     assert reply.has_error() and reply.error.reason == ("virtual department parks dropped out of this train message "
                                                         "(virtual-dropout)")
+
+
+def test_lognormal_speeds_follow_the_runs_seed_with_median_one_capped_at_this_machines_speed() -> None:
+    names = virtual_departments(4000)
+    speeds = department_speeds("lognormal:1", names, seed=5)
+    assert speeds is not None and len(speeds) == 4000 and all(0.0 < s <= 1.0 for s in speeds)
+    assert speeds == department_speeds("lognormal:1", names, seed=5)  # the same rehearsal twice
+    assert speeds != department_speeds("lognormal:1", names, seed=6)
+    # log-normal, median 1, σ = 1: half at this machine's speed; P(S < 0.5) = Φ(ln 0.5) = 0.244; sd ~0.007
+    assert 0.46 < sum(s == 1.0 for s in speeds) / 4000 < 0.54
+    assert 0.22 < sum(s < 0.5 for s in speeds) / 4000 < 0.27
+    assert department_speeds("", names, seed=5) is None
+
+
+def test_a_speeds_file_names_departments_and_the_rest_run_at_this_machines_speed(tmp_path: Path) -> None:
+    names = ["parks", "tax-office", "transit"]
+    path = tmp_path / "speeds.json"
+    path.write_text(json.dumps({"tax-office": 0.25}))
+    assert department_speeds(str(path), names, seed=0) == [1.0, 0.25, 1.0]
+    for body, message in (({"taxes": 0.5}, "no department named 'taxes'"),
+                          ({"parks": 0}, "'parks' has speed 0; a speed is a factor in \\(0, 1\\]"),
+                          ({"parks": 2.0}, "'parks' has speed 2.0"), ({"parks": True}, "'parks' has speed True"),
+                          ([0.5], "one JSON object")):
+        path.write_text(json.dumps(body))
+        with pytest.raises(ConfigError, match=message):
+            department_speeds(str(path), names, seed=0)
+    for spec, message in (("lognormal:0", "σ must be a number in"), ("lognormal:x", "σ must be a number in"),
+                          ("lognormal:9", "σ must be a number in"), (str(tmp_path / "none.json"), "not a readable")):
+        with pytest.raises(ConfigError, match=message):
+            department_speeds(spec, names, seed=0)
+
+
+def test_a_slow_virtual_department_gets_its_speed_and_its_reply_waits_for_it(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "sim"
+    write_layout(root, [("parks", tmp_path / "a"), ("transit", tmp_path / "b")], {}, speeds=[1.0, 0.25])
+    assert SPEED_KEY not in virtual_node_config({"partition-id": 0}, str(root))
+    assert virtual_node_config({"partition-id": 1}, str(root))[SPEED_KEY] == 0.25
+    with pytest.raises(ConfigError, match="2 speed"):
+        write_layout(tmp_path / "other", [("parks", tmp_path / "a")], {}, speeds=[1.0, 0.5])
+
+    class Clock:  # the mod's clock and sleep: handling takes 2 s of this clock
+        def __init__(self) -> None:
+            self.now = 100.0
+            self.slept: list[float] = []
+
+        def monotonic(self) -> float:
+            return self.now
+
+        def sleep(self, seconds: float) -> None:
+            self.slept.append(seconds)
+
+    clock = Clock()
+    monkeypatch.setattr("quorumfl.client.virtual.time", clock)
+    monkeypatch.setenv(SIMULATION_ROOT_ENV, str(root))
+
+    def handler(msg: Message, ctx: Context) -> Message:
+        clock.now += 2.0
+        return msg
+
+    for partition in (0, 1):
+        context = Context(run_id=1, node_id=7, node_config={"partition-id": partition}, state=RecordDict(),
+                          run_config={})
+        virtual_department(Message(RecordDict(), dst_node_id=7, message_type="train"), context, handler)
+    assert clock.slept == [6.0]  # transit, a quarter as fast: 2 s of work leaves after 8 s; parks does not wait
+    assert slowdown({}, 3.0) == 0.0
+    with pytest.raises(ConfigError, match="virtual-speed must be a speed factor"):
+        slowdown({SPEED_KEY: 0.0}, 1.0)
 
 
 class _Metadata:

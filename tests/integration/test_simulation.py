@@ -72,3 +72,34 @@ def test_quorumfl_simulate_gives_the_deployed_runs_models(tmp_path: Path) -> Non
             # trains from models that differ by that much.
             np.testing.assert_allclose(ours[number][key], value, rtol=0, atol=5e-5 if number == 1 else 1e-4,
                                        err_msg=f"round {number} {key}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_virtual_department_slowed_by_speeds_misses_the_round_deadline_and_is_recorded_late(tmp_path: Path) -> None:
+    """``simulate --speeds``: a department a twentieth as fast as this machine replies after the round
+    deadline; the server records it at stage 'deadline' and aggregates the others. Its ClientApp
+    handles its first round in about 2 s here (the model's first training included), so it replies
+    after about 40 s; the others reply within about 12 s of the simulation's start, Ray's workers
+    starting included."""
+    home = tmp_path / "home"
+    speeds = tmp_path / "speeds.json"
+    speeds.write_text(json.dumps({"dept-0002": 0.05}))
+    toml = tmp_path / "run.toml"
+    config = {"strategy": "fedavg", "model": "mlp-wide", "num-rounds": 1, "local-epochs": 1, "min-nodes": 2,
+              "start-from": "fresh", "round-deadline": 20.0, "seed": 1}
+    toml.write_text("[run]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in config.items()))
+    done = subprocess.run([sys.executable, "-m", "quorumfl.cli", "--home", str(home), "simulate", str(toml),
+                           "--departments", "3", "--cpus", "3", "--speeds", str(speeds)],
+                          capture_output=True, text=True, timeout=800, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    repo = Repository(connect(f"sqlite:///{home / 'quorumfl.db'}", migrate=False))
+    [listed] = repo.list_runs()
+    run = repo.get_run(listed.id)
+    names = {n.node_id: n.department for n in repo.list_nodes()}
+    assert run.status == RunStatus.COMPLETED and len(run.rounds) == 1
+    [rnd] = run.rounds
+    assert sorted(names[n] or "" for n in rnd.participants) == ["dept-0000", "dept-0001"], rnd.timings
+    # dept-0002 never replied in this run, so the server knows it by node id only
+    [late] = rnd.failures
+    assert late.stage == "deadline" and late.node_id in rnd.selected and late.node_id not in rnd.participants
