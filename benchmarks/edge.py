@@ -18,14 +18,20 @@ Both models are exported to ONNX the same way and measured in onnxruntime on the
   and export, and the bytes a device holding the first artifact downloads for the second
   (``quorumfl.edge.delta``, as ``edge sync`` fetches it) are compared with the whole file.
 
-    python benchmarks/edge.py            # Fashion-MNIST, cnn-wide, 3 fp32 epochs, 1 QAT epoch
-    python benchmarks/edge.py --smoke    # digits, small cnn, tiny sizes
+- a non-image task (``table_figures``, skipped with ``--no-table``): Ames housing sales, the tabular
+  task's ``mlp`` predicting the sale price, metric MAE in dollars; the same QAT (``--table-qat-epochs``,
+  the same ``--sparsity``), export and measures on the department's own test rows.
+
+    python benchmarks/edge.py            # Fashion-MNIST, cnn-wide, 3 fp32 epochs, 1 QAT epoch; Ames
+    python benchmarks/edge.py --smoke    # digits, small cnn, tiny sizes; 400 Ames sales
     python benchmarks/edge.py --json     # last line: one JSON object
 
 Keys: fp32_acc, int8_acc, acc_drop_pts, size_ratio, file_size_ratio, int8_download_bytes, sparsity,
 int8_weight_sparsity, latency_speedup_b1, latency_speedup_b64, the
 latencies in ms, file sizes, the .pte size, delta_sync_bytes, full_sync_bytes, delta_over_full,
-round_int8_acc, times of each step and peak RSS.
+round_int8_acc, times of each step and peak RSS; the table task's table_fp32_mae, table_int8_mae,
+table_mae_change_pct, table_size_ratio, table_file_size_ratio, table_latency_speedup_b1 and its sizes
+and latencies (``table_*``).
 """
 
 from __future__ import annotations
@@ -79,6 +85,81 @@ def median_latency(sessions: list[Any], x: np.ndarray, repeats: int) -> list[flo
     return [float(np.median(t)) for t in times]
 
 
+def table_figures(*, rows: int, epochs: int, qat_epochs: int, sparsity: float, repeats: int, seed: int) -> dict[str, Any]:
+    """The same edge path on a non-image task: Ames housing sales (Debian-packaged, ``./setup.sh
+    --city-data``), the tabular task's ``mlp`` predicting the sale price, metric MAE in dollars (lower is
+    better). The rows go through the product's import path (schema, ``import_partition``: the
+    department's own train/test split); the fp32 model is trained by a plain torch loop with the
+    federation's standardisation set from the training rows; QAT fine-tunes on the training rows;
+    both are exported to ONNX and measured in onnxruntime on the test rows. Keys are prefixed
+    ``table_``."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from quorumfl.core.data import import_partition, propose_schema
+    from quorumfl.core.data.packaged import write_department_files
+    from quorumfl.core.tasks import ModelSpec
+    from quorumfl.core.tasks.modules import find_statistics
+    from quorumfl.training.local import train
+
+    with tempfile.TemporaryDirectory(prefix="edge-table-") as tmp:
+        root = Path(tmp)
+        [source], pool = write_department_files("ames", root / "files", 1, split="iid", seed=seed, limit=rows)
+        schema = propose_schema(pool, "tabular", {"label": "Sale_Price"})
+        part = import_partition(source, root / "part", department="assessor", schema=schema, seed=seed)
+    spec = ModelSpec("tabular", "mlp", json.dumps(schema, sort_keys=True))
+    objective = spec.objective()
+    data, test = part.train, part.test
+    model = spec.build(seed=seed)
+    stats = find_statistics(model)
+    if stats is not None:
+        stats.set_statistics(torch.from_numpy(np.asarray(data.x, dtype=np.float32)))
+    t0 = time.perf_counter()
+    train(model, data, epochs=epochs, batch_size=32, learning_rate=0.02, seed=seed)
+    model.eval()
+    train_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    quantized = quantize_aware(model, data.x, data.y, data.input_shape, objective=objective,
+                               settings=QatSettings(epochs=qat_epochs, batch_size=32, seed=seed,
+                                                   sparsity=sparsity))
+    qat_s = time.perf_counter() - t0
+    fp32_file = onnx_bytes(model, torch.from_numpy(data.x[:2]))
+    int8_file = onnx_bytes(quantized.module, quantized.example)
+    fp32 = load_model(fp32_file, ArtifactFormat.ONNX, data.input_shape, threads=1)
+    int8 = load_model(int8_file, ArtifactFormat.ONNX, data.input_shape, threads=1)
+    unit = objective.unit
+
+    def mae(runner: Any) -> float:
+        return float(np.mean(np.abs(runner(test.x)[:, 0] - test.y)) * unit)
+
+    fp32_mae, int8_mae = mae(fp32), mae(int8)
+    b1 = median_latency([fp32, int8], test.x[:1], repeats)
+    download = len(encode(int8_file, b""))
+    return {
+        "table_dataset": "ames",
+        "table_model": "mlp",
+        "table_params": sum(p.numel() for p in model.parameters()),
+        "table_train_rows": len(data),
+        "table_test_rows": len(test),
+        "table_fp32_mae": fp32_mae,
+        "table_int8_mae": int8_mae,
+        "table_mae_change_pct": (int8_mae - fp32_mae) / fp32_mae * 100,
+        "table_target_mean_abs_dev": float(np.mean(np.abs(test.y - test.y.mean()))) * unit,
+        "table_fp32_onnx_bytes": len(fp32_file),
+        "table_int8_onnx_bytes": len(int8_file),
+        "table_int8_download_bytes": download,
+        "table_size_ratio": len(fp32_file) / download,
+        "table_file_size_ratio": len(fp32_file) / len(int8_file),
+        "table_int8_weight_sparsity": weight_sparsity(quantized.module.buffers()),
+        "table_fp32_ms_b1": b1[0] * 1e3,
+        "table_int8_ms_b1": b1[1] * 1e3,
+        "table_latency_speedup_b1": b1[0] / b1[1],
+        "table_train_s": train_s,
+        "table_qat_s": qat_s,
+    }
+
+
 def main() -> None:
     p = parser(__doc__ or "")
     p.add_argument("--dataset", default="fashion-mnist")
@@ -89,9 +170,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=300, help="timed runs per batch size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sparsity", type=float, default=0.0, help="prune this fraction of each layer before QAT")
+    p.add_argument("--table-rows", type=int, default=0, help="Ames sales used for the table task (0: all 2,930)")
+    p.add_argument("--table-epochs", type=int, default=120, help="fp32 training epochs of the table model")
+    p.add_argument("--table-qat-epochs", type=int, default=10, help="QAT epochs of the table model (2,344 rows: cheap)")
+    p.add_argument("--no-table", action="store_true", help="skip the table task (it needs ./setup.sh --city-data)")
     args = p.parse_args()
     if args.smoke:
         args.dataset, args.model, args.epochs, args.qat_samples, args.repeats = "digits", "cnn", 2, 400, 20
+        args.table_rows, args.table_epochs, args.table_qat_epochs = 400, 5, 1
     torch.manual_seed(args.seed)
 
     t0 = time.perf_counter()
@@ -145,6 +231,9 @@ def main() -> None:
                                               for i in range(0, len(test), 500)]) == test.y))
     round_s = time.perf_counter() - t0
 
+    table = {} if args.no_table else table_figures(rows=args.table_rows, epochs=args.table_epochs,
+                                                   qat_epochs=args.table_qat_epochs, sparsity=args.sparsity,
+                                                   repeats=args.repeats, seed=args.seed)
     report({
         "dataset": args.dataset,
         "model": args.model,
@@ -177,6 +266,7 @@ def main() -> None:
         "train_s": train_s,
         "qat_s": qat_s,
         "export_s": export_s,
+        **table,
         "peak_rss_mb": peak_rss_mb(),
     }, as_json=args.json)
 

@@ -114,6 +114,9 @@ def test_edge_smoke() -> None:
     assert all(float(figures[k]) > 0 for k in keys)  # type: ignore[arg-type]
     assert float(figures["int8_onnx_bytes"]) < float(figures["fp32_onnx_bytes"])  # type: ignore[arg-type]
     assert float(figures["delta_sync_bytes"]) < float(figures["full_sync_bytes"])  # type: ignore[arg-type]
+    table = {"table_fp32_mae", "table_int8_mae", "table_size_ratio", "table_latency_speedup_b1"}  # the non-image task
+    assert table <= set(figures) and all(float(figures[k]) > 0 for k in table)  # type: ignore[arg-type]
+    assert float(figures["table_int8_onnx_bytes"]) < float(figures["table_fp32_onnx_bytes"])  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
