@@ -446,3 +446,46 @@ def test_a_pruned_artifact_is_published_with_its_sparsity_and_installs(published
     assert (result.status, result.version) == ("updated", rows[0].version)
     manifest, _ = load_current(tmp_path / "dev", public_key=published.public_key)
     assert manifest.sparsity == 0.5
+
+
+def test_each_stream_is_encoded_once_for_a_fleet_and_a_damaged_file_is_still_refused(published: Published,
+                                                                                     tmp_path: Path) -> None:
+    """Three devices holding v1 sync to v2 through one service: its delta is encoded once (the next
+    two are served from the cache, byte for byte what encoding again gives), and a fourth device's
+    whole download once. Then the server's v2 file is damaged: the cached stream is not served, the
+    request is refused with DATA_LOSS and the device keeps its model."""
+    devices = [tmp_path / f"dev{i}" for i in range(3)]
+    late = tmp_path / "late"  # holds v1 too; syncs once the server's v2 file is damaged
+    for device in [*devices, late]:
+        _install_old(published, device)
+    held = installed(devices[0]).current
+    assert held is not None
+    base = (devices[0] / f"v{held.manifest.version}.onnx").read_bytes()
+    rows = publish(published.repo, published.home, published.version_id)
+    row = next(r for r in rows if r.format == "onnx")
+    records = ArtifactRecords(published.repo.sessions)
+    service = SyncService(records, chunk_bytes=1024)
+    srv = start_server(records, service=service)
+    try:
+        results = [_sync(srv, published, device) for device in devices]
+        assert service.encoded == 1
+        expected = encode(Path(row.path).read_bytes(), base)
+        assert [(r.delta_from, r.downloaded_bytes) for r in results] == [(held.manifest.version, len(expected))] * 3
+        for device in devices:
+            assert hashlib.sha256((device / f"v{row.version}.onnx").read_bytes()).hexdigest() == row.sha256
+        fresh = _sync(srv, published, tmp_path / "fresh")  # holds nothing: the whole file, one more stream
+        assert (fresh.delta_from, service.encoded) == (None, 2)
+
+        path = Path(row.path)
+        original = path.read_bytes()
+        damaged = bytearray(original)
+        damaged[len(damaged) // 3] ^= 0x01
+        path.write_bytes(bytes(damaged))
+        try:
+            with pytest.raises(ArtifactError, match="DATA_LOSS"):
+                _sync(srv, published, late)
+        finally:
+            path.write_bytes(original)
+        assert installed(late).current.manifest.version == held.manifest.version  # type: ignore[union-attr]
+    finally:
+        srv.stop()
