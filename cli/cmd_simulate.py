@@ -40,6 +40,10 @@ def simulate_command(
                                              "stragglers): lognormal:SIGMA (median 1, capped at 1) or a JSON file "
                                              "{\"DEPARTMENT\": SPEED}. Slow departments hold their ClientApp slot "
                                              "while they wait: give --cpus more slots than cores.")] = "",
+    availability: Annotated[float, typer.Option(help="Seconds: each virtual department is offline for a quarter "
+                                                      "of every such period of the simulation's clock, at a phase "
+                                                      "of its own (its messages then fail, as dropouts); 0: always "
+                                                      "online.")] = 0.0,
     keep: Annotated[Path | None, typer.Option(help="Keep the simulation folder (partitions, node state) here; "
                                                     "by default it is removed when the run ends.")] = None,
     verbose: Annotated[bool, typer.Option(help="Show Flower's and Ray's logs and the ClientApps' output.")] = False,
@@ -59,7 +63,7 @@ def simulate_command(
         run_settings = SimulationSettings(
             departments=departments, root=keep if keep is not None else Path(scratch), split=split, alpha=alpha,
             data=data, cpus=cpus, node_config={"reproducible-training": True} if reproducible else {},
-            dropout=dropout, speeds=speeds, keep=keep is not None, verbose=verbose)
+            dropout=dropout, speeds=speeds, availability=availability, keep=keep is not None, verbose=verbose)
         err_console.print(f"[dim]starting Flower's simulation engine: {departments} virtual departments on "
                           f"{cpus or 'all'} CPU(s)[/dim]")
         run = simulate(values, run_settings, repo)

@@ -25,6 +25,14 @@ duration estimates (arrival times at the server) see the slow department as they
 one. Everything a department computes (training, masking, evaluation) slows by the same factor; a
 message that costs nothing to handle adds nothing.
 
+With ``virtual-availability = PERIOD`` (seconds; ``simulate --availability``), every department
+is offline for a quarter of every PERIOD seconds of the simulation's wall clock (counted from
+``virtual-start``), at a phase of its own drawn from ``virtual-seed`` and its name, as
+``benchmarks/selection.py`` models availability cycles: a message that reaches it while it is offline
+is answered with an error saying so, recorded as a dropout at that stage like ``virtual-dropout``'s,
+but clustered in time, so the same department keeps failing until its window ends and selectors that
+learn from failures (Oort, RL) can learn the pattern.
+
 The folder is named by ``$QUORUMFL_SIMULATION_ROOT`` (inherited by the simulation's worker
 processes). The mod does nothing unless that variable is set *and* the node config has a
 ``partition-id`` and no ``data-path``, so a deployed SuperNode is never remapped.
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import random
 import time
@@ -45,14 +54,18 @@ from flwr.common.constant import ErrorCode
 
 from quorumfl.errors import ConfigError
 
-__all__ = ["DROPOUT_KEY", "LAYOUT_FILE", "SEED_KEY", "SIMULATION_ROOT_ENV", "SPEED_KEY", "NodeValue", "drops", "slowdown",
-           "virtual_department", "virtual_node_config", "write_layout"]
+__all__ = ["AVAILABILITY_KEY", "DROPOUT_KEY", "LAYOUT_FILE", "OFFLINE_SHARE", "SEED_KEY", "SIMULATION_ROOT_ENV", "SPEED_KEY",
+           "START_KEY", "NodeValue", "drops", "offline", "slowdown", "virtual_department", "virtual_node_config",
+           "write_layout"]
 
 SIMULATION_ROOT_ENV = "QUORUMFL_SIMULATION_ROOT"
 LAYOUT_FILE = "simulation.json"
 DROPOUT_KEY = "virtual-dropout"
 SEED_KEY = "virtual-seed"
 SPEED_KEY = "virtual-speed"
+AVAILABILITY_KEY = "virtual-availability"
+START_KEY = "virtual-start"
+OFFLINE_SHARE = 0.25  # of each availability period, as benchmarks/selection.py's departments
 NodeValue = bool | int | float | str
 
 
@@ -110,6 +123,22 @@ def slowdown(node_config: dict[str, NodeValue], handled_s: float) -> float:
     return max(0.0, handled_s) * (1.0 / speed - 1.0)
 
 
+def offline(node_config: dict[str, NodeValue], now: float) -> bool:
+    """Whether this virtual department is in the offline quarter of its availability period at wall
+    time ``now`` (``virtual-availability``; never without one)."""
+    period = node_config.get(AVAILABILITY_KEY, 0.0)
+    if isinstance(period, bool) or not isinstance(period, int | float) or not 0.0 <= period < math.inf:
+        raise ConfigError(f"node config {AVAILABILITY_KEY} must be a period in seconds (0: always online), "
+                          f"got {period!r}")
+    if not period:
+        return False
+    start = node_config.get(START_KEY, 0.0)
+    if isinstance(start, bool) or not isinstance(start, int | float):
+        raise ConfigError(f"node config {START_KEY} must be a time in seconds, got {start!r}")
+    phase = random.Random(f"{node_config.get(SEED_KEY, 0)}:{node_config.get('department')}:availability").random()
+    return ((now - start) / period + phase) % 1.0 < OFFLINE_SHARE
+
+
 def drops(node_config: dict[str, NodeValue], message_id: str) -> bool:
     """Whether this virtual department drops out of the message ``message_id`` (``virtual-dropout``)."""
     chance = node_config.get(DROPOUT_KEY, 0.0)
@@ -131,6 +160,10 @@ def virtual_department(msg: Message, context: Context, call_next: Callable[[Mess
             return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
                                  reason=f"virtual department {context.node_config['department']} dropped out of this "
                                         f"{msg.metadata.message_type} message (virtual-dropout)"), reply_to=msg)
+        if offline(dict(context.node_config), time.time()):
+            return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                                 reason=f"virtual department {context.node_config['department']} is offline "
+                                        "(virtual-availability)"), reply_to=msg)
         started = time.monotonic()
         reply = call_next(msg, context)
         wait = slowdown(dict(context.node_config), time.monotonic() - started)

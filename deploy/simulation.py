@@ -33,9 +33,11 @@ from typing import Any
 import numpy as np
 
 from quorumfl.client.virtual import (
+    AVAILABILITY_KEY,
     DROPOUT_KEY,
     SEED_KEY,
     SIMULATION_ROOT_ENV,
+    START_KEY,
     NodeValue,
     write_layout,
 )
@@ -64,6 +66,7 @@ class SimulationSettings:
     node_config: Mapping[str, NodeValue] = field(default_factory=dict)
     dropout: float = 0.0  # each virtual department fails each message with this probability
     speeds: str = ""  # how fast each virtual department is (``department_speeds``); "": all at this machine's speed
+    availability: float = 0.0  # seconds: each department offline a quarter of every such period (0: always online)
     keep: bool = False
     verbose: bool = False
 
@@ -74,6 +77,8 @@ class SimulationSettings:
             raise ConfigError(f"--cpus must be 0 (all) or more, got {self.cpus}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"--dropout must be a probability in [0, 1), got {self.dropout}")
+        if not 0.0 <= self.availability < math.inf:
+            raise ConfigError(f"--availability must be a period in seconds (0: always online), got {self.availability}")
 
 
 MAX_SIGMA = 4.0  # a log-normal σ past this puts most departments below a millionth of this machine's speed
@@ -191,7 +196,8 @@ def simulate(values: Mapping[str, Any], settings: SimulationSettings, repo: Repo
         raise ConfigError(f"simulation folder {settings.root} is not empty; give another one")
     try:
         partitions = _partitions(settings, config)
-        extra = {**settings.node_config, DROPOUT_KEY: settings.dropout, SEED_KEY: config.seed}
+        extra = {**settings.node_config, DROPOUT_KEY: settings.dropout, SEED_KEY: config.seed,
+                 AVAILABILITY_KEY: settings.availability, START_KEY: time.time()}
         speeds = department_speeds(settings.speeds, [name for name, _ in partitions], seed=config.seed)
         write_layout(settings.root, partitions, extra, speeds)
         return _run(values, settings, repo)

@@ -10,11 +10,14 @@ import pytest
 from flwr.app import Context, Message, RecordDict
 
 from quorumfl.client.virtual import (
+    AVAILABILITY_KEY,
     DROPOUT_KEY,
     SEED_KEY,
     SIMULATION_ROOT_ENV,
     SPEED_KEY,
+    START_KEY,
     drops,
+    offline,
     slowdown,
     virtual_department,
     virtual_node_config,
@@ -186,6 +189,9 @@ def test_a_slow_virtual_department_gets_its_speed_and_its_reply_waits_for_it(tmp
         def monotonic(self) -> float:
             return self.now
 
+        def time(self) -> float:
+            return self.now
+
         def sleep(self, seconds: float) -> None:
             self.slept.append(seconds)
 
@@ -205,6 +211,47 @@ def test_a_slow_virtual_department_gets_its_speed_and_its_reply_waits_for_it(tmp
     assert slowdown({}, 3.0) == 0.0
     with pytest.raises(ConfigError, match="virtual-speed must be a speed factor"):
         slowdown({SPEED_KEY: 0.0}, 1.0)
+
+
+def test_availability_takes_each_department_offline_a_quarter_of_its_period_at_a_phase_of_its_own() -> None:
+    config: dict[str, bool | int | float | str] = {"department": "parks", SEED_KEY: 3, AVAILABILITY_KEY: 100.0,
+                                                   START_KEY: 1000.0}
+    times = [1000.0 + 0.5 * i for i in range(2000)]  # ten periods
+    parks = [offline(config, t) for t in times]
+    assert sum(parks) == 500  # exactly a quarter of every period
+    assert parks[:200] == parks[200:400]  # the same window every period
+    changes = sum(a != b for a, b in zip(parks, parks[1:], strict=False))
+    assert changes in (19, 20)  # one window per period: it goes offline and back once each
+    transit = [offline({**config, "department": "transit"}, t) for t in times]
+    assert sum(transit) == 500 and transit != parks  # another phase
+    assert not any(offline({**config, AVAILABILITY_KEY: 0.0}, t) for t in times)
+    with pytest.raises(ConfigError, match="virtual-availability must be a period"):
+        offline({**config, AVAILABILITY_KEY: -1.0}, 0.0)
+
+
+def test_an_offline_virtual_department_answers_with_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "sim"
+    write_layout(root, [("parks", tmp_path / "a")], {AVAILABILITY_KEY: 100.0, START_KEY: 0.0, SEED_KEY: 3})
+    monkeypatch.setenv(SIMULATION_ROOT_ENV, str(root))
+    node = virtual_node_config({"partition-id": 0}, str(root))
+    away = next(t for t in range(100) if offline(node, float(t)))
+    here = next(t for t in range(100) if not offline(node, float(t)))
+    handled: list[float] = []
+
+    def handler(msg: Message, ctx: Context) -> Message:
+        handled.append(1.0)
+        return msg
+
+    replies = {}
+    for now in (away, here):
+        monkeypatch.setattr("quorumfl.client.virtual.time.time", lambda now=now: float(now))
+        context = Context(run_id=1, node_id=7, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+        replies[now] = virtual_department(Message(RecordDict(), dst_node_id=7, message_type="train"), context, handler)
+    assert replies[away].has_error() and replies[away].error.reason == ("virtual department parks is offline "
+                                                                        "(virtual-availability)")
+    assert not replies[here].has_error() and handled == [1.0]
+    with pytest.raises(ConfigError, match="--availability must be a period"):
+        SimulationSettings(departments=2, root=tmp_path / "x", availability=-5.0)
 
 
 class _Metadata:
