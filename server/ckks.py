@@ -150,6 +150,8 @@ class CkksSession:
         self.key = None
         members = sorted(nodes)
         threshold = resolve_threshold(self.config.secagg_threshold, len(members))
+        # the scale this ceremony's size needs (more holders, more flooding noise); the key's rounds use it
+        self.params = self.config.ckks_params().fitted(threshold=threshold, contributors=len(members))
         self.params.check(threshold=threshold, contributors=len(members), value_bound=self.config.secagg_clip)
         ann = Announcement.new(members, threshold, self.params)
         record_id = self.audit.ceremony_started(members, threshold, self.params.to_dict())

@@ -24,7 +24,7 @@ each part has the same σ as a real-only slot's, and the bytes per value halve.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from quorumfl.errors import ConfigError
 
@@ -96,6 +96,18 @@ class CkksParams:
         ``contributors`` bounds the holders too (a key has at most as many holders as members)."""
         flood = 2.0 ** self.flood_bits(contributors, contributors)
         return flood / math.sqrt(3.0) * math.sqrt(threshold) * math.sqrt(self.poly_degree / 2) / 2.0**self.scale_bits
+
+    def fitted(self, *, threshold: int, contributors: int) -> CkksParams:
+        """This set with ``scale_bits`` raised, when needed, to the fewest bits that meet the precision
+        target for a ``threshold``-of-``contributors`` key (up to the 120-bit limit; ``check`` still has
+        the last word, on capacity too). The flooding noise grows with the ceremony's size, so a key of
+        100 holders needs 2^102 where 30 need no more than the default 2^100; the scale is not a security
+        parameter (the smudging bits are), so the server may fit it per ceremony."""
+        flood = 2.0 ** self.flood_bits(contributors, contributors)
+        spread = SIGMAS * flood / math.sqrt(3.0) * math.sqrt(max(threshold, 1)) * math.sqrt(self.poly_degree / 2)
+        needed = math.ceil(math.log2(spread / self.precision))
+        bits = min(120, max(self.scale_bits, needed))
+        return self if bits == self.scale_bits else replace(self, scale_bits=bits)
 
     def needed_bits(self, threshold: int, contributors: int, value_bound: float) -> float:
         """Bits the modulus needs for a sum of ``contributors`` values within ±value_bound, plus flooding."""

@@ -325,6 +325,33 @@ def test_parameter_sets_outside_128_bit_security_or_smudging_are_refused_with_ev
     PARAMS.check(threshold=6, contributors=10, value_bound=8.0)
 
 
+def test_the_scale_is_fitted_to_the_ceremonys_size_and_a_fitted_key_meets_its_precision() -> None:
+    """The flooding noise grows with the holders: 100 holders (t = 60) need 2^102 for the default
+    1e-5 target, which the default 2^100 misses; small ceremonies keep the default. A fitted set
+    decrypts a real sum within its target."""
+    with pytest.raises(ConfigError, match="predicted error"):
+        PARAMS.check(threshold=60, contributors=100, value_bound=8.0)
+    fitted = PARAMS.fitted(threshold=60, contributors=100)
+    assert fitted.scale_bits == 102 and fitted.send_primes(60, 100, 8.0) == 2  # no more bytes on the wire
+    fitted.check(threshold=60, contributors=100, value_bound=8.0)
+    assert PARAMS.fitted(threshold=6, contributors=10) is PARAMS
+    with pytest.raises(ConfigError, match="cannot hold"):  # 300 holders need more than two primes hold
+        PARAMS.fitted(threshold=180, contributors=300).check(threshold=180, contributors=300, value_bound=8.0)
+
+    tight = dataclasses.replace(PARAMS, precision=1e-9)  # a target the default scale misses even for 3 holders
+    params = tight.fitted(threshold=2, contributors=3)
+    assert params.scale_bits > PARAMS.scale_bits
+    params.check(threshold=2, contributors=3, value_bound=8.0)
+    ceremony = run_ceremony(MEMBERS[:3], 2, params)
+    values = np.linspace(-1, 1, 300)
+    rnd = summed(ceremony.shares, ceremony.public_key, {n: values for n in MEMBERS[:3]}, length=300, primes=2,
+                 params=params)
+    total, tags = rnd.total, rnd.tags()
+    m = total.manifest(key_id=ceremony.key_id, round=1, group=0, subset=MEMBERS[:2])
+    partials = {n: partial_decrypt(ceremony.shares[n], m, total.c1, set(), tags) for n in m.subset}
+    assert np.max(np.abs(combine(params, total.c0, partials, m) - 3 * values)) <= params.precision
+
+
 def test_a_longer_chain_is_switched_down_to_the_primes_the_sum_needs() -> None:
     params = CkksParams(poly_degree=16384, coeff_bits=(60, 60, 60, 60, 60))
     assert params.send_primes(6, 10, 8.0) == 2
