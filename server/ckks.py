@@ -71,6 +71,7 @@ from quorumfl.protocol.ckks_wire import (
     encode_directory,
     encode_finish,
     encode_train_request,
+    finish_arrays,
 )
 from quorumfl.protocol.wire import (
     ARRAYS,
@@ -178,9 +179,10 @@ class CkksSession:
                 except SecureAggregationError as exc:
                     failures[node] = ("ckks-reveal", str(exc))
             reveals, inbox = coordinator.finish_request()
+            shared = finish_arrays(reveals)  # one record for every member's request
             messages = []
             for node in sorted(reveals):
-                config, arrays = encode_finish(ann.ceremony, reveals, inbox[node])
+                config, arrays = encode_finish(ann.ceremony, reveals, inbox.pop(node), shared)
                 messages.append(self._message(FINISH, node, RecordDict({CKKS: config, CKKS_ARRAYS: arrays})))
             for node, reply in self.exchange(messages, failures, "ckks-finish", timeout):
                 try:
