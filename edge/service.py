@@ -5,9 +5,9 @@ Downloads stream fixed-size chunks from the requested offset: of the artifact, o
 zlib stream, or of its delta against an older version the device names (``quorumfl.edge.delta``).
 A zlib stream costs CPU at level 9 (measured on this 2-core Xeon: 0.76 s for a 1.7 MB buffer of INT8
 weights, half of them pruned to zero, and 0.99 s for its delta after a tenth of them moved by one
-step), and a fleet of devices syncing after a promotion asks for the same few streams: each is encoded once and kept in a cache of
-``cache_bytes`` (least recently used out first), keyed by the SHA-256 of the artifact and of the
-base it was encoded from. The files are still read and checked against their signed manifests on
+step), and a fleet of devices syncing after a promotion asks for the same few streams: each is
+encoded once and kept in a cache of ``cache_bytes`` (least recently used out first), keyed by the
+SHA-256 of the artifact and of the base it was encoded from. The files are still read and checked against their signed manifests on
 every request, so a damaged file is refused whatever the cache holds, and a replaced file is a new
 key. (A resumed download relies on the same bytes for the same request: a cached stream is exactly
 what encoding again would give, zlib being deterministic.) An offset outside what is streamed
