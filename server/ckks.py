@@ -168,8 +168,10 @@ class CkksSession:
                     failures[node] = ("ckks-commit", str(exc))
             directory = encode_directory(ann.ceremony, coordinator.directory())
             committed = sorted(coordinator.commitments)
-            for node, reply in self.exchange([self._message(REVEAL, n, RecordDict({CKKS: directory})) for n in committed],
-                                             failures, "ckks-reveal", timeout):
+
+            def take_reveal(node: int, reply: Message) -> None:
+                """Decode each reveal as it is pulled; the reply (its bundles for every other member)
+                is not kept beside the decoded copy."""
                 try:
                     content = reply.content
                     if CKKS_ARRAYS not in content.array_records:
@@ -178,6 +180,9 @@ class CkksSession:
                                                          node=node, ceremony=ann.ceremony))
                 except SecureAggregationError as exc:
                     failures[node] = ("ckks-reveal", str(exc))
+
+            self.exchange([self._message(REVEAL, n, RecordDict({CKKS: directory})) for n in committed],
+                          failures, "ckks-reveal", timeout, consume=take_reveal)
             reveals, inbox = coordinator.finish_request()
             shared = finish_arrays(reveals)  # one record for every member's request
             messages = []
