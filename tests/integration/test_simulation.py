@@ -76,18 +76,18 @@ def test_quorumfl_simulate_gives_the_deployed_runs_models(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_virtual_department_slowed_by_speeds_misses_the_round_deadline_and_is_recorded_late(tmp_path: Path) -> None:
-    """``simulate --speeds``: a department a twentieth as fast as this machine replies after the round
-    deadline; the server records it at stage 'deadline' and aggregates the others. Its ClientApp
-    handles its first round in about 2 s here (the model's first training included), so it replies
-    after about 40 s; the others reply within about 12 s of the simulation's start, Ray's workers
-    starting included."""
+def test_a_virtual_department_slowed_by_speeds_is_the_straggler_the_round_stops_waiting_for(tmp_path: Path) -> None:
+    """``simulate --speeds``: of three departments handling the same amount of work at the same
+    time, one a fifth as fast as this machine replies last, about five times later than the others,
+    however loaded the machine is. With K = 2 of 3 asked (``over-selection``), the round aggregates the
+    first two replies and records the slow department late (stage 'late'). (A fixed deadline would
+    depend on how fast this machine is at the moment: Ray's workers start within the first round.)"""
     home = tmp_path / "home"
     speeds = tmp_path / "speeds.json"
-    speeds.write_text(json.dumps({"dept-0002": 0.05}))
+    speeds.write_text(json.dumps({"dept-0002": 0.2}))
     toml = tmp_path / "run.toml"
     config = {"strategy": "fedavg", "model": "mlp-wide", "num-rounds": 1, "local-epochs": 1, "min-nodes": 2,
-              "start-from": "fresh", "round-deadline": 20.0, "seed": 1}
+              "fraction-train": 0.6, "over-selection": 0.5, "start-from": "fresh", "seed": 1}
     toml.write_text("[run]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in config.items()))
     done = subprocess.run([sys.executable, "-m", "quorumfl.cli", "--home", str(home), "simulate", str(toml),
                            "--departments", "3", "--cpus", "3", "--speeds", str(speeds)],
@@ -99,7 +99,8 @@ def test_a_virtual_department_slowed_by_speeds_misses_the_round_deadline_and_is_
     names = {n.node_id: n.department for n in repo.list_nodes()}
     assert run.status == RunStatus.COMPLETED and len(run.rounds) == 1
     [rnd] = run.rounds
+    assert len(rnd.selected) == 3, rnd.selected
     assert sorted(names[n] or "" for n in rnd.participants) == ["dept-0000", "dept-0001"], rnd.timings
-    # dept-0002 never replied in this run, so the server knows it by node id only
+    # dept-0002's reply came after the cut, so the server knows it by node id only
     [late] = rnd.failures
-    assert late.stage == "deadline" and late.node_id in rnd.selected and late.node_id not in rnd.participants
+    assert late.stage == "late" and late.node_id in rnd.selected and late.node_id not in rnd.participants
