@@ -7,7 +7,7 @@ A zlib stream costs CPU at level 9 (measured on this 2-core Xeon: 0.76 s for a 1
 weights, half of them pruned to zero, and 0.99 s for its delta after a tenth of them moved by one
 step), and a fleet of devices syncing after a promotion asks for the same few streams: each is
 encoded once and kept in a cache of ``cache_bytes`` (least recently used out first), keyed by the
-SHA-256 of the artifact and of the base it was encoded from. The files are still read and checked against their signed manifests on
+SHA-256 of the artifact and of the base it was encoded from, as their signed manifests give them. The files are still read and checked against their signed manifests on
 every request, so a damaged file is refused whatever the cache holds, and a replaced file is a new
 key. (A resumed download relies on the same bytes for the same request: a cached stream is exactly
 what encoding again would give, zlib being deterministic.) An offset outside what is streamed
@@ -20,7 +20,6 @@ restart of this service. TLS is optional (certificate and key PEM files).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +34,7 @@ import grpc
 from quorumfl.edge import delta, sync_pb2, sync_pb2_grpc
 from quorumfl.edge.export import ArtifactFormat
 from quorumfl.edge.keychain import Endorsement
-from quorumfl.edge.manifest import Channel
+from quorumfl.edge.manifest import Channel, Manifest
 from quorumfl.edge.registry import Registry
 from quorumfl.errors import ArtifactError, ConfigError, NotFoundError
 from quorumfl.server.state.artifacts import ArtifactRecords
@@ -58,7 +57,7 @@ class SyncService(sync_pb2_grpc.ModelSyncServicer):
     deltas: deque[int] = field(default_factory=lambda: deque(maxlen=1024))  # each download's base version (0: none)
     cache_bytes: int = CACHE_BYTES
     encoded: int = 0  # zlib streams encoded so far (a cached one is not counted again)
-    _cache: OrderedDict[tuple[bytes, bytes], bytes] = field(default_factory=OrderedDict)
+    _cache: OrderedDict[tuple[str, str], bytes] = field(default_factory=OrderedDict)
     _cached_bytes: int = 0
     _lock: Lock = field(default_factory=Lock)
 
@@ -90,9 +89,12 @@ class SyncService(sync_pb2_grpc.ModelSyncServicer):
             deltas=True,
         )
 
-    def _payload(self, context: Any, version: int, fmt: ArtifactFormat) -> bytes:
+    def _payload(self, context: Any, version: int, fmt: ArtifactFormat) -> tuple[bytes, str]:
+        """The artifact's bytes, checked against its signed manifest, and the SHA-256 they were checked
+        against (the cache's key: hashing them again would repeat that check's work)."""
         try:
-            return Registry.payload(self.records.get(version, fmt.value))
+            row = self.records.get(version, fmt.value)
+            return Registry.payload(row), Manifest.from_bytes(row.manifest.encode()).sha256
         except NotFoundError as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
             raise
@@ -101,15 +103,16 @@ class SyncService(sync_pb2_grpc.ModelSyncServicer):
             context.abort(grpc.StatusCode.DATA_LOSS, f"the server's copy of v{version} is damaged")
             raise
 
-    def _encode(self, payload: bytes, base: bytes) -> bytes:
-        """``delta.encode(payload, base)``, from the cache when these two files were encoded before."""
-        key = (hashlib.sha256(payload).digest(), hashlib.sha256(base).digest())
+    def _encode(self, payload: tuple[bytes, str], base: tuple[bytes, str] = (b"", "")) -> bytes:
+        """``delta.encode`` of a checked payload against a checked base (none: the whole file), from the
+        cache when these two files were encoded before; both come with their SHA-256 (``_payload``)."""
+        key = (payload[1], base[1])
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        stream = delta.encode(payload, base)  # outside the lock: other downloads go on meanwhile
+        stream = delta.encode(payload[0], base[0])  # outside the lock: other downloads go on meanwhile
         with self._lock:
             self.encoded += 1
             if key not in self._cache and len(stream) <= self.cache_bytes:
@@ -122,14 +125,15 @@ class SyncService(sync_pb2_grpc.ModelSyncServicer):
 
     def Download(self, request: Any, context: Any) -> Iterator[Any]:  # noqa: N802
         fmt = self._format(context, request.format)
-        payload = self._payload(context, int(request.version), fmt)
+        checked = self._payload(context, int(request.version), fmt)
+        payload = checked[0]
         base = int(request.base_version)
         if base:  # the delta against the version the device holds (the device checks what it rebuilds)
             if base >= int(request.version):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"base_version {base} is not older than {request.version}")
-            payload = self._encode(payload, self._payload(context, base, fmt))
+            payload = self._encode(checked, self._payload(context, base, fmt))
         elif request.compressed:  # the whole artifact, zlib-compressed: a delta against nothing
-            payload = self._encode(payload, b"")
+            payload = self._encode(checked)
         what = f"delta from v{base}" if base else "compressed artifact" if request.compressed else "artifact"
         if not 0 <= request.offset < len(payload):
             context.abort(grpc.StatusCode.OUT_OF_RANGE,
