@@ -275,31 +275,51 @@ class MaskingSession:
         start = self.clock()
         request, _ = rnd.unmask_request()  # raises (and reveals nothing) when no group has its quorum
         survivors = [n for alive, _ in request.groups for n in alive]
-        if any(ad.signature for ad in epoch.ads.values()):  # signed epoch: the consistency stage first
+        signed = any(ad.signature for ad in epoch.ads.values())  # signed epoch: a consistency stage first
+        # With the complete graph any t survivors hold every needed share, and a node checks t
+        # signatures over the view: ask t + spare of them (rotating with the slot) to confirm and then
+        # to unmask, and the rest only if too few answer. Every survivor gets the same view and the
+        # same request, so asking again reveals nothing new. The sparse graph asks every survivor.
+        first = survivors
+        if epoch.complete:
+            turn = rnd.slot % len(survivors)
+            rotated = survivors[turn:] + survivors[:turn]
+            first = rotated[: epoch.params.threshold + config.secagg_unmask_spare]
+        signatures: dict[int, bytes] = {}
+        asked_to_confirm: set[int] = set()
+        confirm_s = 0.0
+
+        def confirm(nodes: list[int]) -> None:
+            nonlocal request, confirm_s
+            if not nodes:
+                return
+            began = self.clock()
+            asked_to_confirm.update(nodes)
             view = encode_unmask_request(request)
-            signatures: dict[int, bytes] = {}
-            for node, reply in self.exchange([self._message(CONFIRM, n, view) for n in survivors], failures,
+            for node, reply in self.exchange([self._message(CONFIRM, n, view) for n in nodes], failures,
                                              "secagg-confirm", config.secagg_stage_timeout):
                 try:
                     signatures[node] = decode_confirmation(_secagg(reply))
                 except SecureAggregationError as exc:
                     failures[node] = ("secagg-confirm", str(exc))
             request = rnd.confirm(signatures)
-            survivors = [n for n in survivors if n in signatures]  # the others refuse to unmask
-            timings["secagg-confirm"] = self.clock() - start
-            start = self.clock()
-        record = encode_unmask_request(request)
-        # With the complete graph any t survivors hold every needed share: ask t + spare of them
-        # (rotating with the slot) and the rest only if too few answer. Every survivor gets the same
-        # request, so asking again reveals nothing new.
-        first = survivors
-        if epoch.complete:
-            turn = rnd.slot % len(survivors)
-            rotated = survivors[turn:] + survivors[:turn]
-            first = rotated[: epoch.params.threshold + config.secagg_unmask_spare]
+            confirm_s += self.clock() - began
+
+        asked_to_unmask: set[int] = set()
         for ask in (first, [n for n in survivors if n not in first]):
+            ask = [n for n in ask if n not in asked_to_unmask]
             if not ask or rnd.can_unmask():
                 break
+            if signed:  # only a node that signed the view may unmask, and only with t signatures in hand
+                confirm([n for n in ask if n not in asked_to_confirm])
+                if len(signatures) < epoch.params.threshold:
+                    more = [n for n in survivors if n not in asked_to_confirm]
+                    if more:
+                        confirm(more)
+                        ask += [n for n in more if n not in ask]
+                ask = [n for n in ask if n in signatures]  # the others refuse to unmask
+            asked_to_unmask.update(ask)
+            record = encode_unmask_request(request)
             replies = self.exchange([self._message(UNMASK, n, record) for n in ask], failures, "secagg-unmask",
                                     config.secagg_stage_timeout)
             for node, reply in replies:
@@ -308,7 +328,9 @@ class MaskingSession:
                 except SecureAggregationError as exc:
                     failures[node] = ("secagg-unmask", str(exc))
         outcomes = rnd.result()
-        timings["secagg-unmask"] = self.clock() - start
+        if signed:
+            timings["secagg-confirm"] = confirm_s
+        timings["secagg-unmask"] = self.clock() - start - confirm_s
         fp = epoch.params.fixed_point(len(epoch.members))
         means: dict[int, tuple[list[int], SecureMean]] = {}
         errors = []
