@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -44,6 +45,7 @@ from flwr.supercore.auth.typing import AccountAuthCredentials, AccountAuthLoginD
 from flwr.supercore.error import ApiErrorCode, FlowerError
 from flwr.superlink.auth_plugin import ControlAuthnPlugin
 
+from quorumfl.deploy import held_pulls
 from quorumfl.errors import CredentialError
 from quorumfl.privacy.admin import federation_id, load_admin_publics, verify_token
 
@@ -182,6 +184,11 @@ def main(argv: list[str] | None = None) -> None:
     flower_stack = main_module._get_middleware
     main_module._get_middleware = lambda: gate_middleware(flower_stack())  # create_app calls it at start
     keys_path = _take_flag(args, ADMIN_KEYS_FLAG)
+    try:
+        hold = held_pulls.hold_seconds(os.environ.get(held_pulls.HOLD_ENV))
+    except ValueError as exc:
+        print(f"quorumfl superlink: {exc}", file=sys.stderr)
+        sys.exit(78)
     ca_path = _flag_value(args, "--ssl-ca-certfile")
     if "--insecure" not in args:
         try:
@@ -210,6 +217,15 @@ def main(argv: list[str] | None = None) -> None:
     from quorumfl.deploy.link_restarts import install
 
     install()  # a message taken by a node that restarted since gets an answer, not the round's timeout
+    pulls = held_pulls.install()
+    create = main_module.create_app
+
+    def create_holding_app(*a: Any, **kw: Any) -> Any:
+        app = create(*a, **kw)
+        app.add_middleware(held_pulls.HeldPulls, pulls=pulls, hold=hold)  # outermost: before Flower's stack
+        return app
+
+    main_module.create_app = create_holding_app
     sys.argv = ["flower-superlink", *args]
     flower_superlink()
 

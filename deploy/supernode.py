@@ -28,6 +28,7 @@ import time
 from types import ModuleType
 from typing import Any
 
+from quorumfl.deploy.held_pulls import HOLD_ENV, hold_seconds
 from quorumfl.deploy.launch_gate import WARM_ENV
 from quorumfl.deploy.task_wake import WAKE_ENV, Waker, new_wake_name
 from quorumfl.protocol.pull_backoff import shorten_pull_backoff
@@ -55,39 +56,50 @@ def poll_interval(env: dict[str, str] | os._Environ[str] = os.environ) -> float:
 
 
 class _Waits:
-    """Stands in for the ``time`` module inside Flower's SuperNode loop: only ``sleep`` differs."""
+    """Stands in for the ``time`` module inside Flower's SuperNode loop: only ``sleep`` differs. After
+    an empty pull the SuperLink held (``held`` set by ``wake_after_store``) it asks again at once."""
 
     def __init__(self, poll: float) -> None:
         self.poll = poll
+        self.held = False
 
     def sleep(self, seconds: float) -> None:
-        time.sleep(self.poll if seconds >= _FLOWER_IDLE_SLEEP_S else min(seconds, LOCAL_WAIT_S))
+        if seconds >= _FLOWER_IDLE_SLEEP_S:
+            time.sleep(LOCAL_WAIT_S if self.held else self.poll)
+        else:
+            time.sleep(min(seconds, LOCAL_WAIT_S))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(time, name)
 
 
-def patch_waits(module: ModuleType, poll: float) -> None:
+def patch_waits(module: ModuleType, poll: float) -> _Waits:
     """Make ``module``'s sleeps (Flower's SuperNode loop) wait ``poll`` after an empty pull and
     ``LOCAL_WAIT_S`` in its local waits."""
     if getattr(module, "time", None) is not time:
         raise RuntimeError(f"{module.__name__} no longer uses the time module as Flower 1.42 did; "
                            "run Flower's flower-supernode directly")
-    module.time = _Waits(poll)  # type: ignore[attr-defined]
+    waits = _Waits(poll)
+    module.time = waits  # type: ignore[attr-defined]
+    return waits
 
 
-def wake_after_store(module: ModuleType, waker: Waker) -> None:
+def wake_after_store(module: ModuleType, waker: Waker, waits: _Waits | None = None, hold: float = 0.0) -> None:
     """Make ``module``'s ``_pull_and_store_message`` (Flower's SuperNode loop) wake the SuperExec
-    after each message it has stored."""
+    after each message it has stored, and tell ``waits`` whether an empty pull was held by the
+    SuperLink (it took at least half of ``hold``: ``quorumfl.deploy.held_pulls``)."""
     pull_and_store = getattr(module, "_pull_and_store_message", None)
     if pull_and_store is None:
         raise RuntimeError(f"{module.__name__} no longer has _pull_and_store_message as Flower 1.42 did; "
                            "run Flower's flower-supernode directly")
 
     def pull_store_and_wake(*args: Any, **kwargs: Any) -> Any:
+        started = time.monotonic()
         run_id = pull_and_store(*args, **kwargs)
         if run_id is not None:
             waker.wake()
+        if waits is not None:
+            waits.held = run_id is None and hold > 0 and time.monotonic() - started >= hold / 2
         return run_id
 
     module._pull_and_store_message = pull_store_and_wake  # type: ignore[attr-defined]
@@ -96,13 +108,14 @@ def wake_after_store(module: ModuleType, waker: Waker) -> None:
 def main() -> None:
     try:
         poll = poll_interval()
+        hold = hold_seconds(os.environ.get(HOLD_ENV))
     except ValueError as exc:
         print(f"quorumfl supernode: {exc}", file=sys.stderr)
         sys.exit(78)
     from flwr.supernode import start_client_internal
     from flwr.supernode.cli import flower_supernode
 
-    patch_waits(start_client_internal, poll)
+    waits = patch_waits(start_client_internal, poll)
     shorten_pull_backoff()
     if os.environ.get(WARM_ENV):  # this node's ClientApps are warm: have the server ready before the first task
         from quorumfl.deploy.warm import prestart
@@ -111,7 +124,7 @@ def main() -> None:
                          daemon=True).start()
     wake_name = new_wake_name()
     os.environ[WAKE_ENV] = wake_name  # for the SuperExec that Flower's SuperNode starts
-    wake_after_store(start_client_internal, Waker(wake_name))
+    wake_after_store(start_client_internal, Waker(wake_name), waits, hold)
     sys.argv = ["flower-supernode", *sys.argv[1:]]
     flower_supernode()
 

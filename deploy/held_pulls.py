@@ -1,0 +1,207 @@
+"""The SuperLink holds a SuperNode's pull that would come back empty until a message for it arrives.
+
+Flower 1.42's SuperNodes ask the SuperLink for their next message (``POST /v1/fleet/pull-messages``)
+and, when there is none, sleep and ask again (``quorumfl.deploy.supernode`` shortened Flower's 3 s
+sleep to 0.5 s). Every message of a round therefore waits for its node's next ask: on average half
+an interval, and a stage of ten nodes waits for the slowest of ten, about a whole one. A masked
+round has three such stages (train, consistency, unmask) and a CKKS round two. Asking more often
+does not help on a loaded server: each ask costs the SuperLink about 3.5 ms of CPU (TLS, HTTP,
+Flower's middleware, the node's signature), so ten nodes asking every 0.1 s took a third of a core
+from the stages themselves. Flower's Fleet API has no push and no long poll.
+
+So the SuperLink answers an ask only when it has something, or after ``hold`` seconds (a long
+poll), without changing what Flower answers:
+
+- ``PullTracker`` follows Flower's link state (both stores it ships, wrapped by ``install``): each
+  message stored for a node (``store_message_ins``) bumps that node's count, and each ask that found
+  nothing (``get_message_ins`` returning no message) records the count it started from.
+- ``HeldPulls`` (ASGI, outermost) reads a pull request's small protobuf body, and when that node's
+  last ask found nothing and nothing has been stored for it since, waits until a message is stored
+  for it or ``hold`` passes; then it hands the request, body unchanged, to Flower's own stack
+  (node authentication included), which answers as it always does.
+
+What cannot go wrong: a hold only delays an answer, by at most ``hold``, and never changes it. A
+node id that never passed Flower's node authentication cannot be held (it has no empty ask on
+record), and a node has at most one held ask: a second ask for it (an attacker replaying its id)
+goes straight through, so the worst an attacker on the network can do is return that node to plain
+polling. A message that becomes available in a way that bypasses ``store_message_ins`` reaches its
+node at most ``hold`` late. The SuperNode (``quorumfl.deploy.supernode``) sees its empty asks take
+about ``hold`` and then asks again at once instead of sleeping; against a SuperLink that does not
+hold, it keeps its poll interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+__all__ = ["HOLD_ENV", "PULL_PATH", "HeldPulls", "PullTracker", "hold_seconds", "install", "tracker"]
+
+HOLD_ENV = "QUORUMFL_PULL_HOLD_S"
+DEFAULT_HOLD_S = 1.0
+PULL_PATH = "/v1/fleet/pull-messages"
+MAX_BODY = 64 * 1024  # a pull request is a node id and a signature; anything larger goes through unheld
+_INSTALLED = "_quorumfl_pulls_tracked"
+
+
+def hold_seconds(raw: str | None) -> float:
+    """The hold from ``QUORUMFL_PULL_HOLD_S`` (0 turns holding off); raises ValueError naming it."""
+    if raw is None or not raw.strip():
+        return DEFAULT_HOLD_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{HOLD_ENV}={raw!r} must be a number of seconds between 0 and 10") from None
+    if not 0 <= value <= 10:
+        raise ValueError(f"{HOLD_ENV}={raw!r} must be a number of seconds between 0 and 10")
+    return value
+
+
+class PullTracker:
+    """Per node: how many messages were stored for it, and that count when an ask last found nothing."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stored: dict[int, int] = {}
+        self._empty_at: dict[int, int] = {}
+        self._waiters: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
+
+    def stored_count(self, node: int) -> int:
+        with self._lock:
+            return self._stored.get(node, 0)
+
+    def stored(self, node: int) -> None:
+        """A message for ``node`` was stored: wake its held ask, if any."""
+        with self._lock:
+            self._stored[node] = self._stored.get(node, 0) + 1
+            waiter = self._waiters.get(node)
+        if waiter is not None:
+            loop, event = waiter
+            loop.call_soon_threadsafe(event.set)
+
+    def asked(self, node: int, count_before: int, got: int) -> None:
+        """An ask for ``node`` that began when its count was ``count_before`` returned ``got`` messages."""
+        if got == 0:
+            with self._lock:
+                self._empty_at[node] = count_before
+
+    def idle(self, node: int) -> bool:
+        """True when the node's last ask found nothing and nothing was stored for it since."""
+        with self._lock:
+            return self._idle(node)
+
+    def _idle(self, node: int) -> bool:  # the caller holds the lock
+        return node in self._empty_at and self._empty_at[node] == self._stored.get(node, 0)
+
+    async def hold(self, node: int, seconds: float) -> bool:
+        """Wait until a message is stored for ``node`` or ``seconds`` pass, if the node is idle and no
+        other ask of it is held; True when it waited."""
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        with self._lock:
+            if node in self._waiters or not self._idle(node):
+                return False
+            self._waiters[node] = (loop, event)
+        try:
+            await asyncio.wait_for(event.wait(), seconds)
+        except TimeoutError:
+            pass
+        finally:
+            with self._lock:
+                self._waiters.pop(node, None)
+        return True
+
+
+_current = PullTracker()  # process-wide, whichever link-state object Flower stores through
+
+
+def tracker() -> PullTracker:
+    """The tracker the link states feed (the last one ``install`` was given)."""
+    return _current
+
+
+def _wrap(cls: type) -> None:
+    if getattr(cls, _INSTALLED, False):
+        return
+    store: Callable[..., str | None] = cls.store_message_ins  # type: ignore[attr-defined]
+    take: Callable[..., list[Any]] = cls.get_message_ins  # type: ignore[attr-defined]
+
+    def store_message_ins(self: Any, message: Any, *args: Any, **kw: Any) -> str | None:
+        stored = store(self, message, *args, **kw)
+        if stored is not None:
+            _current.stored(int(message.metadata.dst_node_id))
+        return stored
+
+    def get_message_ins(self: Any, node_id: int, limit: int | None, *args: Any, **kw: Any) -> list[Any]:
+        pulls = _current
+        before = pulls.stored_count(int(node_id))
+        delivered = take(self, node_id, limit, *args, **kw)
+        pulls.asked(int(node_id), before, len(delivered))
+        return delivered
+
+    cls.store_message_ins = store_message_ins  # type: ignore[attr-defined]
+    cls.get_message_ins = get_message_ins  # type: ignore[attr-defined]
+    setattr(cls, _INSTALLED, True)
+
+
+def install(pulls: PullTracker | None = None) -> PullTracker:
+    """Feed ``pulls`` (default: the one already fed) from both link states Flower ships; returns it."""
+    global _current
+    from flwr.server.superlink.linkstate.in_memory_linkstate import InMemoryLinkState
+    from flwr.server.superlink.linkstate.sql_linkstate import SqlLinkState
+
+    if pulls is not None:
+        _current = pulls
+    for cls in (InMemoryLinkState, SqlLinkState):
+        _wrap(cls)
+    return _current
+
+
+def _node_of(body: bytes) -> int | None:
+    from flwr.proto.fleet_pb2 import PullMessagesRequest
+    from google.protobuf.message import DecodeError
+
+    request = PullMessagesRequest()
+    try:
+        request.ParseFromString(body)
+    except DecodeError:
+        return None
+    return int(request.node.node_id) if request.HasField("node") else None
+
+
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+
+
+class HeldPulls:
+    """ASGI middleware: a SuperNode's pull for which nothing is waiting is held up to ``hold``
+    seconds (see the module docstring); everything else passes straight on."""
+
+    def __init__(self, app: Any, pulls: PullTracker, hold: float) -> None:
+        self.app, self.pulls, self.hold = app, pulls, hold
+
+    async def __call__(self, scope: Any, receive: Receive, send: Any) -> None:
+        if self.hold <= 0 or scope["type"] != "http" or scope.get("path") != PULL_PATH or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        messages: list[dict[str, Any]] = []
+        body = b""
+        more = True
+        while more and len(body) <= MAX_BODY:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            body += message.get("body", b"")
+            more = bool(message.get("more_body", False))
+        if not more and messages and messages[-1]["type"] == "http.request":
+            node = _node_of(body)
+            if node is not None:
+                await self.pulls.hold(node, self.hold)
+        replay = list(messages)
+
+        async def replayed() -> dict[str, Any]:
+            return replay.pop(0) if replay else await receive()
+
+        await self.app(scope, replayed, send)
