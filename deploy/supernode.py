@@ -57,20 +57,19 @@ def poll_interval(env: dict[str, str] | os._Environ[str] = os.environ) -> float:
 
 class _Waits:
     """Stands in for the ``time`` module inside Flower's SuperNode loop: only ``sleep`` differs. After
-    an empty pull the SuperLink held (``held`` set by ``wake_after_store``) it asks again at once."""
+    an empty pull the SuperLink held, or the first empty pull after a message (which the SuperLink
+    never holds: another message may be waiting), it asks again at once (``again``, set by
+    ``wake_after_store``); the next pull is then held."""
 
     def __init__(self, poll: float) -> None:
         self.poll = poll
-        self.held = False
+        self.again = False
 
     def sleep(self, seconds: float) -> None:
         if seconds >= _FLOWER_IDLE_SLEEP_S:
-            time.sleep(LOCAL_WAIT_S if self.held else self.poll)
+            time.sleep(LOCAL_WAIT_S if self.again else self.poll)
         else:
             time.sleep(min(seconds, LOCAL_WAIT_S))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(time, name)
 
 
 def patch_waits(module: ModuleType, poll: float) -> _Waits:
@@ -86,20 +85,26 @@ def patch_waits(module: ModuleType, poll: float) -> _Waits:
 
 def wake_after_store(module: ModuleType, waker: Waker, waits: _Waits | None = None, hold: float = 0.0) -> None:
     """Make ``module``'s ``_pull_and_store_message`` (Flower's SuperNode loop) wake the SuperExec
-    after each message it has stored, and tell ``waits`` whether an empty pull was held by the
-    SuperLink (it took at least half of ``hold``: ``quorumfl.deploy.held_pulls``)."""
+    after each message it has stored, and tell ``waits`` to ask again at once after an empty pull
+    that the SuperLink held (it took at least half of ``hold``: ``quorumfl.deploy.held_pulls``) or
+    that followed a message, when the SuperLink holds pulls (``hold`` > 0)."""
     pull_and_store = getattr(module, "_pull_and_store_message", None)
     if pull_and_store is None:
         raise RuntimeError(f"{module.__name__} no longer has _pull_and_store_message as Flower 1.42 did; "
                            "run Flower's flower-supernode directly")
 
+    after_message = False
+
     def pull_store_and_wake(*args: Any, **kwargs: Any) -> Any:
+        nonlocal after_message
         started = time.monotonic()
         run_id = pull_and_store(*args, **kwargs)
         if run_id is not None:
             waker.wake()
         if waits is not None:
-            waits.held = run_id is None and hold > 0 and time.monotonic() - started >= hold / 2
+            held = time.monotonic() - started >= hold / 2
+            waits.again = run_id is None and hold > 0 and (held or after_message)
+        after_message = run_id is not None
         return run_id
 
     module._pull_and_store_message = pull_store_and_wake  # type: ignore[attr-defined]

@@ -18,11 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.proto.fleet_pb2 import PullMessagesRequest
 from flwr.proto.node_pb2 import Node
 from flwr.server.superlink.linkstate import LinkStateFactory
 from flwr.supercore.constant import FLWR_IN_MEMORY_DB_NAME
+from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
 from flwr.supercore.object_store import ObjectStoreFactory
+from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.federation import NoOpFederationManager
 
 from quorumfl.deploy import held_pulls, supernode
@@ -56,6 +59,40 @@ def test_a_node_is_idle_only_between_an_empty_pull_and_the_next_message_for_it(s
     assert not pulls.idle(tax)
     assert state.get_message_ins(tax, 1) == []
     assert pulls.idle(tax)
+
+
+def _push_with_objects(state: Any, run_id: int, node_id: int) -> tuple[str, list[tuple[str, bytes]]]:
+    """Store a train message the way the ServerApp pushes one (message and object tree first); its
+    id and the (object id, content) pairs still to push."""
+    saved = (TaskIdentity._run_id, TaskIdentity._task_id, TaskIdentity._node_id)  # type: ignore[attr-defined]
+    TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = run_id, 1, 0
+    try:
+        message = Message(RecordDict({"config": ConfigRecord({"lr": 0.1})}), dst_node_id=node_id,
+                          message_type="train")
+    finally:
+        TaskIdentity._run_id, TaskIdentity._task_id, TaskIdentity._node_id = saved  # type: ignore[attr-defined]
+    message.metadata.__dict__["_src_node_id"] = 1
+    message.metadata.__dict__["_message_id"] = message.object_id
+    session = state.start_session(run_id)
+    stored, missing = state.store_message_and_object_tree(message, get_object_tree(message), session)
+    assert stored and missing
+    contents = {i: o.deflate() for i, o in get_all_nested_objects(message).items()}
+    return session, [(i, contents[i]) for i in missing]
+
+
+def test_a_message_counts_for_its_node_only_once_its_objects_are_all_pushed(state: Any, pulls: PullTracker) -> None:
+    run_id, tax, _ = _federation(state)
+    assert state.get_message_ins(tax, 1) == []
+    session, objects = _push_with_objects(state, run_id, tax)
+    assert len(objects) >= 2
+    for object_id, content in objects[:-1]:
+        assert pulls.idle(tax)  # a pull now would be held: the node is not sent a half-pushed message
+        assert state.store_object(run_id, session, object_id, content)
+    assert pulls.idle(tax)
+    last_id, last = objects[-1]
+    assert state.store_object(run_id, session, last_id, last)
+    assert not pulls.idle(tax)  # complete: a held pull goes on and gets it
+    assert len(state.get_message_ins(tax, 1)) == 1
 
 
 class Recorder:
@@ -170,11 +207,14 @@ def test_hold_setting_is_checked() -> None:
             hold_seconds(bad)
 
 
-def _loop_module(result: int | None, seconds: float) -> types.ModuleType:
-    """A stand-in for Flower's SuperNode loop module: a pull that takes ``seconds`` and returns ``result``."""
+def _loop_module(pulls: list[tuple[int | None, float]]) -> types.ModuleType:
+    """A stand-in for Flower's SuperNode loop module whose pulls return, in turn, ``(run id or None,
+    seconds the pull takes)``."""
     module = types.ModuleType("loop")
+    queue = list(pulls)
 
     def _pull_and_store_message(*_: Any, **__: Any) -> int | None:
+        result, seconds = queue.pop(0)
         time.sleep(seconds)
         return result
 
@@ -191,25 +231,25 @@ class _Woken:
         self.count += 1
 
 
-@pytest.mark.parametrize(("result", "seconds", "held"), [(None, 0.3, True), (None, 0.0, False), (7, 0.3, False)])
-def test_the_supernode_asks_again_at_once_only_after_a_held_empty_pull(
-    result: int | None, seconds: float, held: bool
+@pytest.mark.parametrize(("pulls", "hold", "again"), [
+    ([(None, 0.3)], 0.5, True),  # the SuperLink held this empty pull: ask again at once
+    ([(None, 0.0)], 0.5, False),  # answered at once with nothing, not after a message: poll
+    ([(7, 0.0), (None, 0.0)], 0.5, True),  # the first empty pull after a message is never held
+    ([(7, 0.0), (None, 0.0), (None, 0.0)], 0.5, False),  # ... but the one after it should have been
+    ([(7, 0.0), (None, 0.0)], 0.0, False),  # a SuperLink that does not hold: poll as before
+    ([(None, 0.3)], 0.0, False),
+])
+def test_the_supernode_asks_again_at_once_only_when_its_next_pull_will_be_held(
+    pulls: list[tuple[int | None, float]], hold: float, again: bool
 ) -> None:
-    module = _loop_module(result, seconds)
+    module = _loop_module(pulls)
     waits = supernode.patch_waits(module, poll=1.0)
     woken = _Woken()
-    supernode.wake_after_store(module, woken, waits, hold=0.5)  # type: ignore[arg-type]
-    module._pull_and_store_message()
-    assert waits.held is held and woken.count == (result is not None)
+    supernode.wake_after_store(module, woken, waits, hold=hold)  # type: ignore[arg-type]
+    for _ in pulls:
+        module._pull_and_store_message()
+    assert waits.again is again and woken.count == sum(r is not None for r, _ in pulls)
     started = time.monotonic()
     module.time.sleep(3)  # Flower's sleep after an empty pull
     slept = time.monotonic() - started
-    assert (slept < 0.5) if held else (slept >= 0.95)  # at once (0.05 s) after a held pull; else the poll interval
-
-
-def test_without_holds_the_supernode_keeps_its_poll() -> None:
-    module = _loop_module(None, 0.3)
-    waits = supernode.patch_waits(module, poll=0.5)
-    supernode.wake_after_store(module, _Woken(), waits, hold=0.0)  # type: ignore[arg-type]
-    module._pull_and_store_message()
-    assert waits.held is False
+    assert (slept < 0.5) if again else (slept >= 0.95)  # at once (0.05 s), else the poll interval
