@@ -13,7 +13,9 @@ with Flower's own 401 answer. The SuperLink never holds the admin's private key.
 SuperLink process (with ``--insecure`` too, without the keys): it makes the link state answer for
 messages lost to a node's restart (``quorumfl.deploy.link_restarts``), it installs the plugin where Flower's CLI loads its own, keeps the Runtime API
 (which Flower leaves unauthenticated in subprocess isolation) to this host's own processes
-(``RuntimeFromThisHost``), then runs Flower's ``flower-superlink`` unchanged. A SuperLink started with TLS but without ``--admin-keys`` refuses
+(``RuntimeFromThisHost``), holds SuperNodes' empty pulls until a message for them is ready
+(``quorumfl.deploy.held_pulls``, ``QUORUMFL_PULL_HOLD_S``), then runs Flower's ``flower-superlink``
+unchanged. A SuperLink started with TLS but without ``--admin-keys`` refuses
 to start (fails closed); ``--insecure`` keeps Flower's no-op plugin, as documented for trusted
 networks only.
 

@@ -39,12 +39,13 @@ keeps its poll interval.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-__all__ = ["HOLD_ENV", "PULL_PATH", "HeldPulls", "PullTracker", "hold_seconds", "install", "tracker"]
+__all__ = ["HOLD_ENV", "PULL_PATH", "HeldPulls", "PullTracker", "env_seconds", "hold_seconds", "install", "tracker"]
 
 HOLD_ENV = "QUORUMFL_PULL_HOLD_S"
 DEFAULT_HOLD_S = 1.0
@@ -54,17 +55,23 @@ MAX_BODY = 64 * 1024  # a pull request is a node id and a signature; anything la
 _INSTALLED = "_quorumfl_pulls_tracked"
 
 
-def hold_seconds(raw: str | None) -> float:
-    """The hold from ``QUORUMFL_PULL_HOLD_S`` (0 turns holding off); raises ValueError naming it."""
+def env_seconds(name: str, raw: str | None, *, default: float, low: float, high: float) -> float:
+    """A number of seconds from the environment variable ``name`` (``raw`` its value; unset or blank:
+    ``default``); raises ValueError naming the variable and the range."""
     if raw is None or not raw.strip():
-        return DEFAULT_HOLD_S
+        return default
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{HOLD_ENV}={raw!r} must be a number of seconds between 0 and 10") from None
-    if not 0 <= value <= 10:
-        raise ValueError(f"{HOLD_ENV}={raw!r} must be a number of seconds between 0 and 10")
+        value = math.nan
+    if not low <= value <= high:
+        raise ValueError(f"{name}={raw!r} must be a number of seconds between {low:g} and {high:g}")
     return value
+
+
+def hold_seconds(raw: str | None) -> float:
+    """The hold from ``QUORUMFL_PULL_HOLD_S`` (0 turns holding off); raises ValueError naming it."""
+    return env_seconds(HOLD_ENV, raw, default=DEFAULT_HOLD_S, low=0, high=10)
 
 
 class PullTracker:

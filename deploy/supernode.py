@@ -28,7 +28,7 @@ import time
 from types import ModuleType
 from typing import Any
 
-from quorumfl.deploy.held_pulls import HOLD_ENV, hold_seconds
+from quorumfl.deploy.held_pulls import HOLD_ENV, env_seconds, hold_seconds
 from quorumfl.deploy.launch_gate import WARM_ENV
 from quorumfl.deploy.task_wake import WAKE_ENV, Waker, new_wake_name
 from quorumfl.protocol.pull_backoff import shorten_pull_backoff
@@ -43,16 +43,7 @@ _FLOWER_IDLE_SLEEP_S = 3  # the one sleep in Flower's loop that follows an empty
 
 def poll_interval(env: dict[str, str] | os._Environ[str] = os.environ) -> float:
     """The SuperLink poll interval from ``QUORUMFL_SUPERNODE_POLL_S``; raises ValueError naming it."""
-    raw = env.get(POLL_ENV, "").strip()
-    if not raw:
-        return DEFAULT_POLL_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{POLL_ENV}={raw!r} must be a number of seconds between 0.05 and 3") from None
-    if not 0.05 <= value <= 3:
-        raise ValueError(f"{POLL_ENV}={raw!r} must be a number of seconds between 0.05 and 3")
-    return value
+    return env_seconds(POLL_ENV, env.get(POLL_ENV), default=DEFAULT_POLL_S, low=0.05, high=3)
 
 
 class _Waits:
@@ -70,6 +61,9 @@ class _Waits:
             time.sleep(LOCAL_WAIT_S if self.again else self.poll)
         else:
             time.sleep(min(seconds, LOCAL_WAIT_S))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
 
 
 def patch_waits(module: ModuleType, poll: float) -> _Waits:
