@@ -149,9 +149,15 @@ class Registry:
     @staticmethod
     def payload(row: EdgeArtifact) -> bytes:
         """The artifact's bytes, refused unless they still match the signed manifest."""
+        return Registry.checked_payload(row)[0]
+
+    @staticmethod
+    def checked_payload(row: EdgeArtifact) -> tuple[bytes, Manifest]:
+        """``payload`` and the signed manifest its bytes were checked against."""
         try:
             data = Path(row.path).read_bytes()
         except OSError as exc:
             raise ArtifactError(f"artifact file {row.path} is unreadable ({exc.strerror or exc})") from exc
-        check_payload(Manifest.from_bytes(row.manifest.encode()), data)
-        return data
+        manifest = Manifest.from_bytes(row.manifest.encode())
+        check_payload(manifest, data)
+        return data, manifest
