@@ -281,6 +281,10 @@ def test_a_server_still_importing_is_waited_for_not_doubled(tmp_path: Path, serv
     importing = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "quorumfl.deploy.warm"])
     superexec = _superexec()
     try:
+        deadline = time.monotonic() + 30  # until it has exec'd: before that /proc shows pytest's argv
+        while b"quorumfl.deploy.warm" not in Path(f"/proc/{importing.pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline, "the stand-in server did not start"
+            time.sleep(0.01)
         Path(f"{env[WARM_ENV]}.starting").write_text(str(importing.pid))
         assert not prestart(env, superexec.pid)  # waited, started nothing
         assert not _server_pids(tmp_path)
