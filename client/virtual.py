@@ -35,7 +35,8 @@ learn from failures (Oort, RL) can learn the pattern.
 
 The folder is named by ``$QUORUMFL_SIMULATION_ROOT`` (inherited by the simulation's worker
 processes). The mod does nothing unless that variable is set *and* the node config has a
-``partition-id`` and no ``data-path``, so a deployed SuperNode is never remapped.
+``partition-id`` and no ``data-path`` (or one this mod mapped from that folder, marked ``virtual-root``:
+a virtual node keeps its Context between messages), so a deployed SuperNode is never remapped.
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ from flwr.common.constant import ErrorCode
 
 from quorumfl.errors import ConfigError
 
-__all__ = ["AVAILABILITY_KEY", "DROPOUT_KEY", "LAYOUT_FILE", "OFFLINE_SHARE", "SEED_KEY", "SIMULATION_ROOT_ENV", "SPEED_KEY",
-           "START_KEY", "NodeValue", "drops", "offline", "slowdown", "virtual_department", "virtual_node_config",
+__all__ = ["AVAILABILITY_KEY", "DROPOUT_KEY", "LAYOUT_FILE", "OFFLINE_SHARE", "ROOT_KEY", "SEED_KEY", "SIMULATION_ROOT_ENV",
+           "SPEED_KEY", "START_KEY", "NodeValue", "drops", "offline", "slowdown", "virtual_department", "virtual_node_config",
            "write_layout"]
 
 SIMULATION_ROOT_ENV = "QUORUMFL_SIMULATION_ROOT"
@@ -65,6 +66,7 @@ SEED_KEY = "virtual-seed"
 SPEED_KEY = "virtual-speed"
 AVAILABILITY_KEY = "virtual-availability"
 START_KEY = "virtual-start"
+ROOT_KEY = "virtual-root"  # set on a mapped config: the simulation folder it was mapped from
 OFFLINE_SHARE = 0.25  # of each availability period, as benchmarks/selection.py's departments
 NodeValue = bool | int | float | str
 
@@ -108,7 +110,7 @@ def virtual_node_config(node_config: dict[str, NodeValue], root: str) -> dict[st
         raise ConfigError(f"virtual node has partition-id {index!r}; the simulation has {len(departments)} departments")
     name, data, speed = departments[index]
     mapped: dict[str, NodeValue] = {**node_config, **dict(extra), "data-path": data, "department": name,
-                                    "state-dir": str(Path(root) / "nodes" / name), "torch-threads": 1}
+                                    "state-dir": str(Path(root) / "nodes" / name), "torch-threads": 1, ROOT_KEY: root}
     if speed != 1.0:
         mapped[SPEED_KEY] = speed
     return mapped
@@ -154,7 +156,12 @@ def virtual_department(msg: Message, context: Context, call_next: Callable[[Mess
     """ClientApp mod: give a simulated node its department's node config, and play its dropouts
     (module docstring)."""
     root = os.environ.get(SIMULATION_ROOT_ENV, "")
-    if root and "partition-id" in context.node_config and "data-path" not in context.node_config:
+    if root and "partition-id" in context.node_config and (
+        "data-path" not in context.node_config or context.node_config.get(ROOT_KEY) == root
+    ):
+        # A simulated node keeps its Context between messages, so from its second message on the
+        # config is already mapped (it has a data-path, and the root mark says whose): dropouts,
+        # speed and availability apply to every message, not only to the first.
         context.node_config = virtual_node_config(dict(context.node_config), root)
         if drops(dict(context.node_config), msg.metadata.message_id):
             return Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,

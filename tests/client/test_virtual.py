@@ -67,7 +67,8 @@ def test_a_virtual_node_gets_its_departments_partition_name_and_state_folder(tmp
     write_layout(root, [("tax-office", tmp_path / "a"), ("parks", tmp_path / "b")], {"reproducible-training": True})
     seen = _seen(root, {"partition-id": 1, "num-partitions": 2}, monkeypatch)
     assert seen == {"partition-id": 1, "num-partitions": 2, "data-path": str(tmp_path / "b"), "department": "parks",
-                    "state-dir": str(root / "nodes" / "parks"), "torch-threads": 1, "reproducible-training": True}
+                    "state-dir": str(root / "nodes" / "parks"), "torch-threads": 1, "reproducible-training": True,
+                    "virtual-root": str(root)}
 
 
 def test_a_deployed_node_config_is_never_remapped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,6 +76,8 @@ def test_a_deployed_node_config_is_never_remapped(tmp_path: Path, monkeypatch: p
     write_layout(root, [("tax-office", tmp_path / "a")], {})
     deployed = {"partition-id": 0, "data-path": "/srv/tax", "department": "tax-office"}
     assert _seen(root, dict(deployed), monkeypatch) == deployed  # it has its own data-path
+    other = {**deployed, "virtual-root": str(tmp_path / "another")}
+    assert _seen(root, dict(other), monkeypatch) == other  # mapped from another simulation folder, if any
     assert _seen(root, {"partition-id": 0}, monkeypatch, env=False) == {"partition-id": 0}  # not a simulation
 
 
@@ -140,6 +143,26 @@ def test_a_virtual_department_that_drops_out_answers_with_an_error(tmp_path: Pat
     reply = virtual_department(Message(RecordDict(), dst_node_id=7, message_type="train"), context, handler)
     assert reply.has_error() and reply.error.reason == ("virtual department parks dropped out of this train message "
                                                         "(virtual-dropout)")
+
+
+def test_a_virtual_department_drops_out_of_later_messages_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A simulated node keeps its Context (and the config the mod mapped) between messages; the mod
+    still plays dropouts on every message, not only on the first (the key set-up's)."""
+    root = tmp_path / "sim"
+    write_layout(root, [("parks", tmp_path / "a")], {DROPOUT_KEY: 0.999999})
+    monkeypatch.setenv(SIMULATION_ROOT_ENV, str(root))
+    context = Context(run_id=1, node_id=7, node_config={"partition-id": 0}, state=RecordDict(), run_config={})
+    handled: list[str] = []
+
+    def handler(msg: Message, ctx: Context) -> Message:
+        handled.append(msg.metadata.message_type)
+        return msg
+
+    for kind in ("query.secagg_advertise", "query.secagg_share", "train", "query.secagg_unmask"):
+        reply = virtual_department(Message(RecordDict(), dst_node_id=7, message_type=kind), context, handler)
+        assert reply.has_error() and f"dropped out of this {kind} message" in reply.error.reason
+    assert handled == []
+    assert context.node_config["department"] == "parks" and context.node_config["data-path"] == str(tmp_path / "a")
 
 
 def test_lognormal_speeds_follow_the_runs_seed_with_median_one_capped_at_this_machines_speed() -> None:
