@@ -33,6 +33,7 @@ from quorumfl.aggregation.ckks.seal import Seal
 from quorumfl.aggregation.ckks.threshold import answer_checked
 from quorumfl.aggregation.secagg import flatten, weighted_payload
 from quorumfl.client.secure import _binding, identity, node_record
+from quorumfl.client.virtual import record_payload
 from quorumfl.core.files import default_home
 from quorumfl.errors import NotFoundError, SecureAggregationError
 from quorumfl.privacy.keystore import KeyStore, StoredKey
@@ -137,6 +138,8 @@ def encrypted_train_reply(msg: Message, context: Context, local: LocalTraining) 
                                clip=request.clip, value=local.eval_value, eval_loss=local.eval_loss,
                                norm_bound=local.config.update_norm_bound)
     payload = np.clip(payload, -request.clip, request.clip)
+    record_payload(dict(context.node_config), round_number=request.round_number, node=int(context.node_id),
+                   received=flatten(local.received), payload=payload)
     polys = encrypt_vector(request.params, share.public_key, payload, primes=request.primes)
     tag = contribute(share, polys[:, 1], round_number=request.round_number, group=request.group, signer=me.signer(),
                      department=me.department, binding=_binding(context))

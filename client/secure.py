@@ -23,6 +23,7 @@ from numpy.typing import NDArray
 
 from quorumfl.aggregation.secagg import NodeEpoch, flatten, weighted_payload
 from quorumfl.aggregation.secagg.identity import Roster, department_message, load_signing_key, sign
+from quorumfl.client.virtual import record_payload
 from quorumfl.errors import SecureAggregationError
 from quorumfl.protocol.secure_wire import (
     MASKED,
@@ -215,6 +216,8 @@ def masked_train_reply(msg: Message, context: Context, local: LocalTraining) -> 
     payload = weighted_payload(update, examples=examples, loss=local.train_loss, max_weight=max_weight,
                                clip=state.params.clip, value=local.eval_value, eval_loss=local.eval_loss,
                                norm_bound=local.config.update_norm_bound)
+    record_payload(dict(context.node_config), round_number=local.config.server_round, node=int(context.node_id),
+                   received=flatten(local.received), payload=payload)
     masked = state.mask(request, payload, np.random.default_rng(secrets.randbits(128)))
     _store(context, state)
     arrays, config = encode_masked(masked, epoch=request.epoch, slot=request.slot)

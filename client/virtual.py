@@ -33,6 +33,13 @@ is answered with an error saying so, recorded as a dropout at that stage like ``
 but clustered in time, so the same department keeps failing until its window ends and selectors that
 learn from failures (Oort, RL) can learn the pattern.
 
+With ``virtual-payload-log = DIR`` (a rehearsal's audit, for tests and for checking a secure
+configuration on synthetic data), each virtual department in a masked or CKKS round writes what it
+fed the secure sum, before masking or encryption, with the model it received, to
+``DIR/round-RRRR-node-ID.npz``: the server's revealed sum can then be checked against a plain numpy
+sum of the departments the round counted. Only a virtual department does this (its config carries
+the ``virtual-root`` this mod set); a deployed node never writes its update out.
+
 The folder is named by ``$QUORUMFL_SIMULATION_ROOT`` (inherited by the simulation's worker
 processes). The mod does nothing unless that variable is set *and* the node config has a
 ``partition-id`` and no ``data-path`` (or one this mod mapped from that folder, marked ``virtual-root``:
@@ -50,13 +57,15 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import numpy as np
 from flwr.app import Context, Error, Message
 from flwr.common.constant import ErrorCode
+from numpy.typing import NDArray
 
 from quorumfl.errors import ConfigError
 
-__all__ = ["AVAILABILITY_KEY", "DROPOUT_KEY", "LAYOUT_FILE", "OFFLINE_SHARE", "ROOT_KEY", "SEED_KEY", "SIMULATION_ROOT_ENV",
-           "SPEED_KEY", "START_KEY", "NodeValue", "drops", "offline", "slowdown", "virtual_department", "virtual_node_config",
+__all__ = ["AVAILABILITY_KEY", "DROPOUT_KEY", "LAYOUT_FILE", "OFFLINE_SHARE", "PAYLOAD_LOG_KEY", "ROOT_KEY", "SEED_KEY", "SIMULATION_ROOT_ENV",
+           "SPEED_KEY", "START_KEY", "NodeValue", "drops", "offline", "record_payload", "slowdown", "virtual_department", "virtual_node_config",
            "write_layout"]
 
 SIMULATION_ROOT_ENV = "QUORUMFL_SIMULATION_ROOT"
@@ -66,6 +75,7 @@ SEED_KEY = "virtual-seed"
 SPEED_KEY = "virtual-speed"
 AVAILABILITY_KEY = "virtual-availability"
 START_KEY = "virtual-start"
+PAYLOAD_LOG_KEY = "virtual-payload-log"
 ROOT_KEY = "virtual-root"  # set on a mapped config: the simulation folder it was mapped from
 OFFLINE_SHARE = 0.25  # of each availability period, as benchmarks/selection.py's departments
 NodeValue = bool | int | float | str
@@ -178,3 +188,18 @@ def virtual_department(msg: Message, context: Context, call_next: Callable[[Mess
             time.sleep(wait)
         return reply
     return call_next(msg, context)
+
+
+def record_payload(node_config: dict[str, NodeValue], *, round_number: int, node: int, received: NDArray[np.float64],
+                   payload: NDArray[np.float64]) -> None:
+    """``virtual-payload-log``: write the vector a virtual department feeds the secure sum and the model
+    it received (module docstring); nothing for a node this mod did not map, or without the key."""
+    folder = node_config.get(PAYLOAD_LOG_KEY)
+    root = os.environ.get(SIMULATION_ROOT_ENV, "")
+    if not folder or not root or node_config.get(ROOT_KEY) != root:
+        return
+    if not isinstance(folder, str):
+        raise ConfigError(f"node config {PAYLOAD_LOG_KEY} must be a folder, got {folder!r}")
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    np.savez(path / f"round-{round_number:04d}-node-{node}.npz", payload=payload, received=received)

@@ -1,19 +1,29 @@
 """``quorumfl simulate`` against a deployment: the same run config on Flower's simulation engine and on
 real SuperNodes gives the same models (up to the fixed-point error of masking), and the simulated
-run is in the state DB for the same commands."""
+run is in the state DB for the same commands; at 1,000 departments with dropouts at every masking
+stage the round is the numpy sum of the departments it counted."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
+from quorumfl.aggregation.secagg import flatten
+from quorumfl.aggregation.secagg.payload import HEADER
+from quorumfl.client.virtual import PAYLOAD_LOG_KEY
 from quorumfl.core.data import prepare_partitions
 from quorumfl.deploy.local import local_federation
+from quorumfl.deploy.simulation import SimulationSettings, simulate
 from quorumfl.server.model_store import ModelStore
 from quorumfl.server.services import follow_run
 from quorumfl.server.state.database import connect
@@ -104,3 +114,72 @@ def test_a_virtual_department_slowed_by_speeds_is_the_straggler_the_round_stops_
     # dept-0002's reply came after the cut, so the server knows it by node id only
     [late] = rnd.failures
     assert late.stage == "late" and late.node_id in rnd.selected and late.node_id not in rnd.participants
+
+
+SCALE_EXAMPLES = int(os.environ.get("QUORUMFL_SCALE_EXAMPLES", "1"))
+MASKING_STAGES = ("secagg-advertise", "secagg-share", "train", "secagg-unmask")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@settings(max_examples=SCALE_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
+          phases=[Phase.explicit, Phase.reuse, Phase.generate])  # no shrinking: an example takes minutes
+@given(seed=st.integers(0, 2**16 - 1))
+def test_ten_percent_dropouts_at_every_masking_stage_of_1000_simulated_departments_give_the_survivors_numpy_sum(
+    tmp_path: Path, seed: int
+) -> None:
+    """``quorumfl simulate`` with 1,000 virtual departments, masking and ``--dropout 0.1``: about a
+    tenth of the departments still in the round drop out at each stage (key advertisement, share
+    exchange, masked input, unmasking), and the round's model is the numpy sum of what the departments
+    it counted fed the secure sum (``virtual-payload-log``), applied to the model they received. The
+    run config's seed (hypothesis) draws the dropouts, the partitions' order and the initial model.
+    One example takes about 3 minutes on two cores (``QUORUMFL_SCALE_EXAMPLES`` runs more)."""
+    with tempfile.TemporaryDirectory(dir=tmp_path) as tmp:
+        home = Path(tmp)
+        db_url = f"sqlite:///{home / 'state.db'}"
+        repo = Repository(connect(db_url, migrate=True))
+        max_weight = 4.0  # digits split 1,000 ways: one or two examples each, so each weight is about 1/3
+        config = {"dataset": "digits", "model": "mlp", "strategy": "fedavg", "num-rounds": 1, "local-epochs": 1,
+                  "seed": seed, "start-from": "fresh", "min-nodes": 2, "state-url": db_url,
+                  "model-dir": str(home / "models"), "round-timeout": 1200.0, "node-wait-timeout": 600.0,
+                  "secagg-stage-timeout": 1200.0, "secure-aggregation": "masking", "secagg-modulus-bits": 64,
+                  "secagg-max-weight": max_weight}
+        log = home / "payloads"
+        run = simulate(config, SimulationSettings(departments=1000, root=home / "sim", dropout=0.1,
+                                                  node_config={PAYLOAD_LOG_KEY: str(log)}), repo)
+        assert run.status == RunStatus.COMPLETED, run.error
+        [rnd] = run.rounds
+        dropped = Counter(f.stage for f in rnd.failures)
+        assert set(dropped) <= {*MASKING_STAGES, "evaluate"}, dropped  # and the run's closing evaluation
+        still = 1000
+        for stage in MASKING_STAGES:  # a department that dropped out is not asked at the later stages
+            assert 0.05 * still <= dropped[stage] <= 0.15 * still, (stage, dropped, still)
+            still -= dropped[stage]
+
+        # Who fed the sum: every department that handled its train message, and no other, is counted;
+        # those that dropped out of the unmasking still count (their masks come from the others' shares).
+        logged = {int(p.stem.rsplit("-", 1)[1]): p for p in log.glob("round-0001-node-*.npz")}
+        assert sorted(logged) == sorted(rnd.participants)
+        unmask_dropouts = {f.node_id for f in rnd.failures if f.stage == "secagg-unmask"}
+        assert unmask_dropouts and unmask_dropouts <= set(logged)
+
+        total: np.ndarray | None = None
+        received: np.ndarray | None = None
+        for path in logged.values():
+            with np.load(path) as saved:
+                total = saved["payload"].copy() if total is None else total + saved["payload"]
+                if received is None:
+                    received = saved["received"].copy()
+                else:
+                    assert np.array_equal(saved["received"], received)  # everyone trained from one model
+        assert total is not None and received is not None
+        [examples] = repo.metrics(run.id, name="examples")
+        assert examples.value == pytest.approx(total[0] * max_weight, rel=1e-9)
+        [train_loss] = repo.metrics(run.id, name="train-loss")
+        assert train_loss.value == pytest.approx(total[1] / total[0], rel=1e-9)
+        [version] = repo.list_model_versions(run_id=run.id)
+        model = flatten(ModelStore.load(version.path, version.sha256))
+        expected = received + total[HEADER:] / total[0]
+        # 64-bit masking's fixed-point error is ~1e-12 here; the stored model is float32, so it may sit
+        # one float32 step from the float64 reference
+        assert np.all(np.abs(model - expected) <= 2.0**-23 * np.abs(expected) + 1e-10)
