@@ -6,18 +6,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from flwr.app import Context, Message, RecordDict
 
 from quorumfl.client.virtual import (
     AVAILABILITY_KEY,
     DROPOUT_KEY,
+    PAYLOAD_LOG_KEY,
     SEED_KEY,
     SIMULATION_ROOT_ENV,
     SPEED_KEY,
     START_KEY,
     drops,
     offline,
+    record_payload,
     slowdown,
     virtual_department,
     virtual_node_config,
@@ -163,6 +166,30 @@ def test_a_virtual_department_drops_out_of_later_messages_too(tmp_path: Path, mo
         assert reply.has_error() and f"dropped out of this {kind} message" in reply.error.reason
     assert handled == []
     assert context.node_config["department"] == "parks" and context.node_config["data-path"] == str(tmp_path / "a")
+
+
+def test_only_a_virtual_department_writes_its_payload_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``virtual-payload-log`` is a rehearsal's audit: a node config the simulation mod did not map (a
+    deployed SuperNode's, even with the key set by hand, or one mapped from another simulation folder)
+    writes nothing."""
+    root = tmp_path / "sim"
+    log = tmp_path / "log"
+    write_layout(root, [("parks", tmp_path / "a")], {PAYLOAD_LOG_KEY: str(log)})
+    payload, received = np.arange(5.0), np.ones(3)
+    monkeypatch.setenv(SIMULATION_ROOT_ENV, str(root))
+    deployed = {"partition-id": 0, "data-path": "/srv/parks", "department": "parks", PAYLOAD_LOG_KEY: str(log)}
+    record_payload(deployed, round_number=1, node=7, received=received, payload=payload)
+    other = {**virtual_node_config({"partition-id": 0}, str(root)), "virtual-root": str(tmp_path / "another")}
+    record_payload(other, round_number=1, node=7, received=received, payload=payload)
+    assert not log.exists()
+    mapped = virtual_node_config({"partition-id": 0}, str(root))
+    monkeypatch.delenv(SIMULATION_ROOT_ENV)
+    record_payload(mapped, round_number=1, node=7, received=received, payload=payload)  # outside a simulation
+    assert not log.exists()
+    monkeypatch.setenv(SIMULATION_ROOT_ENV, str(root))
+    record_payload(mapped, round_number=3, node=7, received=received, payload=payload)
+    with np.load(log / "round-0003-node-7.npz") as saved:
+        assert np.array_equal(saved["payload"], payload) and np.array_equal(saved["received"], received)
 
 
 def test_lognormal_speeds_follow_the_runs_seed_with_median_one_capped_at_this_machines_speed() -> None:
