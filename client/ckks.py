@@ -138,8 +138,8 @@ def encrypted_train_reply(msg: Message, context: Context, local: LocalTraining) 
                                clip=request.clip, value=local.eval_value, eval_loss=local.eval_loss,
                                norm_bound=local.config.update_norm_bound)
     payload = np.clip(payload, -request.clip, request.clip)
-    record_payload(dict(context.node_config), round_number=request.round_number, node=int(context.node_id),
-                   received=flatten(local.received), payload=payload)
+    record_payload(context.node_config, round_number=request.round_number, node=int(context.node_id),
+                   received=local.received, payload=payload)
     polys = encrypt_vector(request.params, share.public_key, payload, primes=request.primes)
     tag = contribute(share, polys[:, 1], round_number=request.round_number, group=request.group, signer=me.signer(),
                      department=me.department, binding=_binding(context))

@@ -216,8 +216,8 @@ def masked_train_reply(msg: Message, context: Context, local: LocalTraining) -> 
     payload = weighted_payload(update, examples=examples, loss=local.train_loss, max_weight=max_weight,
                                clip=state.params.clip, value=local.eval_value, eval_loss=local.eval_loss,
                                norm_bound=local.config.update_norm_bound)
-    record_payload(dict(context.node_config), round_number=local.config.server_round, node=int(context.node_id),
-                   received=flatten(local.received), payload=payload)
+    record_payload(context.node_config, round_number=local.config.server_round, node=int(context.node_id),
+                   received=local.received, payload=payload)
     masked = state.mask(request, payload, np.random.default_rng(secrets.randbits(128)))
     _store(context, state)
     arrays, config = encode_masked(masked, epoch=request.epoch, slot=request.slot)

@@ -54,7 +54,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -62,11 +62,12 @@ from flwr.app import Context, Error, Message
 from flwr.common.constant import ErrorCode
 from numpy.typing import NDArray
 
+from quorumfl.aggregation.secagg import flatten
 from quorumfl.errors import ConfigError
 
-__all__ = ["AVAILABILITY_KEY", "DROPOUT_KEY", "LAYOUT_FILE", "OFFLINE_SHARE", "PAYLOAD_LOG_KEY", "ROOT_KEY", "SEED_KEY", "SIMULATION_ROOT_ENV",
-           "SPEED_KEY", "START_KEY", "NodeValue", "drops", "offline", "record_payload", "slowdown", "virtual_department", "virtual_node_config",
-           "write_layout"]
+__all__ = ["AVAILABILITY_KEY", "DROPOUT_KEY", "LAYOUT_FILE", "OFFLINE_SHARE", "PAYLOAD_LOG_KEY", "ROOT_KEY", "SEED_KEY",
+           "SIMULATION_ROOT_ENV", "SPEED_KEY", "START_KEY", "NodeValue", "drops", "offline", "record_payload", "slowdown",
+           "virtual_department", "virtual_node_config", "write_layout"]
 
 SIMULATION_ROOT_ENV = "QUORUMFL_SIMULATION_ROOT"
 LAYOUT_FILE = "simulation.json"
@@ -190,10 +191,11 @@ def virtual_department(msg: Message, context: Context, call_next: Callable[[Mess
     return call_next(msg, context)
 
 
-def record_payload(node_config: dict[str, NodeValue], *, round_number: int, node: int, received: NDArray[np.float64],
-                   payload: NDArray[np.float64]) -> None:
+def record_payload(node_config: Mapping[str, NodeValue], *, round_number: int, node: int,
+                   received: Mapping[str, NDArray[np.generic]], payload: NDArray[np.float64]) -> None:
     """``virtual-payload-log``: write the vector a virtual department feeds the secure sum and the model
-    it received (module docstring); nothing for a node this mod did not map, or without the key."""
+    it received, flattened as the payload is (module docstring); nothing, and no work, for a node this
+    mod did not map or without the key."""
     folder = node_config.get(PAYLOAD_LOG_KEY)
     root = os.environ.get(SIMULATION_ROOT_ENV, "")
     if not folder or not root or node_config.get(ROOT_KEY) != root:
@@ -202,4 +204,4 @@ def record_payload(node_config: dict[str, NodeValue], *, round_number: int, node
         raise ConfigError(f"node config {PAYLOAD_LOG_KEY} must be a folder, got {folder!r}")
     path = Path(folder)
     path.mkdir(parents=True, exist_ok=True)
-    np.savez(path / f"round-{round_number:04d}-node-{node}.npz", payload=payload, received=received)
+    np.savez(path / f"round-{round_number:04d}-node-{node}.npz", payload=payload, received=flatten(received))
