@@ -14,8 +14,9 @@ out, so the same handlers run unchanged::
 
 With ``virtual-dropout = P`` in that node config, a virtual department fails each message it is
 sent with probability P (drawn from ``virtual-seed``, its name and the message id): its reply is an
-error saying so (what a ClientApp that raised sends), which the server records as a dropout at that stage (key set-up, masked input, unmask,
-evaluation), so a rehearsal shows what dropouts do to a configuration.
+error saying so (what a ClientApp that raised sends), which the server records as a dropout at that
+stage (key set-up, masked input, unmask, evaluation), so a rehearsal shows what dropouts do to a
+configuration.
 
 With ``virtual-speed = S`` (0 < S ≤ 1, per department: ``simulate --speeds``), the department is S
 times as fast as this machine: after its ClientApp has handled a message in T seconds, the reply
@@ -65,9 +66,9 @@ from numpy.typing import NDArray
 from quorumfl.aggregation.secagg import flatten
 from quorumfl.errors import ConfigError
 
-__all__ = ["AVAILABILITY_KEY", "DROPOUT_KEY", "LAYOUT_FILE", "OFFLINE_SHARE", "PAYLOAD_LOG_KEY", "ROOT_KEY", "SEED_KEY",
-           "SIMULATION_ROOT_ENV", "SPEED_KEY", "START_KEY", "NodeValue", "drops", "offline", "record_payload", "slowdown",
-           "virtual_department", "virtual_node_config", "write_layout"]
+__all__ = ["AVAILABILITY_KEY", "DROPOUT_KEY", "LAYOUT_FILE", "OFFLINE_SHARE", "PAYLOAD_LOG_KEY", "ROOT_KEY",
+           "SEED_KEY", "SIMULATION_ROOT_ENV", "SPEED_KEY", "START_KEY", "NodeValue", "drops", "offline",
+           "record_payload", "slowdown", "virtual_department", "virtual_node_config", "write_layout"]
 
 SIMULATION_ROOT_ENV = "QUORUMFL_SIMULATION_ROOT"
 LAYOUT_FILE = "simulation.json"

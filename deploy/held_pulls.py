@@ -30,9 +30,9 @@ node id that never passed Flower's node authentication cannot be held (it has no
 record), and a node has at most one held ask: a second ask for it (an attacker replaying its id)
 goes straight through, so the worst an attacker on the network can do is return that node to plain
 polling. A message that becomes available in a way these wrappers do not see (or whose push never
-finishes) reaches its node at most ``hold`` late. The SuperNode (``quorumfl.deploy.supernode``) asks again at once instead
-of sleeping after an empty ask that took about ``hold`` and after the first empty ask that follows a
-message (never held: another message may be waiting); against a SuperLink that does not hold, it
+finishes) reaches its node at most ``hold`` late. The SuperNode (``quorumfl.deploy.supernode``)
+asks again at once instead of sleeping after an empty ask that took about ``hold`` and after the
+first empty ask that follows a message (never held: another message may be waiting); against a SuperLink that does not hold, it
 keeps its poll interval.
 """
 

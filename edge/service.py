@@ -9,9 +9,9 @@ step), and a fleet of devices syncing after a promotion asks for the same few st
 encoded once and kept in a cache of ``cache_bytes`` (least recently used out first), keyed by the
 SHA-256 of the artifact and of the base it was encoded from, as their signed manifests give them.
 The files are still read and checked against their signed manifests on every request, so a damaged
-file is refused whatever the cache holds, and a replaced file is a new key. (A resumed download relies on the same bytes for the same request: a cached stream is exactly
-what encoding again would give, zlib being deterministic.) An offset outside what is streamed
-is refused with OUT_OF_RANGE, an unknown channel/format/version with INVALID_ARGUMENT/NOT_FOUND, a
+file is refused whatever the cache holds, and a replaced file is a new key. (A resumed download
+relies on the same bytes for the same request: a cached stream is exactly what encoding again would
+give, zlib being deterministic.) An offset outside what is streamed is refused with OUT_OF_RANGE, an unknown channel/format/version with INVALID_ARGUMENT/NOT_FOUND, a
 file that no longer matches its signed manifest with DATA_LOSS (the server never streams bytes it
 cannot vouch for). Every manifest goes out with the signing key's endorsement chain, read afresh
 too, so devices given an older key move to the current one after ``edge keys rotate`` without a
