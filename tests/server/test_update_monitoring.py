@@ -90,9 +90,37 @@ def _break_export(part: Path) -> None:
                                   test=replace(broken.test, x=broken.test.x * 50)))
 
 
+def _reference_flags(norms: list[float], losses: list[float]) -> tuple[list[int], list[int], int]:
+    """Plain reference for a secure round's monitoring: each node's half-decade bucket by log10 (norms
+    from 10^-4, losses from 10^-3, 16 buckets), the histograms, and how many nodes lie two or more
+    buckets above the (lower) median node's bucket, the larger count of norm and loss."""
+    def buckets(values: list[float], low: float) -> list[int]:
+        return [15 if not np.isfinite(v) else int(min(15, max(0, np.floor(2 * (np.log10(v) - low)) + 1))) if v > 0 else 0
+                for v in values]
+    norm_b, loss_b = buckets(norms, -4.0), buckets(losses, -3.0)
+    flagged = max(sum(b >= sorted(bs)[(len(bs) - 1) // 2] + 2 for b in bs) for bs in (norm_b, loss_b))
+    return np.bincount(norm_b, minlength=16).tolist(), np.bincount(loss_b, minlength=16).tolist(), flagged
+
+
 @pytest.mark.parametrize("mode", ["masking", "ckks"])
 def test_under_secure_aggregation_the_histograms_show_a_broken_department(tmp_path: Path, six_parts: dict[str, Path],
-                                                                           mode: str) -> None:
+                                                                           mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The revealed histograms and the flag count equal a plain count of what each node measured, in
+    every round; the broken department is counted in the round it starts, and a clean run counts none.
+    (Later rounds count it only while its own norm or loss stays ≥ 10× the median's: the model adapts
+    to it, and with some seeds its second update falls within that.)"""
+    import quorumfl.client.ckks as client_ckks
+    import quorumfl.client.secure as client_secure
+    from quorumfl.aggregation.secagg import weighted_payload
+
+    measured: list[tuple[float, float]] = []  # (update norm, train loss) of each payload a node built
+
+    def recording(update: np.ndarray, **kwargs: float) -> np.ndarray:
+        measured.append((float(np.linalg.norm(update)), kwargs["loss"]))
+        return weighted_payload(update, **kwargs)
+
+    for module in (client_secure, client_ckks):
+        monkeypatch.setattr(module, "weighted_payload", recording)
     secure = {"secure-aggregation": mode, "secagg-threshold": 0.6, "num-rounds": 2, "local-epochs": 1}
     counts = {}
     for name, broken in (("clean", False), ("broken", True)):
@@ -102,13 +130,20 @@ def test_under_secure_aggregation_the_histograms_show_a_broken_department(tmp_pa
             shutil.copytree(parts["housing"], copy)
             _break_export(copy)
             parts["housing"] = copy
+        measured.clear()
         federation, repo = _federation(tmp_path / name, LoopbackGrid(_contexts(parts)), **secure)
         run_id = federation.run()
         counts[name] = [m.value for m in repo.metrics(run_id, name="flagged-nodes")]
         assert not repo.metrics(run_id, name="update-norm")  # no single update was seen
-        histogram = [m for m in repo.metrics(run_id) if m.name.startswith("norm-histogram-") and m.round == 1]
-        assert sum(m.value for m in histogram) == 6  # one count per department, no more
+        assert len(measured) == 12  # six nodes, two rounds, all counted
+        for number in (1, 2):
+            norms, losses, flagged = _reference_flags(*map(list, zip(*measured[6 * (number - 1):6 * number], strict=True)))
+            stored = {m.name: m.value for m in repo.metrics(run_id) if m.round == number}
+            assert [stored.get(f"norm-histogram-{i:02d}", 0.0) for i in range(16)] == norms, (name, number)
+            assert [stored.get(f"loss-histogram-{i:02d}", 0.0) for i in range(16)] == losses, (name, number)
+            assert counts[name][number - 1] == flagged, (name, number, measured)
         shown = report_data(repo, run_id)["histograms"]
         assert [(h["round"], h["flagged"], sum(h["norm"].values())) for h in shown] == [
             (r, counts[name][r - 1], 6.0) for r in (1, 2)]
-    assert counts == {"clean": [0.0, 0.0], "broken": [1.0, 1.0]}
+    assert counts["clean"] == [0.0, 0.0]
+    assert counts["broken"][0] == 1.0  # counted in the round it starts
