@@ -32,7 +32,9 @@ the same way), the partial sum into float64 (exact to within 2⁻⁵³, counted 
 float64 mean rounded once to float32: 1 + (BLOCK − 1) + (BLOCKS − 1) + 1 plus a second-order term
 that the remaining 2⁻²⁴ covers (Higham, Accuracy and Stability of Numerical Algorithms, §4.2). That is
 about 2·10⁻⁶ of the mean magnitude for BLOCK = BLOCKS = 16; tested against a float64 numpy reference,
-across the float64 flush. Smaller tensors and other dtypes keep element-wise float64 accumulation.
+across the float64 flush. Smaller tensors and other dtypes keep element-wise float64 accumulation; the
+float64 sums of a large float32 tensor are made only when a partial sum is first widened into them (or
+when a node sends that tensor in another dtype, which then counts beside the float32 sums).
 """
 
 from __future__ import annotations
@@ -125,15 +127,20 @@ class WeightedMean:
             raise AggregationError("template has no parameter arrays; pass the global model's arrays")
         self._shapes = {name: tuple(np.shape(a)) for name, a in template.items()}
         self._dtypes = {name: np.asarray(a).dtype for name, a in template.items()}
-        self._sums = {name: np.zeros(shape, dtype=np.float64) for name, shape in self._shapes.items()}
+        self._names = frozenset(self._shapes)
+        # float64 sums, made on first use: a tensor that only ever takes the BLAS path needs one only
+        # once a partial sum is widened (``BLOCK``·``BLOCKS`` updates), and zeroing it costs a pass
+        self._sums: dict[str, NDArray[np.float64]] = {}
         self._scratch: dict[str, NDArray[np.floating]] = {}
         self._blocks: dict[str, Any] = {}  # float32 torch tensors: the current block of the BLAS path
         self._partials: dict[str, Any] = {}  # float32 torch tensors: sums of up to BLOCKS blocks
         self._in_block = 0
         self._in_partial = 0
-        self._block_stale = True  # the blocks hold nothing that counts: the next term is written, not added
-        self._partial_stale = True  # the same for the partial sums
-        self._widened = False  # whether any partial sum went into the float64 sums yet
+        # names whose block (partial sum) holds terms that count; any other block holds leftovers, and
+        # its next term is written, not added. Per name: a node may send a large tensor in another dtype,
+        # which takes the exact path and leaves that block untouched.
+        self._in_blocks: set[str] = set()
+        self._in_partials: set[str] = set()
         self._total = 0.0
         self._nodes: list[str] = []
         self._seen: set[str] = set()  # the same nodes, for the duplicate check
@@ -153,11 +160,10 @@ class WeightedMean:
         (``extend`` checks it on the block they were added to)."""
         node = update.node
         weight = _check_weight(node, update.weight)
-        names = set(update.arrays)
-        expected = set(self._shapes)
-        if not names:
+        if not update.arrays:
             raise AggregationError("update is empty (no parameter arrays)", node=node)
-        if names != expected:
+        if update.arrays.keys() != self._names:
+            names, expected = set(update.arrays), set(self._names)
             missing = sorted(expected - names)
             extra = sorted(names - expected)
             raise AggregationError(
@@ -165,7 +171,7 @@ class WeightedMean:
                 node=node,
             )
         for name, array in update.arrays.items():
-            arr = np.asarray(array)
+            arr = array if isinstance(array, np.ndarray) else np.asarray(array)
             if arr.shape != self._shapes[name]:
                 raise AggregationError(
                     f"shape mismatch for '{name}': expected {self._shapes[name]}, got {arr.shape}",
@@ -233,7 +239,7 @@ class WeightedMean:
         """Commit a batch whose large tensors are in the blocks, or redo it update by update."""
         if not pending:
             return {}
-        if all(math.isfinite(float(block.dot(block))) for block in self._blocks.values()):
+        if all(math.isfinite(float(self._blocks[name].dot(self._blocks[name]))) for name in self._in_blocks):
             for update, weight in pending:
                 self._accumulate_small(update, weight)
                 self._total += weight
@@ -242,7 +248,7 @@ class WeightedMean:
             self._in_block = len(pending)
             self._flush()
             return {}
-        self._block_stale = True
+        self._in_blocks = set()
         self._in_block = 0
         rejected: dict[str, str] = {}
         for update, _ in pending:
@@ -256,7 +262,6 @@ class WeightedMean:
     def _accumulate_large(self, update: NodeUpdate, weight: float) -> None:
         """w·x into the float32 blocks, for the large float32 tensors. A block's first term is written
         (``mul`` into it) rather than added to zeros, so no pass over memory clears a block."""
-        stale = self._block_stale
         for name, array in update.arrays.items():
             arr = np.asarray(array)
             if _blas_path(arr):
@@ -265,11 +270,11 @@ class WeightedMean:
                 if block is None:  # torch's allocation is 64-byte aligned; numpy's is not always
                     block = self._blocks[name] = torch.empty(arr.size, dtype=torch.float32)
                 term = torch.from_numpy(np.ascontiguousarray(arr).reshape(-1))
-                if stale:
-                    torch.mul(term, weight, out=block)
-                else:
+                if name in self._in_blocks:
                     block.add_(term, alpha=weight)
-        self._block_stale = False
+                else:
+                    torch.mul(term, weight, out=block)
+                    self._in_blocks.add(name)
 
     def _accumulate_small(self, update: NodeUpdate, weight: float) -> None:
         """w·x into the float64 sums, for the other tensors."""
@@ -285,30 +290,41 @@ class WeightedMean:
             if scratch is None or scratch.dtype != dtype:
                 scratch = self._scratch[name] = np.empty(self._shapes[name], dtype=dtype)
             np.multiply(arr, dtype.type(weight), out=scratch)
-            np.add(self._sums[name], scratch, out=self._sums[name])
+            wide = self._wide(name)
+            np.add(wide, scratch, out=wide)
+
+    def _wide(self, name: str) -> NDArray[np.float64]:
+        """The float64 sums of ``name``, made (zeros) on first use."""
+        wide = self._sums.get(name)
+        if wide is None:
+            wide = self._sums[name] = np.zeros(self._shapes[name], dtype=np.float64)
+        return wide
 
     def _flush(self) -> None:
         """Add the float32 blocks into the float32 partial sums and start new blocks; every ``BLOCKS``
         blocks, add the partial sums into the float64 sums."""
         if self._in_block:
             torch = _torch()
-            for name, block in self._blocks.items():
-                partial = self._partials.get(name)
-                if self._partial_stale or partial is None:  # the block becomes the partial sum: no copy
+            for name in self._in_blocks:
+                block, partial = self._blocks[name], self._partials.get(name)
+                if name not in self._in_partials:  # the block becomes the partial sum: no copy
                     self._partials[name] = block
                     self._blocks[name] = partial if partial is not None else torch.empty_like(block)
+                    self._in_partials.add(name)
                 else:
-                    partial.add_(block)
-            self._partial_stale = False
-            self._block_stale = True
+                    self._partials[name].add_(block)
+            self._in_blocks = set()
             self._in_block = 0
             self._in_partial += 1
         if self._in_partial >= BLOCKS:
-            for name, partial in self._partials.items():
-                _torch().from_numpy(self._sums[name].reshape(-1)).add_(partial)
-            self._partial_stale = True
+            for name in self._in_partials:
+                partial, wide = self._partials[name], self._sums.get(name)
+                if wide is None:  # its first partial sum: converted, not added to zeros
+                    self._sums[name] = partial.to(_torch().float64).numpy().reshape(self._shapes[name])
+                else:
+                    _torch().from_numpy(wide.reshape(-1)).add_(partial)
+            self._in_partials = set()
             self._in_partial = 0
-            self._widened = True
 
     def result(self) -> dict[str, NDArray[np.generic]]:
         """The weighted mean of everything added so far."""
@@ -318,15 +334,17 @@ class WeightedMean:
             raise AggregationError(f"sum of weights is {self._total}; it must be positive and finite")
         self._flush()
         result: dict[str, NDArray[np.generic]] = {}
-        for name, acc in self._sums.items():
-            partial = self._partials.get(name)
-            if partial is None or self._partial_stale:  # everything is in the float64 sums
-                result[name] = (acc / self._total).astype(self._dtypes[name], copy=False)
-            elif not self._widened:  # everything is in the float32 partial sum: divide there
-                result[name] = (partial / self._total).numpy().reshape(self._shapes[name])
-            else:
+        for name in self._shapes:
+            partial = self._partials.get(name) if name in self._in_partials else None
+            acc = self._sums.get(name)
+            if partial is None:  # everything is in the float64 sums
+                result[name] = (self._wide(name) / self._total).astype(self._dtypes[name], copy=False)
+            elif acc is None:  # everything is in the float32 partial sum: divide there
+                mean = (partial / self._total).numpy().reshape(self._shapes[name])
+                result[name] = mean.astype(self._dtypes[name], copy=False)
+            else:  # both: a widened partial sum or a term of another dtype went into the float64 sums
                 wide = _torch().from_numpy(acc.reshape(-1)) + partial
-                result[name] = (wide / self._total).numpy().astype(np.float32).reshape(self._shapes[name])
+                result[name] = (wide / self._total).numpy().astype(self._dtypes[name]).reshape(self._shapes[name])
         return result
 
 

@@ -158,6 +158,25 @@ def test_large_tensors_without_the_block_flush_would_be_wrong() -> None:
 
 
 @pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("count", [2, BLOCK + 1, BLOCK * BLOCKS + 3])
+def test_updates_whose_large_tensor_comes_in_another_dtype_all_count(batched: bool, count: int) -> None:
+    """A node may send a large tensor as float64 (the exact path) while the others send float32 (the
+    BLAS path): the mean counts both, before and after the float64 flush, in the template's dtype."""
+    rng = np.random.default_rng(count)
+    updates = [NodeUpdate(f"n{i}", {"w": rng.standard_normal(LARGE + 3).astype(np.float64 if i % 3 == 0 else np.float32)},
+                          float(rng.integers(1, 50))) for i in range(count)]
+    mean = WeightedMean({"w": np.zeros(LARGE + 3, np.float32)})
+    if batched:
+        assert not mean.extend(updates)
+    else:
+        for update in updates:
+            mean.add(update)
+    result = mean.result()["w"]
+    assert result.dtype == np.float32
+    np.testing.assert_allclose(result, _reference(updates)["w"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("batched", [False, True])
 def test_a_mean_across_the_float64_flush_is_within_the_documented_bound(batched: bool) -> None:
     """More updates than one float32 partial sum holds (BLOCK·BLOCKS), with magnitudes spread over
     six orders, so each level's rounding shows; the bound holds against the float64 reference."""
