@@ -11,14 +11,24 @@ it revealed, which the server already has, so a retried request still gets the s
 everything of older slots once a newer slot is masked (they were skipped or their round was
 abandoned). A stolen node state then holds no key to the masks of past rounds. The whole state
 round-trips through ``to_bytes``/``from_bytes`` because the node keeps it between messages.
+
+What the node remembers of each slot's groups and views (the group it masked with, the view it
+signed, the survivors it unmasked for) is only ever compared for equality, so it keeps a SHA-256
+digest of each (``_digest``) rather than the node lists: at 1,000 departments those lists were most of
+a node's stored state (about 300 KB a node after two rounds, against under 100 KB now), and Flower's
+simulation engine keeps every virtual node's state in the ServerApp's process. Member lists are
+stored as packed 64-bit ids and keys in base64; ``from_bytes`` still reads the earlier all-hex form.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
@@ -74,12 +84,12 @@ class NodeEpoch:
     graph_seed: bytes = b""
     peers: dict[int, KeyAdvertisement] = field(default_factory=dict)
     held: dict[int, bytes] = field(default_factory=dict)  # owner -> plaintext bundle (shares I hold)
-    used: dict[int, tuple[int, ...]] = field(default_factory=dict)  # slot -> group it was masked with
-    revealed: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    used: dict[int, bytes] = field(default_factory=dict)  # slot -> digest of the group it was masked with
+    revealed: dict[int, bytes] = field(default_factory=dict)  # slot -> digest of (survivors, dropped) unmasked for
     department: str = ""  # the roster name this node signs as ("" in an unsigned federation)
     signature: bytes = b""  # over this node's advertisement
     binding: bytes = b""  # the run the signatures are bound to
-    confirmed: dict[int, tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]] = field(default_factory=dict)
+    confirmed: dict[int, bytes] = field(default_factory=dict)  # slot -> digest of the view this node signed
 
     def _fail(self, message: str) -> SecureAggregationError:
         return SecureAggregationError(message, node=str(self.node))
@@ -284,7 +294,7 @@ class NodeEpoch:
         fp = self.params.fixed_point(len(self.members))
         masked, _ = fp.encode(values, rng)
         slot, length, dtype = request.slot, masked.shape[0], fp.dtype
-        self.used[slot] = group  # recorded before any mask is added: a failure later never reuses it
+        self.used[slot] = _digest([group])  # recorded before any mask is added: a failure later never reuses it
         np.add(masked, keystream(self_mask_key(self.seeds[slot], epoch=self.epoch, slot=slot), length, dtype), out=masked)
         mask_private = load_private(self.mask_private[slot])
         for peer in partners:
@@ -348,7 +358,7 @@ class NodeEpoch:
                 mine = (tuple(sorted(alive)), tuple(sorted(gone)))
         if mine is None or self.node not in mine[0]:
             raise self._fail("this node is not listed as a survivor")
-        if tuple(sorted(mine[0] + mine[1])) != self.used[slot]:
+        if _digest([tuple(sorted(mine[0] + mine[1]))]) != self.used[slot]:
             raise self._fail("survivors and dropped nodes do not match the group this node masked with")
         return tuple(sorted(survivors)), tuple(sorted(dropped))
 
@@ -357,17 +367,18 @@ class NodeEpoch:
         """Sign the round's survivor/dropped view; a node signs one view per slot and no other."""
         self._check_view(request, "consistency")
         view = request.view()
+        seen = _digest([part for group in view for part in group])
         previous = self.confirmed.get(request.slot)
-        if previous is not None and previous != view:
+        if previous is not None and previous != seen:
             raise self._fail(f"slot {request.slot}: the server already showed this node other survivors; "
                              "refusing to sign a second view")
-        self.confirmed[request.slot] = view
+        self.confirmed[request.slot] = seen
         return signer(view_message(binding=self.binding, epoch=self.epoch, slot=request.slot, view=view))
 
     def _check_confirmations(self, request: UnmaskRequest, roster: Roster, survivors: tuple[int, ...]) -> None:
         """Enough of the nodes holding this node's shares signed this very view (and so did this node)."""
         view = request.view()
-        if self.confirmed.get(request.slot) != view:
+        if self.confirmed.get(request.slot) != _digest([part for group in view for part in group]):
             raise self._fail(f"slot {request.slot}: this node did not confirm these survivors; nothing revealed")
         message = view_message(binding=self.binding, epoch=self.epoch, slot=request.slot, view=view)
         holders = {*self.neighbours(), self.node}
@@ -394,7 +405,7 @@ class NodeEpoch:
         slot = request.slot
         if roster is not None:
             self._check_confirmations(request, roster, survivors)
-        answer = (survivors, dropped)
+        answer = _digest([survivors, dropped])
         previous = self.revealed.get(slot)
         if previous is not None and previous != answer:
             raise self._fail(f"slot {slot} was already unmasked with other survivors; refusing")
@@ -409,54 +420,99 @@ class NodeEpoch:
     # ---- persistence ----------------------------------------------------------------------------
     def to_bytes(self) -> bytes:
         def ad(a: KeyAdvertisement) -> list[str | list[str]]:
-            return [a.share_key.hex(), [k.hex() for k in a.mask_keys], a.department, a.signature.hex()]
+            return [_b64(a.share_key), [_b64(k) for k in a.mask_keys], a.department, _b64(a.signature)]
+
+        def digests(d: dict[int, bytes]) -> dict[str, str]:
+            return {str(k): _b64(v) for k, v in d.items()}
 
         return json.dumps(
             {
-                "node": str(self.node), "epoch": self.epoch.hex(), "params": self.params.to_dict(),
-                "cohort": [str(c) for c in self.cohort], "share_private": self.share_private.hex(),
-                "mask_private": [k.hex() for k in self.mask_private], "seeds": [s.hex() for s in self.seeds],
-                "members": [str(m) for m in self.members], "graph_seed": self.graph_seed.hex(),
+                "format": 2,
+                "node": str(self.node), "epoch": _b64(self.epoch), "params": self.params.to_dict(),
+                "cohort": _pack_ids(self.cohort), "share_private": _b64(self.share_private),
+                "mask_private": [_b64(k) for k in self.mask_private], "seeds": [_b64(s) for s in self.seeds],
+                "members": _pack_ids(self.members), "graph_seed": _b64(self.graph_seed),
                 "peers": {str(p): ad(a) for p, a in self.peers.items()},
-                "held": {str(o): h.hex() for o, h in self.held.items()},
-                "used": {str(s): [str(g) for g in grp] for s, grp in self.used.items()},
-                "revealed": {str(s): [[str(x) for x in a], [str(x) for x in d]] for s, (a, d) in self.revealed.items()},
-                "department": self.department, "signature": self.signature.hex(), "binding": self.binding.hex(),
-                "confirmed": {str(s): [[[str(x) for x in a], [str(x) for x in d]] for a, d in v]
-                              for s, v in self.confirmed.items()},
-            }
+                "held": {str(o): _b64(h) for o, h in self.held.items()},
+                "used": digests(self.used), "revealed": digests(self.revealed), "confirmed": digests(self.confirmed),
+                "department": self.department, "signature": _b64(self.signature), "binding": _b64(self.binding),
+            },
+            separators=(",", ":"),
         ).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> NodeEpoch:
+        """The state ``to_bytes`` wrote, or one in the earlier form (hex, the groups and views in full)."""
         try:
             raw = json.loads(data)
-
-            def ids(xs: list[str]) -> tuple[int, ...]:
-                return tuple(int(x) for x in xs)
-
+            compact = raw.get("format") == 2
+            raw_bytes: Callable[[str], bytes] = _unb64 if compact else bytes.fromhex
+            ids: Callable[[Any], tuple[int, ...]] = _unpack_ids if compact else _id_list
+            if compact:
+                used, revealed, confirmed = (
+                    {int(k): _unb64(v) for k, v in raw[name].items()} for name in ("used", "revealed", "confirmed"))
+            else:
+                used = {int(s): _digest([_id_list(g)]) for s, g in raw["used"].items()}
+                revealed = {int(s): _digest([_id_list(v[0]), _id_list(v[1])]) for s, v in raw["revealed"].items()}
+                confirmed = {int(s): _digest([_id_list(x) for a, d in v for x in (a, d)])
+                             for s, v in raw["confirmed"].items()}
             return cls(
                 node=int(raw["node"]),
-                epoch=bytes.fromhex(raw["epoch"]),
+                epoch=raw_bytes(raw["epoch"]),
                 params=MaskingParams.from_dict(raw["params"]),
                 cohort=ids(raw["cohort"]),
-                share_private=bytes.fromhex(raw["share_private"]),
-                mask_private=[bytes.fromhex(k) for k in raw["mask_private"]],
-                seeds=[bytes.fromhex(s) for s in raw["seeds"]],
+                share_private=raw_bytes(raw["share_private"]),
+                mask_private=[raw_bytes(k) for k in raw["mask_private"]],
+                seeds=[raw_bytes(s) for s in raw["seeds"]],
                 members=ids(raw["members"]),
-                graph_seed=bytes.fromhex(raw["graph_seed"]),
+                graph_seed=raw_bytes(raw["graph_seed"]),
                 peers={
-                    int(p): KeyAdvertisement(int(p), bytes.fromhex(a[0]), tuple(bytes.fromhex(k) for k in a[1]),
-                                             str(a[2]), bytes.fromhex(a[3]))
+                    int(p): KeyAdvertisement(int(p), raw_bytes(a[0]), tuple(raw_bytes(k) for k in a[1]),
+                                             str(a[2]), raw_bytes(a[3]))
                     for p, a in raw["peers"].items()
                 },
-                held={int(o): bytes.fromhex(h) for o, h in raw["held"].items()},
-                used={int(s): ids(g) for s, g in raw["used"].items()},
-                revealed={int(s): (ids(v[0]), ids(v[1])) for s, v in raw["revealed"].items()},
+                held={int(o): raw_bytes(h) for o, h in raw["held"].items()},
+                used=used,
+                revealed=revealed,
                 department=str(raw["department"]),
-                signature=bytes.fromhex(raw["signature"]),
-                binding=bytes.fromhex(raw["binding"]),
-                confirmed={int(s): tuple((ids(a), ids(d)) for a, d in v) for s, v in raw["confirmed"].items()},
+                signature=raw_bytes(raw["signature"]),
+                binding=raw_bytes(raw["binding"]),
+                confirmed=confirmed,
             )
-        except (ValueError, KeyError, TypeError, IndexError) as exc:
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
             raise SecureAggregationError(f"stored secure-aggregation state is unreadable ({exc})") from exc
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text.encode("ascii"), validate=True)
+
+
+def _pack_ids(ids: Sequence[int]) -> str:
+    """Node ids (Flower's are unsigned 64-bit) as base64 of big-endian 8-byte words."""
+    return _b64(np.asarray(ids, dtype=">u8").tobytes())
+
+
+def _id_list(xs: list[str]) -> tuple[int, ...]:
+    """Node ids as the earlier form stored them (a list of decimal strings)."""
+    return tuple(int(x) for x in xs)
+
+
+def _unpack_ids(text: str) -> tuple[int, ...]:
+    raw = _unb64(text)
+    if len(raw) % 8:
+        raise ValueError("packed node ids are not whole 8-byte words")
+    return tuple(int(x) for x in np.frombuffer(raw, dtype=">u8"))
+
+
+def _digest(parts: Sequence[Sequence[int]]) -> bytes:
+    """SHA-256 of node-id lists, each length-prefixed (so no two different lists of lists collide but
+    by a SHA-256 collision): what the node keeps of a group or a view it only ever compares."""
+    h = hashlib.sha256(len(parts).to_bytes(4, "big"))
+    for part in parts:
+        h.update(len(part).to_bytes(4, "big"))
+        h.update(np.asarray(part, dtype=">u8").tobytes())
+    return h.digest()
