@@ -14,9 +14,10 @@ round-trips through ``to_bytes``/``from_bytes`` because the node keeps it betwee
 
 What the node remembers of each slot's groups and views (the group it masked with, the view it
 signed, the survivors it unmasked for) is only ever compared for equality, so it keeps a SHA-256
-digest of each (``_digest``) rather than the node lists: at 1,000 departments those lists were most of
-a node's stored state (about 300 KB a node after two rounds, against under 100 KB now), and Flower's
-simulation engine keeps every virtual node's state in the ServerApp's process. Member lists are
+digest of each (``_digest``) rather than the node lists. With the lists, a node of 1,000
+departments (174 neighbours, 2 slots) stored 346 KB after two rounds; it stores 135 KB now, most of
+it its neighbours' keys and the shares it holds. Flower's simulation engine keeps every virtual
+node's state in the ServerApp's process, so this is also that process's memory. Member lists are
 stored as packed 64-bit ids and keys in base64; ``from_bytes`` still reads the earlier all-hex form.
 """
 
