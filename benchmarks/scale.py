@@ -13,18 +13,20 @@ starts its own Ray instance; the first round of a run holds Ray's start and the 
 Keys: departments, ckks_departments, params, plain_round_s, masked_round_s, masked_over_plain,
 ckks_round_s, ckks_over_plain (CKKS at its own N against plaintext at N), stage_seconds (per mode: the
 median seconds of each recorded stage), first_round_s (per mode), server_peak_rss_mb (the largest
-the ServerApp's process reported: the driver, whose Ray client and the ServerApp share it; a
-process's peak so far, so server_peak_rss_mb_by_mode holds the earlier modes' too: they run plain,
-masked, CKKS),
+the ServerApp's process reported: the driver, whose Ray client and the ServerApp share it, and in
+which Flower's simulation engine keeps every virtual node's state; each mode runs in a fresh
+process of its own, so server_peak_rss_mb_by_mode is each mode's own peak),
 memory_goal_mb (4 × the model's float64 bytes + 1 GB), masked_goal_met, memory_goal_met,
 errors (per mode, why a run's rounds failed: its figures are then null), elapsed_s.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import statistics
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +39,10 @@ from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository, RoundStatus
 
 
-def _mode(repo: Repository, home: Path, departments: int, config: dict[str, Any], name: str) -> dict[str, Any]:
+def _mode(db_url: str, home: Path, departments: int, config: dict[str, Any], name: str) -> dict[str, Any]:
     """One simulated run's figures, or ``{"error": why}`` when a round of it failed (reported, not hidden)."""
     root = home / f"sim-{name}"
+    repo = Repository(connect(db_url, migrate=False))
     try:
         run = simulate(config, SimulationSettings(departments=departments, root=root), repo)
     except QuorumError as exc:
@@ -61,6 +64,13 @@ def _mode(repo: Repository, home: Path, departments: int, config: dict[str, Any]
     }
 
 
+def _fresh(db_url: str, home: Path, departments: int, config: dict[str, Any], name: str) -> dict[str, Any]:
+    """``_mode`` in a new process (spawned, not forked): its peak RSS is that mode's alone, not the
+    high-water mark of the modes before it."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_mode, db_url, home, departments, config, name).result()
+
+
 def main() -> None:
     parser = make_parser(__doc__ or "")
     parser.add_argument("--departments", type=int, default=1000)
@@ -77,17 +87,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="quorumfl-scale-") as tmp:
         home = Path(tmp)
         db_url = f"sqlite:///{home / 'state.db'}"
-        repo = Repository(connect(db_url, migrate=True))
+        Repository(connect(db_url, migrate=True))  # the schema, once; each mode's process connects anew
         base = {"dataset": dataset, "model": "mlp", "strategy": "fedavg", "num-rounds": rounds, "local-epochs": 1,
                 "batch-size": 32, "learning-rate": 0.05, "seed": 0, "start-from": "fresh", "min-nodes": 2,
                 "state-url": db_url, "model-dir": str(home / "models"), "round-timeout": 3600.0,
                 "node-wait-timeout": 600.0, "secagg-stage-timeout": 3600.0}
-        plain = _mode(repo, home, departments, {**base, "secure-aggregation": "none"}, "plain")
-        masked = _mode(repo, home, departments, {**base, "secure-aggregation": "masking"}, "masked")
-        small_plain = plain if ckks_departments == departments else _mode(
-            repo, home, ckks_departments, {**base, "secure-aggregation": "none"}, "plain-ckks-size")
-        ckks = _mode(repo, home, ckks_departments, {**base, "secure-aggregation": "ckks", "secagg-threshold": 0.6},
-                     "ckks")
+        plain = _fresh(db_url, home, departments, {**base, "secure-aggregation": "none"}, "plain")
+        masked = _fresh(db_url, home, departments, {**base, "secure-aggregation": "masking"}, "masked")
+        small_plain = plain if ckks_departments == departments else _fresh(
+            db_url, home, ckks_departments, {**base, "secure-aggregation": "none"}, "plain-ckks-size")
+        ckks = _fresh(db_url, home, ckks_departments, {**base, "secure-aggregation": "ckks", "secagg-threshold": 0.6},
+                      "ckks")
     memory_goal = 4 * params * 8 / 2**20 + 1024
     modes = {"plain": plain, "masked": masked, "ckks": ckks}
     figures: dict[str, Any] = {
