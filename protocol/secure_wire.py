@@ -27,6 +27,7 @@ from quorumfl.aggregation.secagg import (
     UnmaskReply,
     UnmaskRequest,
 )
+from quorumfl.aggregation.secagg.messages import pack_ids, unpack_ids
 from quorumfl.aggregation.secagg.shamir import share_from_bytes, share_to_bytes
 from quorumfl.errors import SecureAggregationError
 
@@ -68,8 +69,7 @@ UNMASK = "query.secagg_unmask"
 CONFIRM = "query.secagg_confirm"  # signed epochs: each survivor signs the round's survivor/dropped view
 
 
-def _ids(values: Sequence[int]) -> bytes:
-    return b"".join(int(v).to_bytes(8, "big") for v in values)
+_ids = pack_ids
 
 
 def _get(record: ConfigRecord, key: str, kind: type) -> Any:
@@ -86,10 +86,10 @@ def _get(record: ConfigRecord, key: str, kind: type) -> Any:
 
 
 def _read_ids(record: ConfigRecord, key: str) -> tuple[int, ...]:
-    data = _get(record, key, bytes)
-    if len(data) % 8:
-        raise SecureAggregationError(f"secure-aggregation '{key}' is not a list of 8-byte node ids")
-    return tuple(int.from_bytes(data[i: i + 8], "big") for i in range(0, len(data), 8))
+    try:
+        return unpack_ids(_get(record, key, bytes))
+    except ValueError:
+        raise SecureAggregationError(f"secure-aggregation '{key}' is not a list of 8-byte node ids") from None
 
 
 # ---- setup ------------------------------------------------------------------------------------

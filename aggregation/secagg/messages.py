@@ -7,7 +7,7 @@ sorted member list, and index + 1 is its Shamir x-coordinate.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from quorumfl.aggregation.secagg.fixedpoint import FixedPoint
@@ -30,8 +30,23 @@ __all__ = [
     "ShareBundle",
     "UnmaskReply",
     "UnmaskRequest",
+    "pack_ids",
     "resolve_threshold",
+    "unpack_ids",
 ]
+
+
+def pack_ids(values: Sequence[int]) -> bytes:
+    """Node ids (Flower's are unsigned 64-bit) as big-endian 8-byte words, as the wire and a node's
+    stored state carry them."""
+    return b"".join(int(v).to_bytes(8, "big") for v in values)
+
+
+def unpack_ids(data: bytes) -> tuple[int, ...]:
+    """The ids ``pack_ids`` wrote; ``ValueError`` when ``data`` is not whole 8-byte words."""
+    if len(data) % 8:
+        raise ValueError("node ids must be whole 8-byte words")
+    return tuple(int.from_bytes(data[i: i + 8], "big") for i in range(0, len(data), 8))
 
 EPOCH_BYTES = 16
 

@@ -46,7 +46,9 @@ from quorumfl.aggregation.secagg.messages import (
     ShareBundle,
     UnmaskReply,
     UnmaskRequest,
+    pack_ids,
     share_commitment,
+    unpack_ids,
 )
 from quorumfl.aggregation.secagg.shamir import (
     SHARE_BYTES,
@@ -368,7 +370,7 @@ class NodeEpoch:
         """Sign the round's survivor/dropped view; a node signs one view per slot and no other."""
         self._check_view(request, "consistency")
         view = request.view()
-        seen = _digest([part for group in view for part in group])
+        seen = _view_digest(view)
         previous = self.confirmed.get(request.slot)
         if previous is not None and previous != seen:
             raise self._fail(f"slot {request.slot}: the server already showed this node other survivors; "
@@ -379,7 +381,7 @@ class NodeEpoch:
     def _check_confirmations(self, request: UnmaskRequest, roster: Roster, survivors: tuple[int, ...]) -> None:
         """Enough of the nodes holding this node's shares signed this very view (and so did this node)."""
         view = request.view()
-        if self.confirmed.get(request.slot) != _digest([part for group in view for part in group]):
+        if self.confirmed.get(request.slot) != _view_digest(view):
             raise self._fail(f"slot {request.slot}: this node did not confirm these survivors; nothing revealed")
         message = view_message(binding=self.binding, epoch=self.epoch, slot=request.slot, view=view)
         holders = {*self.neighbours(), self.node}
@@ -430,9 +432,9 @@ class NodeEpoch:
             {
                 "format": 2,
                 "node": str(self.node), "epoch": _b64(self.epoch), "params": self.params.to_dict(),
-                "cohort": _pack_ids(self.cohort), "share_private": _b64(self.share_private),
+                "cohort": _b64(pack_ids(self.cohort)), "share_private": _b64(self.share_private),
                 "mask_private": [_b64(k) for k in self.mask_private], "seeds": [_b64(s) for s in self.seeds],
-                "members": _pack_ids(self.members), "graph_seed": _b64(self.graph_seed),
+                "members": _b64(pack_ids(self.members)), "graph_seed": _b64(self.graph_seed),
                 "peers": {str(p): ad(a) for p, a in self.peers.items()},
                 "held": {str(o): _b64(h) for o, h in self.held.items()},
                 "used": digests(self.used), "revealed": digests(self.revealed), "confirmed": digests(self.confirmed),
@@ -448,14 +450,14 @@ class NodeEpoch:
             raw = json.loads(data)
             compact = raw.get("format") == 2
             raw_bytes: Callable[[str], bytes] = _unb64 if compact else bytes.fromhex
-            ids: Callable[[Any], tuple[int, ...]] = _unpack_ids if compact else _id_list
+            ids: Callable[[Any], tuple[int, ...]] = (lambda text: unpack_ids(_unb64(text))) if compact else _id_list
             if compact:
                 used, revealed, confirmed = (
                     {int(k): _unb64(v) for k, v in raw[name].items()} for name in ("used", "revealed", "confirmed"))
             else:
                 used = {int(s): _digest([_id_list(g)]) for s, g in raw["used"].items()}
                 revealed = {int(s): _digest([_id_list(v[0]), _id_list(v[1])]) for s, v in raw["revealed"].items()}
-                confirmed = {int(s): _digest([_id_list(x) for a, d in v for x in (a, d)])
+                confirmed = {int(s): _view_digest(tuple((_id_list(a), _id_list(d)) for a, d in v))
                              for s, v in raw["confirmed"].items()}
             return cls(
                 node=int(raw["node"]),
@@ -492,21 +494,9 @@ def _unb64(text: str) -> bytes:
     return base64.b64decode(text.encode("ascii"), validate=True)
 
 
-def _pack_ids(ids: Sequence[int]) -> str:
-    """Node ids (Flower's are unsigned 64-bit) as base64 of big-endian 8-byte words."""
-    return _b64(np.asarray(ids, dtype=">u8").tobytes())
-
-
 def _id_list(xs: list[str]) -> tuple[int, ...]:
     """Node ids as the earlier form stored them (a list of decimal strings)."""
     return tuple(int(x) for x in xs)
-
-
-def _unpack_ids(text: str) -> tuple[int, ...]:
-    raw = _unb64(text)
-    if len(raw) % 8:
-        raise ValueError("packed node ids are not whole 8-byte words")
-    return tuple(int(x) for x in np.frombuffer(raw, dtype=">u8"))
 
 
 def _digest(parts: Sequence[Sequence[int]]) -> bytes:
@@ -515,5 +505,10 @@ def _digest(parts: Sequence[Sequence[int]]) -> bytes:
     h = hashlib.sha256(len(parts).to_bytes(4, "big"))
     for part in parts:
         h.update(len(part).to_bytes(4, "big"))
-        h.update(np.asarray(part, dtype=">u8").tobytes())
+        h.update(pack_ids(part))
     return h.digest()
+
+
+def _view_digest(view: Sequence[tuple[Sequence[int], Sequence[int]]]) -> bytes:
+    """``_digest`` of a survivor view: its (survivors, dropped) pairs in order."""
+    return _digest([part for pair in view for part in pair])
