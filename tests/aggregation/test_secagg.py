@@ -26,7 +26,7 @@ from quorumfl.aggregation.secagg.shamir import (
     PRIME,
     SMALL_X,
     _evaluate,
-    _SmallPoints,
+    _small_reconstruct,
     _weights,
     interpolate_at,
     reconstruct_secret,
@@ -209,16 +209,26 @@ def test_a_corrupted_extra_share_is_detected(offset: int) -> None:
         reconstruct_secret(shares, threshold=3, length=32)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(xs=st.lists(st.integers(1, 3000), unique=True, min_size=1, max_size=40), data=st.data())
 def test_the_small_coordinate_path_equals_plain_barycentric_interpolation(xs: list[int], data: st.DataObject) -> None:
-    """Member-index x-coordinates take exact integer products and a table of inverses; at 0, at
-    each x and at other points the value equals the generic modular formula."""
+    """Member-index x-coordinates take the all-shares-at-once path (dual-code check): it rebuilds
+    what the generic formula rebuilds from the first t shares, and refuses exactly the share sets
+    that fail the generic check of each further share against those t."""
+    xs = sorted(xs)
     t = data.draw(st.integers(1, len(xs)))
-    ys = data.draw(st.lists(st.integers(0, PRIME - 1), min_size=t, max_size=t))
-    small, weights = _SmallPoints(xs[:t], ys), _weights(xs[:t])
-    for at in [0, *xs, data.draw(st.integers(1, 5000))]:
-        assert small.at(at) == _evaluate(xs[:t], ys, weights, at)
+    coefficients = data.draw(st.lists(st.integers(0, PRIME - 1), min_size=t, max_size=t))
+    ys = [sum(c * pow(x, k, PRIME) for k, c in enumerate(coefficients)) % PRIME for x in xs]
+    if data.draw(st.booleans()):  # one share off the polynomial (or, when it is among the first t, a new polynomial)
+        i = data.draw(st.integers(0, len(xs) - 1))
+        ys[i] = (ys[i] + data.draw(st.integers(1, PRIME - 1))) % PRIME
+    weights = _weights(xs[:t])
+    consistent = all(_evaluate(xs[:t], ys[:t], weights, x) == y for x, y in zip(xs[t:], ys[t:], strict=True))
+    if consistent:
+        assert _small_reconstruct(xs, ys, t) == _evaluate(xs[:t], ys[:t], weights, 0)
+    else:
+        with pytest.raises(SecureAggregationError, match="inconsistent"):
+            _small_reconstruct(xs, ys, t)
 
 
 def _lone_masked_vector(values: np.ndarray, *, seed: int) -> np.ndarray:
