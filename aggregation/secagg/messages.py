@@ -7,6 +7,7 @@ sorted member list, and index + 1 is its Shamir x-coordinate.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -39,14 +40,17 @@ __all__ = [
 def pack_ids(values: Sequence[int]) -> bytes:
     """Node ids (Flower's are unsigned 64-bit) as big-endian 8-byte words, as the wire and a node's
     stored state carry them."""
-    return b"".join(int(v).to_bytes(8, "big") for v in values)
+    try:
+        return struct.pack(f">{len(values)}Q", *values)
+    except struct.error as exc:  # negative, too large, or not an integer
+        raise OverflowError(f"node ids must be unsigned 64-bit integers ({exc})") from None
 
 
 def unpack_ids(data: bytes) -> tuple[int, ...]:
     """The ids ``pack_ids`` wrote; ``ValueError`` when ``data`` is not whole 8-byte words."""
     if len(data) % 8:
         raise ValueError("node ids must be whole 8-byte words")
-    return tuple(int.from_bytes(data[i: i + 8], "big") for i in range(0, len(data), 8))
+    return struct.unpack(f">{len(data) // 8}Q", data)
 
 EPOCH_BYTES = 16
 

@@ -385,8 +385,11 @@ class NodeEpoch:
             raise self._fail(f"slot {request.slot}: this node did not confirm these survivors; nothing revealed")
         message = view_message(binding=self.binding, epoch=self.epoch, slot=request.slot, view=view)
         holders = {*self.neighbours(), self.node}
-        valid = set()
+        needed = self.params.local_threshold(len(self.members), len(holders))
+        valid: set[int] = set()
         for signer, signature in request.confirmations.items():
+            if len(valid) >= needed:  # enough: verifying the rest (~0.1 ms each) would change nothing
+                break
             if signer not in holders or signer not in survivors:
                 continue
             department = self.department if signer == self.node else self.peers[signer].department
@@ -395,7 +398,6 @@ class NodeEpoch:
             except SecureAggregationError:
                 continue  # a bad signature counts for nothing
             valid.add(signer)
-        needed = self.params.local_threshold(len(self.members), len(holders))
         if len(valid) < needed:
             raise self._fail(f"only {len(valid)} survivor(s) confirmed this view with a valid signature, "
                              f"{needed} needed; the server may be showing nodes different views; nothing revealed")
