@@ -23,7 +23,7 @@ stored as packed 64-bit ids and keys in base64; ``from_bytes`` still reads the e
 
 from __future__ import annotations
 
-import base64
+import binascii
 import hashlib
 import json
 import os
@@ -489,11 +489,13 @@ class NodeEpoch:
 
 
 def _b64(raw: bytes) -> str:
-    return base64.b64encode(raw).decode("ascii")
+    return binascii.b2a_base64(raw, newline=False).decode("ascii")
 
 
 def _unb64(text: str) -> bytes:
-    return base64.b64decode(text.encode("ascii"), validate=True)
+    """Strict base64 (what ``base64.b64decode(validate=True)`` checks, without its Python wrappers:
+    a state holds a few thousand fields)."""
+    return binascii.a2b_base64(text, strict_mode=True)
 
 
 def _id_list(xs: list[str]) -> tuple[int, ...]:
