@@ -288,7 +288,8 @@ class NodeEpoch:
         self._check_group(group)
         if self.node not in group:
             raise self._fail("this node is not in the group it is asked to mask for")
-        partners = [p for p in self.neighbours() if p in group]
+        in_group = set(group)
+        partners = [p for p in self.neighbours() if p in in_group]
         if not partners:
             raise self._fail("no neighbour takes part in this group; the input would be exposed")
         missing = [p for p in partners if p not in self.held]
