@@ -33,7 +33,7 @@ from quorumfl.aggregation.secagg.messages import (
 from quorumfl.aggregation.secagg.shamir import PRIME, reconstruct_secret, share_to_bytes
 from quorumfl.aggregation.secagg.streams import (
     KEY_BYTES,
-    keystream,
+    add_keystream,
     load_private,
     pairwise_mask_key,
     public_key,
@@ -311,11 +311,11 @@ class MaskedRound:
         return outcomes
 
     def _unmasked(self, masked: NDArray[np.unsignedinteger], alive: tuple[int, ...], gone: tuple[int, ...]) -> NDArray[np.unsignedinteger]:
-        epoch, slot, dtype = self.epoch.epoch, self.slot, masked.dtype
+        epoch, slot = self.epoch.epoch, self.slot
         total = masked.copy()
         for u in alive:
             seed = self._secret(u, key=False)
-            np.subtract(total, keystream(self_mask_key(seed, epoch=epoch, slot=slot), self.length, dtype), out=total)
+            add_keystream(total, self_mask_key(seed, epoch=epoch, slot=slot), subtract=True)
         for u in gone:
             private = self._secret(u, key=True)
             if public_key(private) != self.epoch.ads[u].mask_keys[slot]:
@@ -325,10 +325,6 @@ class MaskedRound:
             for v in self.epoch.neighbours(u):
                 if v not in alive:
                     continue
-                stream = keystream(pairwise_mask_key(loaded, self.epoch.ads[v].mask_keys[slot], epoch=epoch, slot=slot),
-                                   self.length, dtype)
-                if v < u:  # v added this stream; take it away
-                    np.subtract(total, stream, out=total)
-                else:
-                    np.add(total, stream, out=total)
+                key = pairwise_mask_key(loaded, self.epoch.ads[v].mask_keys[slot], epoch=epoch, slot=slot)
+                add_keystream(total, key, subtract=v < u)  # v added this stream when v < u: take it away
         return total

@@ -58,9 +58,9 @@ from quorumfl.aggregation.secagg.shamir import (
 )
 from quorumfl.aggregation.secagg.streams import (
     KEY_BYTES,
+    add_keystream,
     decrypt_bundle,
     encrypt_bundle,
-    keystream,
     load_private,
     new_private_key,
     pairwise_mask_key,
@@ -297,17 +297,13 @@ class NodeEpoch:
             raise self._fail(f"no share bundle from group member(s) {missing}")
         fp = self.params.fixed_point(len(self.members))
         masked, _ = fp.encode(values, rng)
-        slot, length, dtype = request.slot, masked.shape[0], fp.dtype
+        slot = request.slot
         self.used[slot] = _digest([group])  # recorded before any mask is added: a failure later never reuses it
-        np.add(masked, keystream(self_mask_key(self.seeds[slot], epoch=self.epoch, slot=slot), length, dtype), out=masked)
+        add_keystream(masked, self_mask_key(self.seeds[slot], epoch=self.epoch, slot=slot))
         mask_private = load_private(self.mask_private[slot])
         for peer in partners:
             key = pairwise_mask_key(mask_private, self.peers[peer].mask_keys[slot], epoch=self.epoch, slot=slot)
-            stream = keystream(key, length, dtype)
-            if self.node < peer:
-                np.add(masked, stream, out=masked)
-            else:
-                np.subtract(masked, stream, out=masked)
+            add_keystream(masked, key, subtract=self.node > peer)
         del mask_private
         self.mask_private[slot], self.seeds[slot] = b"", b""  # done: only the holders' shares can rebuild them
         for older in range(slot):  # skipped, or their round was abandoned: nothing of them is needed again

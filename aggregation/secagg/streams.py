@@ -11,6 +11,7 @@ per-element Python.
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 from cryptography.exceptions import InvalidTag
@@ -25,6 +26,7 @@ from quorumfl.errors import SecureAggregationError
 
 __all__ = [
     "KEY_BYTES",
+    "add_keystream",
     "decrypt_bundle",
     "encrypt_bundle",
     "keystream",
@@ -113,12 +115,42 @@ def keystream(key: bytes, length: int, dtype: np.dtype[np.unsignedinteger]) -> N
     """``length`` uniformly random integers of ``dtype`` from AES-256-CTR under ``key`` (zero IV).
 
     Every key is used for exactly one stream (keys are derived per epoch, slot and pair), so a fixed
-    IV is safe.
+    IV is safe. A new array; ``add_keystream`` adds the same stream into an array without one.
     """
     if length == 0:
         return np.zeros(0, dtype=dtype)
-    size = length * dtype.itemsize
+    return _generate(key, length * dtype.itemsize).view(dtype)[:length].copy()
+
+
+def add_keystream(target: NDArray[np.unsignedinteger], key: bytes, *, subtract: bool = False) -> None:
+    """Add (or subtract) ``keystream(key, len(target), target.dtype)`` into ``target``, modulo the
+    dtype's range. The stream is generated into this thread's scratch buffer, reused from call to
+    call: a node adds ~175 streams of the model's size per round at 1,000 departments, and a fresh
+    pair of buffers for each (the zero input and the output) cost twice the AES itself in page
+    faults (0.36 ms against 0.12 ms for 109k uint32 values)."""
+    if target.ndim != 1 or not target.flags.c_contiguous:
+        raise SecureAggregationError("a mask is added to a contiguous 1-D array")
+    if target.shape[0] == 0:
+        return
+    stream = _generate(key, target.nbytes).view(target.dtype)[: target.shape[0]]
+    (np.subtract if subtract else np.add)(target, stream, out=target)
+
+
+class _Scratch(threading.local):
+    zeros: bytes = b""
+    out: bytearray = bytearray()
+
+
+_scratch = _Scratch()
+
+
+def _generate(key: bytes, size: int) -> NDArray[np.uint8]:
+    """``size`` keystream bytes in this thread's scratch buffer (valid until its next call)."""
+    if len(_scratch.zeros) < size:
+        _scratch.zeros = bytes(size)
+        _scratch.out = bytearray(size + 16)  # update_into wants room for one more block
     encryptor = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor()
-    out = bytearray(size + 15)  # update_into wants room for one more block
-    encryptor.update_into(bytes(size), out)
-    return np.frombuffer(out, dtype=dtype, count=length)
+    written = encryptor.update_into(memoryview(_scratch.zeros)[:size], _scratch.out)
+    if written != size:
+        raise SecureAggregationError(f"AES-CTR wrote {written} of {size} keystream bytes")
+    return np.frombuffer(_scratch.out, dtype=np.uint8, count=size)

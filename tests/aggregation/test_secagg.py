@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
@@ -32,6 +34,7 @@ from quorumfl.aggregation.secagg.shamir import (
     reconstruct_secret,
     split_secret,
 )
+from quorumfl.aggregation.secagg.streams import add_keystream, keystream
 from quorumfl.errors import ConfigError, QuorumNotMetError, SecureAggregationError
 
 from .secagg_harness import Dropouts, Federation
@@ -247,6 +250,38 @@ def test_one_nodes_masked_vector_is_uniform() -> None:
     # ... and the same coordinate over many independent epochs.
     draws = np.array([_lone_masked_vector(np.full(4, 2.5), seed=s)[0] for s in range(400)])
     assert chisquare(np.bincount((draws >> 29).astype(np.int64), minlength=8)).pvalue > 1e-4
+
+
+def _reference_stream(key: bytes, length: int, dtype: np.dtype) -> np.ndarray:
+    """AES-256-CTR with a zero IV, straight from ``cryptography``: the mask stream as specified."""
+    raw = Cipher(algorithms.AES(key), modes.CTR(bytes(16))).encryptor().update(bytes(length * dtype.itemsize))
+    return np.frombuffer(raw, dtype=dtype)
+
+
+@settings(max_examples=40, deadline=None)
+@given(calls=st.lists(st.tuples(st.integers(0, 5_000), st.sampled_from([np.uint32, np.uint64]), st.booleans(),
+                                st.binary(min_size=32, max_size=32)), min_size=1, max_size=6))
+def test_a_mask_added_in_place_is_the_specified_stream_whatever_came_before(
+        calls: list[tuple[int, type, bool, bytes]]) -> None:
+    """``add_keystream`` reuses one scratch buffer per thread: each call, after longer or shorter
+    ones, of either dtype, adds (or subtracts) exactly its own key's stream, as ``keystream`` returns it."""
+    rng = np.random.default_rng(len(calls))
+    for length, dtype, subtract, key in calls:
+        target = rng.integers(0, np.iinfo(dtype).max, size=length, dtype=dtype, endpoint=True)
+        expected = (target - _reference_stream(key, length, np.dtype(dtype)) if subtract
+                    else target + _reference_stream(key, length, np.dtype(dtype)))
+        add_keystream(target, key, subtract=subtract)
+        np.testing.assert_array_equal(target, expected)
+        np.testing.assert_array_equal(keystream(key, length, np.dtype(dtype)), _reference_stream(key, length, np.dtype(dtype)))
+
+
+def test_masks_added_in_parallel_threads_do_not_mix() -> None:
+    keys = [bytes([i]) * 32 for i in range(8)]
+    targets = [np.zeros(50_000 + 1_000 * i, dtype=np.uint32) for i in range(8)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(lambda i: [add_keystream(targets[i], keys[i]) for _ in range(3)], range(8)))
+    for key, target in zip(keys, targets, strict=True):
+        np.testing.assert_array_equal(target, 3 * _reference_stream(key, target.shape[0], np.dtype(np.uint32)))
 
 
 def test_a_rebuilt_key_is_never_used_again() -> None:
