@@ -142,9 +142,13 @@ def _difference_products(xs: Sequence[int]) -> list[int]:
     return [_mod(math.prod(row)) for row in chunks]
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=256)
 def _dual_table(degree: int, limit: int) -> tuple[int, ...]:
-    """(x − ρ)^degree mod PRIME for x = 0 … limit, ρ secret and uniform (see the module docstring)."""
+    """(x − ρ)^degree mod PRIME for x = 0 … limit, ρ secret and uniform (see the module docstring).
+
+    The degree is the shares that arrived less t, so dropouts spread an unmask stage's secrets over
+    a few dozen degrees: the cache holds 256 tables (≈ 100 KB each for a 1,000-member cohort) because
+    rebuilding one (limit + 1 exponentiations, ~13 ms) per secret would cost more than the check saves."""
     rho = secrets.randbelow(PRIME)
     return tuple(pow(x - rho, degree, PRIME) for x in range(limit + 1))
 
