@@ -24,13 +24,15 @@ Keys: plain_round_s, ckks_round_s, single_key_round_s, ckks_over_plain, ckks_ove
 encrypt_s_per_client, bytes_per_client (the packed ciphertexts a train reply carries), bytes_over_float32
 (bytes_per_client / the float32 update's bytes; the error bound is max_abs_error), sum_s (all N), partial_decrypt_s, combine_s, max_abs_error,
 ceremony_s (in memory) and ckks_ceremony_round_s (deployed), single_key_encrypt_s, single_key_bytes,
-server peak RSS per mode, per-round lists; what tying decryptions to contributors adds: tag_s_per_client
-(computing, sealing and signing a contributor's tag), tag_bytes_per_client, tag_check_s (a decryptor
-checking every contributor's signature and tag against c1), decrypt_request_tag_bytes (per decryptor).
+server peak RSS per mode, per-round lists; what the signed contribution records add: tag_s_per_client
+(hashing the c0 and signing), tag_bytes_per_client, tag_check_s (a decryptor's every refusal rule,
+every contributor's signature included), decrypt_request_tag_bytes (per decryptor: a decryption
+request carries no ciphertext, each decryptor derives the round's c1 itself).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from pathlib import Path
@@ -61,6 +63,7 @@ from quorumfl.aggregation.ckks import (
     pack_residues,
     partial_decrypt,
 )
+from quorumfl.aggregation.ckks.threshold import NONCE_BYTES
 from quorumfl.aggregation.secagg import resolve_threshold
 from quorumfl.aggregation.secagg.identity import sign
 from quorumfl.server.state.repository import Repository
@@ -79,10 +82,11 @@ def _steps(length: int, nodes: int) -> dict[str, float]:
     rng = np.random.default_rng(0)
     primes = params.send_primes(t, nodes, 8.0)
     values = [rng.normal(0.0, 0.01, length) for _ in members]
+    nonce = os.urandom(NONCE_BYTES)
     encrypted, encrypt_s = [], []
-    for v in values:
+    for m, v in zip(members, values, strict=True):
         start = time.perf_counter()
-        encrypted.append(encrypt_vector(params, coordinator.public_key, v, primes=primes))
+        encrypted.append(encrypt_vector(shares[m], v, primes=primes, round_number=1, group=0, nonce=nonce))
         encrypt_s.append(time.perf_counter() - start)
     total = CiphertextSum(params, length=length, primes=primes)
     start = time.perf_counter()
@@ -93,18 +97,18 @@ def _steps(length: int, nodes: int) -> dict[str, float]:
     tags, tag_s = [], []
     for m, polys in zip(members, encrypted, strict=True):
         start = time.perf_counter()
-        tags.append(contribute(shares[m], polys[:, 1], round_number=1, group=0, department=f"department-{m}",
+        tags.append(contribute(shares[m], polys, round_number=1, group=0, nonce=nonce, department=f"department-{m}",
                                signer=lambda message: sign(node_key, message)))
         tag_s.append(time.perf_counter() - start)
-    tag_bytes = [len(tag.department) + len(tag.sealed) + len(tag.signature) + 8 for tag in tags]
-    manifest = total.manifest(key_id=coordinator.key_id, round=1, group=0, subset=members[:t])
+    tag_bytes = [len(tag.department) + len(tag.digest) + len(tag.signature) + 8 for tag in tags]
+    manifest = total.manifest(key_id=coordinator.key_id, round=1, group=0, nonce=nonce, subset=members[:t])
     start = time.perf_counter()
-    check_request(shares[members[0]], manifest, total.c1, set(), tags)  # the tie alone (signatures: ~1 ms each)
+    check_request(shares[members[0]], manifest, set(), tags)  # unsigned here: signatures cost ~1 ms each
     tag_check_s = time.perf_counter() - start
     partials, partial_s = {}, []
     for m in manifest.subset:
         start = time.perf_counter()
-        partials[m] = partial_decrypt(shares[m], manifest, total.c1, set(), tags)
+        partials[m] = partial_decrypt(shares[m], manifest, set(), tags)
         partial_s.append(time.perf_counter() - start)
     start = time.perf_counter()
     result = combine(params, total.c0, partials, manifest)
@@ -126,7 +130,7 @@ def _steps(length: int, nodes: int) -> dict[str, float]:
         "combine_s": combine_s,
         "max_abs_error": error,
         "predicted_error_std": params.error_std(t, nodes),
-        "partial_bytes": float(pack_residues(total.c1).nbytes),
+        "partial_bytes": float(pack_residues(partials[manifest.subset[0]]).nbytes),
         "tag_s_per_client": statistics.median(tag_s),
         "tag_bytes_per_client": float(statistics.median(tag_bytes)),
         "tag_check_s": tag_check_s,

@@ -3,14 +3,13 @@
 Key material lives in the node's key store (``privacy.keystore``): a directory given by the node
 config ``key-dir`` (default ``$QUORUMFL_HOME/node-keys/<node id>``), never sent anywhere. What
 leaves the node: a commitment and a transport key (signed with its node key in a signed
-federation), its public share b_i and Shamir shares and MAC part encrypted for each member, its
-encrypted update with a sealed, signed tag tying it to the sum, and partial decryptions of
-aggregates whose manifest passes every refusal rule — among them that the c1 to decrypt is the
-sum of the contributors' tagged ciphertexts. A node encrypts only under a key it holds a share
-of: a node that joined after the ceremony refuses until the next one, so it never takes the
-server's word for a public key. The refusal ledger is written to disk before a partial
-decryption is returned, so a restarted node still refuses a repeat; each key answers at most the
-run's ``ckks-max-decryptions``.
+federation), its public share b_i and Shamir shares encrypted for each member, its encrypted
+update (c0 under the round's common c1) with a signed contribution record, and partial
+decryptions of aggregates whose manifest passes every refusal rule. A node encrypts only under a
+key it holds a share of (a node that joined after the ceremony refuses until the next one) and
+only once under a round nonce. Both ledgers — nonces encrypted under, (round, group) pairs
+decrypted — are written to disk before what they guard is returned, so a restarted node still
+refuses a repeat; each key answers at most the run's ``ckks-max-decryptions``.
 """
 
 from __future__ import annotations
@@ -140,10 +139,12 @@ def encrypted_train_reply(msg: Message, context: Context, local: LocalTraining) 
     payload = np.clip(payload, -request.clip, request.clip)
     record_payload(context.node_config, round_number=request.round_number, node=int(context.node_id),
                    received=local.received, payload=payload)
-    polys = encrypt_vector(request.params, share.public_key, payload, primes=request.primes)
-    tag = contribute(share, polys[:, 1], round_number=request.round_number, group=request.group, signer=me.signer(),
-                     department=me.department, binding=_binding(context))
-    arrays, config = encode_encrypted(polys, tag, key_id=request.key_id, round_number=request.round_number)
+    c0 = encrypt_vector(share, payload, primes=request.primes, round_number=request.round_number,
+                        group=request.group, nonce=request.nonce)
+    tag = contribute(share, c0, round_number=request.round_number, group=request.group, nonce=request.nonce,
+                     signer=me.signer(), department=me.department, binding=_binding(context))
+    store.record_encrypted(request.key_id, request.nonce)  # on disk before the ciphertext leaves
+    arrays, config = encode_encrypted(c0, tag, key_id=request.key_id, round_number=request.round_number)
     return RecordDict({
         ENCRYPTED: arrays,
         CKKS: config,
@@ -154,16 +155,15 @@ def encrypted_train_reply(msg: Message, context: Context, local: LocalTraining) 
 
 def decrypt(msg: Message, context: Context) -> RecordDict:
     """A partial decryption, after every refusal rule and after the ledger entry is on disk."""
-    content = _arrays(msg)
-    manifest, c1, contributions = decode_decrypt_request(_config(msg), content.array_records[ARRAYS])
+    manifest, contributions = decode_decrypt_request(_config(msg))
     store = key_store(context)
     stored = store.load_key(manifest.key_id)
     asked = set(stored.asked)
     roster, binding, cap = identity(context).roster, _binding(context), _max_decryptions(context)
-    check_request(stored.share, manifest, c1, asked, contributions, roster=roster, binding=binding, max_decryptions=cap,
+    check_request(stored.share, manifest, asked, contributions, roster=roster, binding=binding, max_decryptions=cap,
                   min_contributors=_min_contributors(context))
     store.record_asked(manifest.key_id, manifest.round, manifest.group)
-    partial = answer_checked(stored.share, manifest, c1)  # checked above, before the ledger entry
+    partial = answer_checked(stored.share, manifest)  # checked above, before the ledger entry
     config, arrays = encode_partial(partial, manifest)
     return RecordDict({CKKS: config, ARRAYS: arrays})
 

@@ -1,9 +1,13 @@
 """A node's threshold-CKKS key material on disk: one file per key, 0600, integrity-checked, written atomically.
 
-What a file holds: the key share σ and the members' MAC key (secret), the joint public key, the ceremony's members and
-holders, t, the CKKS parameters, which Flower run it was made for, and the (round, group) pairs
-this node has already partially decrypted — the refusal ledger, written *before* a partial
-decryption leaves the node, so a crash can only make the node refuse more, never answer twice.
+What a key's JSON file holds: the key share σ (secret), the joint public key, the ceremony's members and
+holders, t, the CKKS parameters, which Flower run it was made for, and two ledgers, each written
+*before* what it guards leaves the node (a crash can only make the node refuse more, never answer
+twice): the (round, group) pairs this node has partially decrypted, and the round nonces it has
+encrypted an update under (two encryptions under one nonce share their c1 and would give away the
+difference of two updates). Its own secret s_i and its shares of every holder's secret (13 MB
+for 100 holders at two primes) sit in a binary ``.shares`` file beside it, written once, whose
+SHA-256 the JSON file records: the ledgers are rewritten every round without rewriting them.
 A ceremony in progress (this node's fresh secret s_i between stages) has its own file and is
 deleted when the ceremony ends. A SHA-256 over the content detects a corrupted or truncated file;
 such a file is refused, never repaired. The hash is not keyed: it does not stop someone who can
@@ -18,6 +22,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +46,7 @@ class StoredKey:
     share: KeyShare
     run_id: int
     asked: set[tuple[int, int]] = field(default_factory=set)
+    encrypted: set[bytes] = field(default_factory=set)  # round nonces this node encrypted under
 
 
 def _b64(data: bytes) -> str:
@@ -104,42 +110,97 @@ class KeyStore:
             raise SecureAggregationError(f"key id {key_id!r} is not 32 hex digits")
         return self.directory / f"key-{key_id}.json"
 
+    def _shares_path(self, key_id: str) -> Path:
+        return self._key_path(key_id).with_suffix(".shares")
+
     def _party_path(self, ceremony: bytes) -> Path:
         return self.directory / f"ceremony-{ceremony.hex()}.json"
 
     # ---- key shares -------------------------------------------------------------------------------
     def save_key(self, stored: StoredKey) -> None:
+        """Write the shares file, then the JSON file that names its digest (a crash between the two
+        leaves a key that fails its check: refused, never half-used)."""
         s = stored.share
+        raw = np.ascontiguousarray(s.secret, dtype="<u8").tobytes() + np.ascontiguousarray(s.dealt, dtype="<u8").tobytes()
+        atomic_write(self._shares_path(s.key_id), raw, mode=0o600)
         self._write(self._key_path(s.key_id), {
             "key_id": s.key_id, "ceremony": s.ceremony.hex(), "node": str(s.node), "index": s.index,
             "members": [str(m) for m in s.members], "holders": [str(h) for h in s.holders], "threshold": s.threshold,
             "params": s.params.to_dict(), "public_key": _b64(s.public_key), "share": _array(s.share),
-            "mac_key": _b64(s.mac_key), "run_id": stored.run_id, "asked": sorted([r, g] for r, g in stored.asked),
+            "shares_file": {"secret": list(s.secret.shape), "dealt": list(s.dealt.shape),
+                            "sha256": hashlib.sha256(raw).hexdigest()},
+            "run_id": stored.run_id, "asked": sorted([r, g] for r, g in stored.asked),
+            "encrypted": sorted(n.hex() for n in stored.encrypted),
         })
+
+    def _shares(self, key_id: str, spec: Any) -> tuple[np.ndarray, np.ndarray]:
+        path = self._shares_path(key_id)
+        if not path.exists():
+            raise SecureAggregationError(f"key share file {path} is missing; restore it or run a new key ceremony")
+        if path.stat().st_mode & 0o077:
+            raise SecureAggregationError(f"key share file {path} is readable by others; chmod 600 it")
+        raw = path.read_bytes()
+        if not isinstance(spec, dict) or hashlib.sha256(raw).hexdigest() != spec.get("sha256"):
+            raise SecureAggregationError(f"key share file {path} fails its integrity check; restore it or run a new "
+                                         "key ceremony")
+        secret_shape = tuple(int(d) for d in spec["secret"])
+        dealt_shape = tuple(int(d) for d in spec["dealt"])
+        cut = 8 * int(np.prod(secret_shape))
+        if len(raw) != cut + 8 * int(np.prod(dealt_shape)):
+            raise SecureAggregationError(f"key share file {path} has the wrong size")
+        words = np.frombuffer(raw, dtype="<u8").astype(np.uint64)
+        return words[: cut // 8].reshape(secret_shape), words[cut // 8:].reshape(dealt_shape)
 
     def load_key(self, key_id: str) -> StoredKey:
         path = self._key_path(key_id)
         c = self._read(path, "key share")
+        if "shares_file" not in c:
+            raise SecureAggregationError(f"key {key_id} ({path}) was made by an older QuorumFL that encrypted under the "
+                                         "public key; run a new key ceremony (quorumfl keys ceremony RUN)")
         try:
+            secret, dealt = self._shares(key_id, c["shares_file"])
             share = KeyShare(
                 key_id=str(c["key_id"]), ceremony=bytes.fromhex(c["ceremony"]), node=int(c["node"]), index=int(c["index"]),
                 members=tuple(int(m) for m in c["members"]), holders=tuple(int(h) for h in c["holders"]),
                 threshold=int(c["threshold"]), params=CkksParams.from_dict(c["params"]),
-                public_key=_unb64(c["public_key"]), share=_unarray(c["share"]), mac_key=_unb64(c.get("mac_key", "")),
+                public_key=_unb64(c["public_key"]), share=_unarray(c["share"]), secret=secret, dealt=dealt,
             )
-            stored = StoredKey(share, int(c["run_id"]), {(int(r), int(g)) for r, g in c["asked"]})
+            stored = StoredKey(share, int(c["run_id"]), {(int(r), int(g)) for r, g in c["asked"]},
+                               {bytes.fromhex(n) for n in c["encrypted"]})
         except (KeyError, TypeError, ValueError) as exc:
             raise SecureAggregationError(f"key share file {path} is malformed") from exc
         if share.key_id != key_id:
             raise SecureAggregationError(f"key share file {path} holds key {share.key_id}")
+        if dealt.shape[0] != len(share.holders) or secret.shape[0] != dealt.shape[1]:
+            raise SecureAggregationError(f"key share file {path} does not match its holders")
         return stored
 
-    def record_asked(self, key_id: str, round_number: int, group: int) -> StoredKey:
-        """Add (round, group) to the ledger on disk and return the updated key; call before answering."""
-        stored = self.load_key(key_id)
-        stored.asked.add((round_number, group))
-        self.save_key(stored)
-        return stored
+    def _update_ledger(self, key_id: str, change: Callable[[dict[str, Any]], None]) -> None:
+        path = self._key_path(key_id)
+        content = self._read(path, "key share")
+        try:
+            change(content)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SecureAggregationError(f"key share file {path} is malformed") from exc
+        self._write(path, content)
+
+    def record_asked(self, key_id: str, round_number: int, group: int) -> None:
+        """Add (round, group) to the decryption ledger on disk; call before answering."""
+        def add(content: dict[str, Any]) -> None:
+            pairs = {(int(r), int(g)) for r, g in content["asked"]} | {(round_number, group)}
+            content["asked"] = sorted([r, g] for r, g in pairs)
+        self._update_ledger(key_id, add)
+
+    def record_encrypted(self, key_id: str, nonce: bytes) -> None:
+        """Add a round nonce to the encryption ledger on disk, refusing one already there; call before
+        the ciphertext leaves the node."""
+        def add(content: dict[str, Any]) -> None:
+            used = set(content["encrypted"])
+            if nonce.hex() in used:
+                raise SecureAggregationError(f"this node already encrypted an update under key {key_id} with round "
+                                             f"nonce {nonce.hex()}; refusing a second (it would reveal the difference)")
+            content["encrypted"] = sorted(used | {nonce.hex()})
+        self._update_ledger(key_id, add)
 
     def keys(self) -> list[str]:
         return sorted(p.name[4:-5] for p in self.directory.glob("key-*.json"))
@@ -154,7 +215,6 @@ class KeyStore:
             "commitments": {str(n): [c.digest.hex(), c.transport_key.hex(), c.department, c.signature.hex()]
                             for n, c in party.commitments.items()},
             "own_share": None if party.own_share is None else _array(party.own_share),
-            "mac_part": party.mac_part.hex(),
         })
 
     def load_party(self, ceremony: bytes) -> KeyParty:
@@ -169,7 +229,6 @@ class KeyStore:
                 commitments={int(n): Commitment(int(n), bytes.fromhex(d), bytes.fromhex(k), str(dep), bytes.fromhex(sig))
                              for n, (d, k, dep, sig) in c["commitments"].items()},
                 own_share=None if c["own_share"] is None else _unarray(c["own_share"]),
-                mac_part=bytes.fromhex(c["mac_part"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise SecureAggregationError(f"key ceremony state {path} is malformed") from exc

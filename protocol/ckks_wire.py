@@ -3,7 +3,8 @@
 Message types: ``query.ckks_commit``, ``query.ckks_reveal``, ``query.ckks_finish`` (the key
 ceremony, one round trip each), ``train`` carrying a ``ckks`` ConfigRecord (the reply carries the
 encrypted payload in the ``encrypted`` ArrayRecord instead of ``arrays``), and
-``query.ckks_decrypt`` (manifest + c1 of the aggregate; the reply carries the partial decryption).
+``query.ckks_decrypt`` (the manifest and the contributors' signed records, no arrays: every
+decryptor derives the round's c1 itself; the reply carries the partial decryption).
 Node ids travel as 8-byte big-endian strings. Every decoder checks types and shapes and raises
 ``SecureAggregationError``.
 """
@@ -27,6 +28,7 @@ from quorumfl.aggregation.ckks import (
     pack_residues,
     unpack_residues,
 )
+from quorumfl.aggregation.ckks.threshold import NONCE_BYTES
 from quorumfl.errors import ConfigError, SecureAggregationError
 from quorumfl.protocol.secure_wire import _get, _ids, _read_ids
 
@@ -86,7 +88,7 @@ def _u64(record: ArrayRecord, key: str, ndim: int) -> U64:
 
 
 def _packed(residues: U64) -> Array:
-    """The large residue arrays (ciphertexts, c1, partial decryptions) travel at 60 bits per residue."""
+    """The large residue arrays (ciphertexts, partial decryptions) travel at 60 bits per residue."""
     return Array(pack_residues(residues))
 
 
@@ -199,19 +201,21 @@ def decode_finish(record: ConfigRecord, arrays: ArrayRecord) -> tuple[bytes, dic
 # ---- rounds -------------------------------------------------------------------------------------------
 class TrainRequest:
     """What a node needs to encrypt its update: the key (public key included), level, clip, weight cap,
-    and who the round's participants are (for the node's contribution ledger)."""
+    who the round's participants are, and the round's nonce (with key, round and group it names
+    the common c1)."""
 
     def __init__(self, *, key_id: str, public_key: bytes, params: CkksParams, primes: int, clip: float,
-                 max_weight: float, round_number: int, participants: tuple[int, ...], group: int = 0) -> None:
+                 max_weight: float, round_number: int, participants: tuple[int, ...], nonce: bytes,
+                 group: int = 0) -> None:
         self.key_id, self.public_key, self.params = key_id, public_key, params
         self.primes, self.clip, self.max_weight, self.round_number = primes, clip, max_weight, round_number
-        self.participants, self.group = participants, group
+        self.participants, self.group, self.nonce = participants, group, nonce
 
 
 def encode_train_request(r: TrainRequest) -> ConfigRecord:
     return ConfigRecord({"key_id": r.key_id, "public_key": r.public_key, "params": json.dumps(r.params.to_dict()),
                          "primes": r.primes, "clip": r.clip, "max_weight": r.max_weight, "round": r.round_number,
-                         "group": r.group, "participants": _ids(r.participants)})
+                         "group": r.group, "participants": _ids(r.participants), "nonce": r.nonce})
 
 
 def decode_train_request(record: ConfigRecord) -> TrainRequest:
@@ -222,36 +226,38 @@ def decode_train_request(record: ConfigRecord) -> TrainRequest:
     clip, max_weight = _get(record, "clip", float), _get(record, "max_weight", float)
     if not (clip > 0 and max_weight > 0):
         raise SecureAggregationError("clip and max_weight must be positive")
+    nonce = _get(record, "nonce", bytes)
+    if len(nonce) != NONCE_BYTES:
+        raise SecureAggregationError(f"the round nonce must be {NONCE_BYTES} bytes")
     return TrainRequest(key_id=_get(record, "key_id", str), public_key=_get(record, "public_key", bytes), params=params,
                         primes=_get(record, "primes", int), clip=clip, max_weight=max_weight,
                         round_number=_get(record, "round", int), participants=_read_ids(record, "participants"),
-                        group=_get(record, "group", int))
+                        nonce=nonce, group=_get(record, "group", int))
 
 
-def encode_encrypted(polys: U64, contribution: Contribution, *, key_id: str,
+def encode_encrypted(c0: U64, contribution: Contribution, *, key_id: str,
                      round_number: int) -> tuple[ArrayRecord, ConfigRecord]:
-    return ArrayRecord({"ct": _packed(polys)}), ConfigRecord({
+    return ArrayRecord({"ct": _packed(c0)}), ConfigRecord({
         "key_id": key_id, "round": round_number, "department": contribution.department,
-        "sealed": contribution.sealed, "signature": contribution.signature})
+        "digest": contribution.digest, "signature": contribution.signature})
 
 
 def decode_encrypted(arrays: ArrayRecord, record: ConfigRecord, *, node: int) -> tuple[U64, Contribution, str, int]:
-    contribution = Contribution(node, _get(record, "department", str), _get(record, "sealed", bytes),
+    contribution = Contribution(node, _get(record, "department", str), _get(record, "digest", bytes),
                                 _get(record, "signature", bytes))
-    return _unpacked(arrays, "ct", 4), contribution, _get(record, "key_id", str), _get(record, "round", int)
+    return _unpacked(arrays, "ct", 3), contribution, _get(record, "key_id", str), _get(record, "round", int)
 
 
-def encode_decrypt_request(manifest: Manifest, c1: U64,
-                           contributions: Mapping[int, Contribution]) -> tuple[ConfigRecord, ArrayRecord]:
+def encode_decrypt_request(manifest: Manifest, contributions: Mapping[int, Contribution]) -> ConfigRecord:
     nodes = sorted(contributions)
     return ConfigRecord({
         "manifest": json.dumps(manifest.to_dict()), "tag-nodes": _ids(nodes),
         "tag-departments": [contributions[n].department for n in nodes],
-        "tags": [contributions[n].sealed for n in nodes], "tag-signatures": [contributions[n].signature for n in nodes],
-    }), ArrayRecord({"c1": _packed(c1)})
+        "tags": [contributions[n].digest for n in nodes], "tag-signatures": [contributions[n].signature for n in nodes],
+    })
 
 
-def decode_decrypt_request(record: ConfigRecord, arrays: ArrayRecord) -> tuple[Manifest, U64, list[Contribution]]:
+def decode_decrypt_request(record: ConfigRecord) -> tuple[Manifest, list[Contribution]]:
     try:
         data = json.loads(_get(record, "manifest", str))
     except ValueError as exc:
@@ -264,7 +270,7 @@ def decode_decrypt_request(record: ConfigRecord, arrays: ArrayRecord) -> tuple[M
     if not len(nodes) == len(departments) == len(tags) == len(signatures):
         raise SecureAggregationError("decryption request's tag lists differ in length")
     contributions = [Contribution(n, d, t, g) for n, d, t, g in zip(nodes, departments, tags, signatures, strict=True)]
-    return Manifest.from_dict(data), _unpacked(arrays, "c1", 3), contributions
+    return Manifest.from_dict(data), contributions
 
 
 def encode_partial(d: U64, manifest: Manifest) -> tuple[ConfigRecord, ArrayRecord]:

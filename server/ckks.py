@@ -4,13 +4,16 @@
 the admin asked for one (``quorumfl keys ceremony RUN``) or when too few key holders remain;
 three round trips (commit, reveal, finish), once. A round is then exactly two round trips:
 
-1. train — to the key's holders only; the request carries the public key and the ciphertext
-   level; each reply carries the node's encrypted ``[w, w·loss, w·Δθ]``, added at once into a
-   running ciphertext sum, and its sealed tag signed with its node key (checked against the
-   roster here too, so one bad contribution is dropped instead of failing the decryption);
+1. train — to the key's holders only; the request carries the public key, the ciphertext level
+   and a fresh round nonce (with key, round and group it names the round's common c1); each reply
+   carries the node's encrypted ``[w, w·loss, w·Δθ]`` (c0 only), added at once into a running
+   sum, and its contribution record signed with its node key over the c0's digest (checked here
+   against the roster and the c0 received, so one bad contribution is dropped instead of failing
+   the decryption);
 2. decrypt — the server fixes S (t key holders among the contributors, rotating with the round),
-   records the manifest (round, contributors, S) in the state DB, and sends S the aggregate's c1
-   with every contributor's tag. With every partial decryption of S back it combines and decodes.
+   records the manifest (round, contributors, S) in the state DB, and sends S the manifest with
+   every contributor's record (no ciphertext: each member derives c1 itself). With every partial
+   decryption of S back it combines and decodes.
 
 A new ceremony runs before a round when nodes that were not members of the current key's ceremony
 are available (they cannot contribute under a key they hold no share of), when too few holders
@@ -22,7 +25,9 @@ answer, ends the round with nothing decrypted; the global model stays as it was.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -38,7 +43,7 @@ from quorumfl.aggregation.ckks import (
     Contribution,
     DecryptionSum,
 )
-from quorumfl.aggregation.ckks.threshold import contribution_message
+from quorumfl.aggregation.ckks.threshold import NONCE_BYTES, c0_digest, contribution_message
 from quorumfl.aggregation.secagg import (
     HEADER,
     SecureMean,
@@ -225,11 +230,14 @@ class CkksSession:
             or self.decryptions >= self.config.ckks_max_decryptions
         )
 
-    def _check_tag(self, tag: Contribution, key_id: str, number: int, group: int) -> None:
+    def _check_tag(self, tag: Contribution, c0: NDArray[np.uint64], key_id: str, number: int, group: int,
+                   nonce: bytes) -> None:
+        if not hmac.compare_digest(tag.digest, c0_digest(c0)):
+            raise SecureAggregationError("the contribution record names another ciphertext than the one sent")
         if self.roster is not None:
             self.roster.check(tag.department, contribution_message(
-                binding=self.binding, key_id=key_id, round_number=number, group=group, node=tag.node,
-                department=tag.department, sealed=tag.sealed), tag.signature, node=tag.node)
+                binding=self.binding, key_id=key_id, round_number=number, group=group, nonce=nonce, node=tag.node,
+                department=tag.department, digest=tag.digest), tag.signature, node=tag.node)
 
     # ---- one round ----------------------------------------------------------------------------------------
     def round(
@@ -296,9 +304,11 @@ class CkksSession:
         length = HEADER + next(iter(bases.values())).shape[0]
         primes = self.params.send_primes(key.threshold, max(len(key.members), len(participants)), config.secagg_clip)
         records = {k: to_array_record(models[k]) for k in groups}
+        nonce = os.urandom(NONCE_BYTES)
         requests = {k: encode_train_request(TrainRequest(
             key_id=key.key_id, public_key=key.public_key, params=self.params, primes=primes, clip=config.secagg_clip,
-            max_weight=config.secagg_max_weight, round_number=number, participants=tuple(groups[k]), group=k,
+            max_weight=config.secagg_max_weight, round_number=number, participants=tuple(groups[k]), nonce=nonce,
+            group=k,
         )) for k in groups}
         messages = [
             Message(content=RecordDict({ARRAYS: records[group_of[n]], CONFIG: configs[n].to_record(),
@@ -319,7 +329,7 @@ class CkksSession:
                                                                     _reply_config(reply), node=node)
                 if key_id != key.key_id or round_number != number:
                     raise SecureAggregationError(f"ciphertext is for key {key_id} round {round_number}")
-                self._check_tag(tag, key_id, number, group_of[node])
+                self._check_tag(tag, polys, key_id, number, group_of[node], nonce)
                 totals[group_of[node]].add(node, polys)
             except SecureAggregationError as exc:
                 failures[node] = ("train", str(exc))
@@ -339,7 +349,7 @@ class CkksSession:
         errors = []
         for k in sorted(groups):
             try:
-                mean, contributors = self._decrypt(key, number, k, totals[k], tags, alive, failures)
+                mean, contributors = self._decrypt(key, number, k, nonce, totals[k], tags, alive, failures)
             except (QuorumError, EmptyAggregationError) as exc:
                 errors.append(f"cluster {k}: {exc}" if clustered else str(exc))
                 continue
@@ -354,8 +364,9 @@ class CkksSession:
                  number, len(result.accepted), len(groups), key.threshold, len(key.holders))
         return result
 
-    def _decrypt(self, key: CkksKey, number: int, group: int, total: CiphertextSum, tags: Mapping[int, Contribution],
-                 alive: Sequence[int], failures: Failures) -> tuple[SecureMean, list[int]]:
+    def _decrypt(self, key: CkksKey, number: int, group: int, nonce: bytes, total: CiphertextSum,
+                 tags: Mapping[int, Contribution], alive: Sequence[int],
+                 failures: Failures) -> tuple[SecureMean, list[int]]:
         """The decryption round trip of one group's sum: t key holders among the round's contributors
         (its own first, rotating with the round), the manifest, every contributor's tag."""
         config = self.config
@@ -372,11 +383,11 @@ class CkksSession:
         if len(candidates) < key.threshold:
             raise QuorumNotMetError(f"only {len(candidates)} key holder(s) among the contributors; t is {key.threshold}")
         subset = sorted(candidates[: key.threshold])
-        manifest = total.manifest(key_id=key.key_id, round=number, group=group, subset=subset)
+        manifest = total.manifest(key_id=key.key_id, round=number, group=group, nonce=nonce, subset=subset)
         audit_id = self.audit.decryption_started(key_id=key.key_id, contributors=contributors, decryptors=subset)
-        config_record, c1_record = encode_decrypt_request(manifest, total.c1, {n: tags[n] for n in contributors})
+        config_record = encode_decrypt_request(manifest, {n: tags[n] for n in contributors})
         self.decryptions += 1
-        content = RecordDict({CKKS: config_record, CKKS_ARRAYS: c1_record})
+        content = RecordDict({CKKS: config_record})
         decrypted = DecryptionSum(self.params, total.c0, manifest)
 
         def add_partial(node: int, reply: Message) -> None:  # each partial joins the running sum as it arrives

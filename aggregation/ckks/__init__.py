@@ -8,17 +8,17 @@ ships it (``tenseal.sealapi``), with numpy for everything SEAL does not expose:
 - ``streams``: SEAL's serialized objects ⇄ numpy; ``seal``: the SEAL context and conversions;
 - ``rns``: arithmetic mod the RNS primes, Shamir sharing per prime and coordinate, flooding noise;
 - ``keys``: the dealer-free, commit-then-reveal key ceremony and the ``KeyShare`` it leaves;
-- ``threshold``: encryption, the running ciphertext sum, refusal rules, partial decryption, combine;
+- ``threshold``: encryption under a round's common c1, the running sum, refusal rules, partial
+  decryption, combine;
 - ``packing``: residues on the wire at 60 bits (two in 15 bytes).
 
 Security: the server holds only public material; a decryption needs t members that each agree to a
-manifest (round, contributors, S) and can tie the c1 they are asked to decrypt to the contributors'
-signed tags (so an active server cannot have a crafted c1 decrypted); ceremony commitments and
-contributions are signed with the members' registered node keys and checked against the admin's
-roster; flooding noise of 2^κ times the aggregate's noise hides the key in published decryptions,
-and each key answers a capped number of decryptions. t colluding members can decrypt anything;
-t − 1 learn nothing from the shares, but one member colluding with the server can craft its own
-ciphertext after seeing the others' (no proof of well-formed ciphertexts): see ``threshold``.
+manifest (round, group, nonce, contributors, S); the c1 they multiply their shares by is derived
+by each of them from that label (so an active server has no c1 to craft), and each (round, group)
+is decrypted once; ceremony commitments and contributions are signed with the members' registered
+node keys and checked against the admin's roster; flooding noise of 2^κ times the aggregate's
+noise hides the key in published decryptions, and each key answers a capped number of
+decryptions. t colluding members can decrypt anything; t − 1 learn nothing from the shares.
 """
 
 from quorumfl.aggregation.ckks.keys import (
@@ -41,6 +41,7 @@ from quorumfl.aggregation.ckks.threshold import (
     Manifest,
     check_request,
     combine,
+    common_c1,
     contribute,
     encrypt_vector,
     partial_decrypt,
@@ -62,6 +63,7 @@ __all__ = [
     "ceremony_in_one_process",
     "check_request",
     "combine",
+    "common_c1",
     "contribute",
     "encrypt_vector",
     "pack_residues",

@@ -9,12 +9,12 @@ Three stages, each one message round trip, for members m_1..m_n (party index x_i
    transport key), so the server can substitute neither.
 2. ``reveal``: given every commitment — each signature checked against the admin's roster — it
    reveals b_i and sends each member p an encrypted Shamir share f_i(x_p) of s_i (one degree t−1
-   polynomial per RNS prime and NTT coordinate) together with a fresh 32-byte MAC part k_i.
+   polynomial per RNS prime and NTT coordinate).
 3. ``finish``: given the revealers R, their b_j and the bundles addressed to it, it checks every
-   H(b_j) against the commitment, sums its shares σ_p = Σ_{j∈R} f_j(x_p) (a share of s = Σ s_j)
-   and computes the joint public key pk = (Σ_{j∈R} b_j, a) and the members' MAC key
-   H(k_j, j ∈ R), which the server never sees (``threshold`` uses it to tie a decryption request
-   to the contributors' own ciphertexts).
+   H(b_j) against the commitment, keeps its share f_j(x_p) of every revealer's secret (a round
+   decrypts the sum of its contributors' secrets, ``threshold``) and its own s_p, and computes the
+   joint public key pk = (Σ_{j∈R} b_j, a), whose hash names the key; σ_p = Σ_{j∈R} f_j(x_p) is
+   its share of s = Σ s_j.
 
 Commitments before reveal stop a late party from choosing b_i as a function of the others'
 (e.g. to cancel them and plant a key it knows). Without a dealer nobody ever holds s; any t of
@@ -34,7 +34,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from quorumfl.aggregation.ckks.params import CkksParams
-from quorumfl.aggregation.ckks.rns import add_mod, mul_mod, shamir_shares, sub_mod
+from quorumfl.aggregation.ckks.rns import add_mod, add_mod_into, mul_mod, shamir_shares, sub_mod
 from quorumfl.aggregation.ckks.seal import Seal
 from quorumfl.aggregation.secagg.identity import Roster, field_bytes
 from quorumfl.aggregation.secagg.streams import (
@@ -84,7 +84,6 @@ def _digest(ceremony: bytes, index: int, b: U64) -> bytes:
 
 
 _COMMIT_CONTEXT = b"quorumfl-ckks-commitment-v1"
-MAC_PART = 32
 
 
 def commitment_message(*, binding: bytes, ceremony: bytes, node: int, department: str, digest: bytes,
@@ -92,11 +91,6 @@ def commitment_message(*, binding: bytes, ceremony: bytes, node: int, department
     """The bytes a member signs for its commitment (length-prefixed fields: unambiguous)."""
     parts = [_COMMIT_CONTEXT, binding, ceremony, node.to_bytes(8, "big"), department.encode(), digest, transport_key]
     return b"".join(field_bytes(p) for p in parts)
-
-
-def _mac_key(ceremony: bytes, parts: Mapping[int, bytes]) -> bytes:
-    body = b"".join(n.to_bytes(8, "big") + parts[n] for n in sorted(parts))
-    return hashlib.sha256(b"quorumfl/ckks/mac-key" + ceremony + body).digest()
 
 
 def public_key_id(public_key: bytes) -> str:
@@ -161,7 +155,9 @@ class Reveal:
 
 @dataclass(frozen=True)
 class KeyShare:
-    """What a member keeps: its share σ of the joint secret (key level), the public key, the members."""
+    """What a member keeps (secret: its node's key store): its own ceremony secret s_i and its share of
+    every holder's secret (data primes: the levels ciphertexts travel at), their sum σ (key level),
+    the public key, the members."""
 
     key_id: str
     ceremony: bytes
@@ -172,8 +168,24 @@ class KeyShare:
     threshold: int
     params: CkksParams
     public_key: bytes
-    share: U64
-    mac_key: bytes = b""  # known to the members only: keys the tags that tie c1 to contributors
+    share: U64  # σ = Σ_j f_j(x_i), key level [prime, coeff]
+    secret: U64  # s_i, data primes [prime, coeff] (NTT): encrypts this member's updates
+    dealt: U64  # f_j(x_i) for each holder j in ``holders`` order, data primes [holder, prime, coeff]
+
+    def shares_of(self, contributors: Sequence[int], primes: int) -> U64:
+        """σ_i(C) = Σ_{j∈C} f_j(x_i) at the first ``primes`` primes: this member's share of s_C."""
+        if primes > self.dealt.shape[1]:
+            raise SecureAggregationError(f"no ciphertext level with {primes} primes under key {self.key_id}")
+        rows = []
+        for node in contributors:
+            if node not in self.holders:
+                raise SecureAggregationError(f"node {node} holds no share of key {self.key_id}", node=str(node))
+            rows.append(self.holders.index(node))
+        level = Seal.of(self.params).primes_at(primes)
+        total = np.zeros((primes, self.params.poly_degree), dtype=np.uint64)
+        for row in sorted(set(rows)):
+            add_mod_into(total, np.ascontiguousarray(self.dealt[row, :primes]), level)
+        return total
 
 
 @dataclass
@@ -187,7 +199,6 @@ class KeyParty:
     transport_private: bytes
     commitments: dict[int, Commitment] = field(default_factory=dict)
     own_share: U64 | None = None
-    mac_part: bytes = b""
 
     @classmethod
     def commit(cls, announcement: Announcement, node: int, *, signer: Callable[[bytes], bytes] | None = None,
@@ -202,7 +213,7 @@ class KeyParty:
         c0, c1 = zero.polys[0], zero.polys[1]
         b = add_mod(c0, mul_mod(sub_mod(c1, a, key_primes), secret, key_primes), key_primes)  # −e − a·s
         private = new_private_key()
-        party = cls(announcement, node, secret, b, private, mac_part=os.urandom(MAC_PART))
+        party = cls(announcement, node, secret, b, private)
         digest, transport = _digest(announcement.ceremony, index, b), public_key(private)
         signature = b"" if signer is None else signer(commitment_message(
             binding=binding, ceremony=announcement.ceremony, node=node, department=department, digest=digest,
@@ -211,7 +222,7 @@ class KeyParty:
 
     def reveal(self, commitments: Mapping[int, Commitment], *, roster: Roster | None = None,
                binding: bytes = b"") -> Reveal:
-        """Stage 2: reveal b and send each committed member its encrypted share of s_i and MAC part.
+        """Stage 2: reveal b and send each committed member its encrypted share of s_i.
 
         With ``roster`` (a signed federation) every commitment must verify under its department's
         registered key and name a distinct department, or nothing is revealed: a transport key
@@ -240,13 +251,13 @@ class KeyParty:
                 self.own_share = share
                 continue
             bundles[node] = encrypt_bundle(
-                share.astype("<u8").tobytes() + self.mac_part, private=self.transport_private,
+                share.astype("<u8").tobytes(), private=self.transport_private,
                 peer_public=commitments[node].transport_key, epoch=ann.ceremony, sender=self.node, recipient=node,
             )
         return Reveal(self.node, self.b, bundles)
 
     def finish(self, revealers: Mapping[int, U64], bundles: Mapping[int, bytes]) -> KeyShare:
-        """Stage 3: check reveals against commitments, sum shares, build the joint public key."""
+        """Stage 3: check reveals against commitments, keep every revealer's share, build the joint public key."""
         ann = self.announcement
         if self.own_share is None or self.node not in revealers:
             raise SecureAggregationError("this node did not reveal in this ceremony; it cannot hold a share")
@@ -257,8 +268,9 @@ class KeyParty:
         shape = (len(primes), ann.params.poly_degree)
         total_b = np.zeros(shape, dtype=np.uint64)
         share = self.own_share.copy()
-        mac_parts = {self.node: self.mac_part}
-        for node in sorted(revealers):
+        data = len(ann.params.data_bits)
+        dealt = np.empty((len(revealers), data, ann.params.poly_degree), dtype=np.uint64)
+        for row, node in enumerate(sorted(revealers)):
             if node not in self.commitments:
                 raise SecureAggregationError(f"node {node} revealed without having committed")
             b = revealers[node]
@@ -269,6 +281,7 @@ class KeyParty:
                 raise SecureAggregationError(f"public share of node {node} does not match its commitment")
             total_b = add_mod(total_b, b, primes)
             if node == self.node:
+                dealt[row] = self.own_share[:data]
                 continue
             if node not in bundles:
                 raise SecureAggregationError(f"no share bundle from node {node}, which revealed")
@@ -276,19 +289,19 @@ class KeyParty:
                 bundles[node], private=self.transport_private, peer_public=self.commitments[node].transport_key,
                 epoch=ann.ceremony, sender=node, recipient=self.node,
             )
-            if len(raw) != 8 * shape[0] * shape[1] + MAC_PART:
+            if len(raw) != 8 * shape[0] * shape[1]:
                 raise SecureAggregationError(f"share from node {node} has the wrong size")
-            mac_parts[node] = raw[-MAC_PART:]
-            part = np.frombuffer(raw[:-MAC_PART], dtype="<u8").astype(np.uint64).reshape(shape)
+            part = np.frombuffer(raw, dtype="<u8").astype(np.uint64).reshape(shape)
             if bool(np.any(part >= np.asarray(primes, dtype=np.uint64)[:, None])):
                 raise SecureAggregationError(f"share from node {node} is not reduced")
             share = add_mod(share, part, primes)
+            dealt[row] = part[:data]
         a = expand_uniform(ann.seed, primes, ann.params.poly_degree)
         pk = seal.public_key(total_b, a)
         return KeyShare(
             key_id=public_key_id(pk), ceremony=ann.ceremony, node=self.node, index=ann.index(self.node),
             members=ann.members, holders=tuple(sorted(revealers)), threshold=ann.threshold, params=ann.params,
-            public_key=pk, share=share, mac_key=_mac_key(ann.ceremony, mac_parts),
+            public_key=pk, share=share, secret=np.ascontiguousarray(self.secret[:data]), dealt=dealt,
         )
 
 

@@ -28,7 +28,9 @@ __all__ = [
     "mul_small",
     "reduced",
     "shamir_shares",
+    "small_noise",
     "sub_mod",
+    "sub_mod_into",
     "uniform_mod",
 ]
 
@@ -96,6 +98,17 @@ def add_mod_into(acc: U64, b: U64, primes: Sequence[int]) -> None:
         np.add(a, rows_b[start: start + step], out=a)
         np.subtract(a, q, out=s)
         np.minimum(a, s, out=a)
+
+
+def sub_mod_into(acc: U64, b: U64, primes: Sequence[int]) -> None:
+    """acc ← (acc − b) mod q in place, for reduced inputs: acc + (q − b) < 2q, then min(s, s − q)."""
+    q = _q(primes, acc)
+    if b.shape != acc.shape:
+        raise ValueError(f"cannot subtract an array of shape {b.shape} from one of shape {acc.shape}")
+    negated = np.subtract(q, b)  # q − b ∈ (0, q]
+    add = np.add(acc, negated, out=acc)
+    np.subtract(add, q, out=negated)
+    np.minimum(acc, negated, out=acc)
 
 
 def reduced(a: U64, primes: Sequence[int]) -> bool:
@@ -174,6 +187,29 @@ def lagrange_at_zero(party: int, subset: Sequence[int], q: int) -> int:
             num = num * j % q
             den = den * (j - party) % q
     return num * pow(den, -1, q) % q
+
+
+CBD_ETA = 21  # centred binomial: variance η/2 = 10.5, σ = 3.24 (SEAL's error has σ = 3.2)
+
+
+def small_noise(primes: Sequence[int], shape: tuple[int, ...]) -> U64:
+    """Encryption errors: one centred-binomial integer per coefficient (popcount of 21 random bits
+    minus popcount of 21 more, so |e| ≤ 21), as residues ``[..., prime, coeff]`` shaped per ``shape``.
+
+    A centred binomial of the same variance stands in for SEAL's clipped normal (as Kyber's and
+    NewHope's RLWE errors do); the lattice attacks that set the 128-bit limits depend on σ, not
+    on the distribution's shape. Bits come from ``os.urandom``.
+    """
+    if shape[-2] != len(primes):
+        raise ValueError(f"axis -2 of {shape} must match the {len(primes)} primes")
+    count = int(np.prod(shape)) // len(primes)
+    words = np.frombuffer(os.urandom(8 * count), dtype=np.uint64)
+    mask = np.uint64((1 << CBD_ETA) - 1)
+    value = np.bitwise_count(words & mask).astype(np.int64)
+    value -= np.bitwise_count((words >> np.uint64(32)) & mask)
+    value = value.reshape(*shape[:-2], 1, shape[-1])
+    q = np.asarray(primes, dtype=np.int64).reshape(-1, 1)
+    return np.ascontiguousarray(np.where(value < 0, value + q, value).astype(np.uint64))
 
 
 def flooding_noise(bits: int, primes: Sequence[int], shape: tuple[int, ...]) -> U64:

@@ -4,8 +4,8 @@ The bindings read and write objects only through file paths, so objects pass thr
 scratch directory (in /dev/shm when it exists: memory, not disk) and are parsed with
 ``streams``; nothing secret is ever written there except during a secret-key round trip, which
 is deleted at once. Everything the protocol computes itself (sums, shares, partial decryptions)
-is numpy on the parsed arrays; SEAL does what needs its exact conventions: CKKS encoding,
-public-key encryption, modulus switching and the NTT of flooding noise.
+is numpy on the parsed arrays; SEAL does what needs its exact conventions: CKKS encoding, the
+NTT of error and flooding noise, and products of NTT polynomials.
 """
 
 from __future__ import annotations
@@ -143,30 +143,26 @@ class Seal:
         return raw
 
     # ---- vectors ------------------------------------------------------------------------------------
-    def encrypt(self, public_key: bytes, values: NDArray[np.float64], primes: int) -> U64:
+    def encode(self, values: NDArray[np.float64], primes: int) -> U64:
         """``values`` in chunks of N (two per complex slot: the first N/2 as real parts, the next N/2 as
-        imaginary parts), encrypted and kept at ``primes`` primes: ``[chunk, 2, prime, coeff]``."""
+        imaginary parts) as NTT plaintexts at scale Δ and ``primes`` primes: ``[chunk, prime, coeff]``."""
         if primes not in self.levels:
             raise SecureAggregationError(f"no ciphertext level with {primes} primes")
-        pk = self.load(sealapi.PublicKey, public_key)
-        encryptor = sealapi.Encryptor(self.context, pk)
         parms = list(self.levels[primes])
         slots, per = self.params.slots, self.params.values_per_ciphertext
         chunks = self.params.chunks(values.shape[0])
         padded = np.zeros(chunks * per)
         padded[: values.shape[0]] = values
-        out = np.empty((chunks, 2, primes, self.params.poly_degree), dtype=np.uint64)
+        out = np.empty((chunks, primes, self.params.poly_degree), dtype=np.uint64)
         scale = 2.0**self.params.scale_bits
         for c in range(chunks):
             piece = padded[c * per: (c + 1) * per]
             plain = sealapi.Plaintext()
             self.encoder.encode((piece[:slots] + 1j * piece[slots:]).tolist(), parms, scale, plain)
-            ct = sealapi.Ciphertext(self.context)
-            encryptor.encrypt(plain, ct)
-            data = parse_ciphertext(self.save(ct))
-            if data.polys.shape != (2, primes, self.params.poly_degree):
-                raise SecureAggregationError(f"SEAL produced a ciphertext of shape {data.polys.shape}")
-            out[c] = data.polys
+            coeffs = parse_plaintext(self.save(plain), degree=self.params.poly_degree).coeffs
+            if coeffs.shape != (primes, self.params.poly_degree):
+                raise SecureAggregationError(f"SEAL produced a plaintext of shape {coeffs.shape}")
+            out[c] = coeffs
         return out
 
     def _unpack(self, plain: Any) -> NDArray[np.float64]:
@@ -220,16 +216,16 @@ class Seal:
             out[start: start + PACK] = parse_ciphertext(self.save(ct)).polys[: min(PACK, polys_n - start)]
         return out
 
-    def decrypt_reference(self, secret: Any, polys: U64, length: int) -> NDArray[np.float64]:
-        """SEAL's own Decryptor on ``[chunk, 2, prime, coeff]`` (the reference for tests)."""
-        chunks, _, primes, _ = polys.shape
+    def decrypt_reference(self, secret: Any, c0: U64, c1: U64, length: int) -> NDArray[np.float64]:
+        """SEAL's own Decryptor on the ciphertexts (c0, c1), each ``[chunk, prime, coeff]`` (tests' reference)."""
+        chunks, primes, _ = c0.shape
         parms = self.levels[primes]
         decryptor = sealapi.Decryptor(self.context, secret)
         per = self.params.values_per_ciphertext
         out = np.empty(chunks * per)
         for c in range(chunks):
             ct = self.load(sealapi.Ciphertext, build_ciphertext(
-                CiphertextData(parms, True, 2.0**self.params.scale_bits, polys[c]), version=self.version))
+                CiphertextData(parms, True, 2.0**self.params.scale_bits, np.stack([c0[c], c1[c]])), version=self.version))
             plain = sealapi.Plaintext()
             decryptor.decrypt(ct, plain)
             out[c * per: (c + 1) * per] = self._unpack(plain)

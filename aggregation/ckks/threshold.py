@@ -1,72 +1,62 @@
 """Threshold-CKKS rounds: encrypt an update, add ciphertexts, decrypt with t partial decryptions.
 
-- A node encrypts its payload vector in chunks of N values (two per complex slot) under the joint
-  public key, at the fewest primes that hold the sum (``CkksParams.send_primes``); it is
-  ``[chunk, 2, prime, coeff]`` and travels with its residues packed at 60 bits (``packing``).
-- The server adds ciphertexts as they arrive (a running sum mod each prime: memory is one
-  aggregate, not one per node), then fixes the decrypting subset S (|S| ≥ t) and sends each
-  member of S the aggregate's c1 with a ``Manifest``.
-- Member p answers d_p = λ_p(S)·σ_p·c1 + NTT(e_p), λ_p the Lagrange coefficient at 0 over S's
-  indices, applied *before* the flooding noise e_p ∈ [−B, B) is added (multiplying noise by λ
-  afterwards would blow it up to the size of q).
-- The server combines m = c0 + Σ_{p∈S} d_p = Δ·Σx + small noise and decodes.
+Every round of one key, group and server nonce has a common c1: a polynomial a expanded with
+SHAKE-256 from (key, round, group, nonce), which every contributor and every decryptor computes
+itself, so it never travels and the server cannot choose it.
+
+- Member i encrypts its payload vector with its own ceremony secret s_i (whose Shamir shares every
+  holder keeps, one per dealer): c0_i = Δ·x_i + e_i − a·s_i, e_i a fresh centred-binomial error
+  (η = 21: σ = 3.24, SEAL's 3.2 or more), in chunks of N values (two per complex slot), at the
+  fewest primes that hold the sum (``CkksParams.send_primes``); it is ``[chunk, prime, coeff]``
+  and travels packed at 60 bits (``packing``). A member encrypts at most once under one nonce (its
+  key store's ledger): two encryptions under one a would give away the difference of two updates.
+- The server adds the c0_i as they arrive (a running sum mod each prime: one aggregate in memory),
+  fixes the decrypting subset S (|S| ≥ t) and sends each member of S a ``Manifest`` (key, round,
+  group, nonce, contributors C, S, length, level) with every contributor's signed contribution.
+- Member p answers d_p = λ_p(S)·σ_p(C)·a + NTT(e_p): σ_p(C) = Σ_{i∈C} f_i(x_p), its shares of
+  the contributors' secrets, λ_p the Lagrange coefficient at 0 over S's indices, applied *before*
+  the flooding noise e_p ∈ [−B, B) is added (multiplying noise by λ afterwards would blow it up to
+  the size of q). Σ_{p∈S} λ_p·σ_p(C) = Σ_{i∈C} s_i.
+- The server combines m = Σ c0_i + Σ_{p∈S} d_p = Δ·Σx + Σe_i + Σe_p and decodes.
+
+This is a threshold version of the multiparty-RLWE "collective public-key generation" share
+(Mouchet et al., PETS 2021) with the message added: each c0_i is an RLWE sample under s_i with a
+uniform a from a random oracle, so it hides x_i; the sum is the decryption of (Σc0_i, a) under
+s_C. Against the public-key encryption it replaces, the update is half the bytes (no c1), a
+decryptor receives no ciphertext at all, and an active server has no c1 to craft: a decryptor only
+ever multiplies its shares by an a it derived itself, under a (round, group) it answers once.
 
 A member refuses (fails closed): a manifest for another key, fewer than t contributors (or than the
-run's signed ``secagg-min-group``, at least 2, where the admin set one: IFCA sums each cluster on its own), |S| < t,
-itself not in S, S outside the key's holders, a c1 whose digest differs from the manifest's, any
-second request for the same (round, group) — decrypting one aggregate twice would let the server
-average the flooding away, and decrypting two sums over different contributors of one round would
-reveal their difference — more decryptions under one key than the run's cap, and a c1 it cannot
-tie to the contributors' own ciphertexts.
-
-Tying c1 to contributors (an active server could otherwise send a crafted c1, e.g. a large
-constant K, and read s·K — the joint secret key — off the partial decryptions). Sending every
-contributor's signed c1_i to every decryptor would be sound but costs contributors × |c1| per
-decryptor (36 MB per contributor for a 1.1M-parameter model), so instead:
-
-- each contributor i computes τ_i = ⟨R, c1_i⟩ mod q per prime, R a vector of 40-bit words from
-  ChaCha20 keyed by the members' MAC key (``KeyShare.mac_key``, agreed in the ceremony over the
-  pairwise-encrypted bundles, never seen by the server) and (key, round, group); it seals τ_i with
-  ChaCha20-Poly1305 under a key derived the same way and signs (run, key, round, group, node,
-  department, sealed tag) with its registered node key — about 170 bytes per contributor;
-- the server relays every contributor's sealed, signed tag with the decryption request; a
-  decryptor checks each signature against the roster, opens the tags and decrypts only if
-  ⟨R, c1⟩ = Σ τ_i for every prime.
-
-A c1 ≠ Σ c1_i passes with probability at most 2^−40 per prime (R's coordinate at any position where
-they differ has 2^40 equally likely values, at most one of which works), independently per prime,
-and the server gets one try per (key, round, group) — the ledger refuses a second; the tags are
-sealed so the server cannot pick a combination of the contributors' own ciphertexts that passes.
-Not covered: a member colluding with the server knows the MAC key and can choose its own c1_i after
-seeing the others' (a proof that each c1_i is a well-formed encryption would be needed); against
-colluding departments the masking mode holds.
+run's signed ``secagg-min-group``, at least 2, where the admin set one: IFCA sums each cluster on
+its own), |S| < t, itself not in S, S or C outside the key's holders, a contribution whose
+signature does not check against the roster or two contributions of one department, any second
+request for the same (round, group) — decrypting one aggregate twice would let the server average
+the flooding away, and decrypting two sums over different contributors of one round would reveal
+their difference (t is a majority of the members, so two disjoint decrypting subsets cannot exist)
+— and more decryptions under one key than the run's cap. A manifest that names members who did not
+contribute, or leaves out some who did, decrypts to noise: the flooding hides the key part that no
+c0 cancels. t colluding members can decrypt anything; t − 1 learn nothing from their shares.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
-import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
-from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from numpy.typing import NDArray
 
 from quorumfl.aggregation.ckks.keys import KeyShare
 from quorumfl.aggregation.ckks.params import CkksParams
 from quorumfl.aggregation.ckks.rns import (
-    add_mod,
     add_mod_into,
     flooding_noise,
     lagrange_at_zero,
     mul_scalar,
     reduced,
+    small_noise,
+    sub_mod_into,
 )
 from quorumfl.aggregation.ckks.seal import Seal
 from quorumfl.aggregation.secagg.identity import Roster, field_bytes
@@ -74,12 +64,15 @@ from quorumfl.errors import QuorumNotMetError, SecureAggregationError
 
 __all__ = [
     "MAX_DECRYPTIONS",
+    "MAX_VALUES",
+    "NONCE_BYTES",
     "CiphertextSum",
     "Contribution",
     "DecryptionSum",
     "Manifest",
-    "c1_digest",
+    "c0_digest",
     "combine",
+    "common_c1",
     "contribute",
     "encrypt_vector",
     "partial_decrypt",
@@ -87,93 +80,83 @@ __all__ = [
 
 U64 = NDArray[np.uint64]
 MAX_DECRYPTIONS = 1000  # default cap on partial decryptions one key share answers (run key ckks-max-decryptions)
-_TAG_BITS = 40
-_CONTRIBUTION_CONTEXT = b"quorumfl-ckks-contribution-v1"
-_NONCE = 12
+MAX_VALUES = 1 << 27  # the longest aggregate a member agrees to decrypt (134M values; a is 2 GiB at two primes)
+NONCE_BYTES = 16
+_CONTRIBUTION_CONTEXT = b"quorumfl-ckks-contribution-v2"
 
 
-def _round_keys(share: KeyShare, round_number: int, group: int) -> tuple[bytes, bytes]:
-    """(ChaCha20 key for R, AEAD key for the sealed tags) of one key, round and group."""
-    if len(share.mac_key) != 32:
-        raise SecureAggregationError(f"key {share.key_id} has no MAC key (made before contributions were tied "
-                                     "to decryptions); run a new key ceremony")
-    info = b"quorumfl/ckks/round-keys" + share.key_id.encode() + round_number.to_bytes(8, "big", signed=True) \
-        + group.to_bytes(4, "big", signed=True)
-    both = HKDF(algorithm=hashes.SHA256(), length=64, salt=None, info=info).derive(share.mac_key)
-    return both[:32], both[32:]
-
-
-def _projection(key: bytes, c1: U64, primes: Sequence[int]) -> list[int]:
-    """⟨R, c1⟩ mod q per prime, R 40-bit words of ChaCha20(key) (one stream per prime).
-
-    numpy has no 128-bit product: the quotient ⌊c·r/q⌋ < 2^40 is estimated in float64 (off by at
-    most one), so c·r − quotient·q, computed modulo 2^64, is the exact remainder up to one q
-    either way and fits an int64; those are summed exactly as 30-bit halves and reduced once.
-    """
-    out = []
+def common_c1(key_id: str, *, round_number: int, group: int, nonce: bytes, primes: Sequence[int], chunks: int,
+              degree: int) -> U64:
+    """The round's common c1 ``[chunk, prime, coeff]``: uniform residues (NTT form) from SHAKE-256 over
+    (key, round, group, nonce), by rejection; every party derives the same polynomials."""
+    if len(nonce) != NONCE_BYTES:
+        raise SecureAggregationError(f"a round nonce must be {NONCE_BYTES} bytes, got {len(nonce)}")
+    label = b"quorumfl/ckks/common-c1" + field_bytes(key_id.encode()) + round_number.to_bytes(8, "big", signed=True) \
+        + group.to_bytes(4, "big", signed=True) + nonce
+    need = chunks * degree
+    out = np.empty((len(primes), need), dtype=np.uint64)
     for j, q in enumerate(primes):
-        part = np.ascontiguousarray(c1[:, j, :]).reshape(-1)
-        stream = Cipher(algorithms.ChaCha20(key, j.to_bytes(16, "little")), mode=None).encryptor()
-        r = np.frombuffer(stream.update(bytes(8 * part.size)), dtype="<u8") & np.uint64((1 << _TAG_BITS) - 1)
-        estimate = part.astype(np.float64)
-        estimate *= r.astype(np.float64)
-        estimate *= 1.0 / float(q)
-        with np.errstate(over="ignore"):
-            rem = part * r
-            rem -= estimate.astype(np.uint64) * np.uint64(q)
-        signed = rem.view(np.int64)  # in (−q, 2q): exact
-        high = int(np.sum(signed >> np.int64(30), dtype=np.int64))
-        low = int(np.sum(signed & np.int64((1 << 30) - 1), dtype=np.int64))
-        out.append((high * (1 << 30) + low) % int(q))
-    return out
+        mask = np.uint64((1 << int(q).bit_length()) - 1)
+        have, counter = 0, 0
+        while have < need:  # a 60-bit prime rejects about one draw in 2^30: one pass nearly always
+            want = need - have + 64
+            stream = hashlib.shake_256(label + j.to_bytes(2, "big") + counter.to_bytes(4, "big")).digest(8 * want)
+            draw = np.frombuffer(stream, dtype="<u8") & mask
+            keep = draw[draw < np.uint64(q)][: need - have]
+            out[j, have: have + keep.size] = keep
+            have += keep.size
+            counter += 1
+    return np.ascontiguousarray(out.reshape(len(primes), chunks, degree).transpose(1, 0, 2))
 
 
-def _aad(share: KeyShare, round_number: int, group: int, node: int) -> bytes:
-    return share.key_id.encode() + round_number.to_bytes(8, "big", signed=True) + group.to_bytes(4, "big", signed=True) \
-        + node.to_bytes(8, "big")
-
-
-def contribution_message(*, binding: bytes, key_id: str, round_number: int, group: int, node: int, department: str,
-                         sealed: bytes) -> bytes:
-    """The bytes a contributor signs for its encrypted update's tag (length-prefixed fields)."""
+def contribution_message(*, binding: bytes, key_id: str, round_number: int, group: int, nonce: bytes, node: int,
+                         department: str, digest: bytes) -> bytes:
+    """The bytes a contributor signs for its encrypted update (length-prefixed fields)."""
     parts = [_CONTRIBUTION_CONTEXT, binding, key_id.encode(), round_number.to_bytes(8, "big", signed=True),
-             group.to_bytes(4, "big", signed=True), node.to_bytes(8, "big"), department.encode(), sealed]
+             group.to_bytes(4, "big", signed=True), nonce, node.to_bytes(8, "big"), department.encode(), digest]
     return b"".join(field_bytes(p) for p in parts)
+
+
+def c0_digest(c0: U64) -> bytes:
+    """SHA-256 of a ciphertext's residues (little-endian uint64): what a contribution's signature binds."""
+    return hashlib.sha256(np.ascontiguousarray(c0, dtype="<u8").tobytes()).digest()
 
 
 @dataclass(frozen=True)
 class Contribution:
-    """What ties one contributor's ciphertext to the decryption of the sum: its sealed tag, signed."""
+    """A contributor's signed statement that it encrypted ``digest`` for (key, round, group, nonce)."""
 
     node: int
     department: str
-    sealed: bytes  # nonce ‖ ChaCha20-Poly1305(⟨R, c1_i⟩ per prime)
+    digest: bytes  # SHA-256 of its c0
     signature: bytes  # b"" in an unsigned federation
 
 
-def contribute(share: KeyShare, c1: U64, *, round_number: int, group: int,
+def contribute(share: KeyShare, c0: U64, *, round_number: int, group: int, nonce: bytes,
                signer: Callable[[bytes], bytes] | None = None, department: str = "", binding: bytes = b"") -> Contribution:
-    """A member's tag for its own ciphertext's c1 ([chunk, prime, coeff]) in (round, group)."""
-    primes = Seal.of(share.params).primes_at(c1.shape[1])
-    prg, aead = _round_keys(share, round_number, group)
-    tag = b"".join(v.to_bytes(8, "big") for v in _projection(prg, c1, primes))
-    nonce = os.urandom(_NONCE)
-    sealed = nonce + ChaCha20Poly1305(aead).encrypt(nonce, tag, _aad(share, round_number, group, share.node))
+    """A member's signed contribution record for its own ``c0`` in (round, group, nonce)."""
+    digest = c0_digest(c0)
     signature = b"" if signer is None else signer(contribution_message(
-        binding=binding, key_id=share.key_id, round_number=round_number, group=group, node=share.node,
-        department=department, sealed=sealed))
-    return Contribution(share.node, department, sealed, signature)
+        binding=binding, key_id=share.key_id, round_number=round_number, group=group, nonce=nonce, node=share.node,
+        department=department, digest=digest))
+    return Contribution(share.node, department, digest, signature)
 
 
-def encrypt_vector(params: CkksParams, public_key: bytes, values: NDArray[np.float64], *, primes: int) -> U64:
-    """``values`` encrypted under ``public_key`` as ``[chunk, 2, prime, coeff]`` at ``primes`` primes."""
+def encrypt_vector(share: KeyShare, values: NDArray[np.float64], *, primes: int, round_number: int, group: int,
+                   nonce: bytes) -> U64:
+    """c0 = Δ·values + e − a·s_i at ``primes`` primes, ``[chunk, prime, coeff]`` (module docstring)."""
     if not np.all(np.isfinite(values)):
         raise SecureAggregationError("the vector to encrypt has non-finite values")
-    return Seal.of(params).encrypt(public_key, np.asarray(values, dtype=np.float64), primes)
-
-
-def c1_digest(c1: U64) -> str:
-    return hashlib.sha256(np.ascontiguousarray(c1, dtype="<u8").tobytes()).hexdigest()
+    seal = Seal.of(share.params)
+    if primes not in seal.levels:
+        raise SecureAggregationError(f"no ciphertext level with {primes} primes")
+    level = seal.primes_at(primes)
+    c0 = seal.encode(np.asarray(values, dtype=np.float64), primes)
+    add_mod_into(c0, seal.to_ntt(small_noise(level, c0.shape)), level)
+    a = common_c1(share.key_id, round_number=round_number, group=group, nonce=nonce, primes=level,
+                  chunks=c0.shape[0], degree=share.params.poly_degree)
+    sub_mod_into(c0, seal.multiply(a, np.ascontiguousarray(share.secret[:primes])), level)
+    return c0
 
 
 @dataclass(frozen=True)
@@ -183,14 +166,16 @@ class Manifest:
     key_id: str
     round: int
     group: int
+    nonce: bytes
     contributors: tuple[int, ...]
     subset: tuple[int, ...]  # decryptors, by node id
     length: int  # values in the aggregate
-    digest: str  # SHA-256 of c1
+    primes: int  # the aggregate's ciphertext level
 
     def to_dict(self) -> dict[str, object]:
-        return {"key_id": self.key_id, "round": self.round, "group": self.group, "contributors": list(self.contributors),
-                "subset": list(self.subset), "length": self.length, "digest": self.digest}
+        return {"key_id": self.key_id, "round": self.round, "group": self.group, "nonce": self.nonce.hex(),
+                "contributors": list(self.contributors), "subset": list(self.subset), "length": self.length,
+                "primes": self.primes}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, object]) -> Manifest:
@@ -201,50 +186,48 @@ class Manifest:
                 raise TypeError("contributors and subset must be lists")
             return cls(
                 key_id=str(data["key_id"]), round=int(data["round"]), group=int(data["group"]),  # type: ignore[call-overload]
+                nonce=bytes.fromhex(str(data["nonce"])),
                 contributors=tuple(int(c) for c in contributors), subset=tuple(int(s) for s in subset),
-                length=int(data["length"]), digest=str(data["digest"]),  # type: ignore[call-overload]
+                length=int(data["length"]), primes=int(data["primes"]),  # type: ignore[call-overload]
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise SecureAggregationError(f"decryption manifest is malformed ({exc})") from exc
 
 
 class CiphertextSum:
-    """Running homomorphic sum of one group's encrypted vectors (the server's only CKKS state)."""
+    """Running homomorphic sum of one group's c0 (the server's only CKKS state)."""
 
     def __init__(self, params: CkksParams, *, length: int, primes: int) -> None:
         seal = Seal.of(params)
         self.params = params
         self.length = length
+        self.level = primes
         self.primes = seal.primes_at(primes)
-        self.shape = (params.chunks(length), 2, primes, params.poly_degree)
+        self.shape = (params.chunks(length), primes, params.poly_degree)
         self.total = np.zeros(self.shape, dtype=np.uint64)
         self.contributors: list[int] = []
 
-    def add(self, node: int, polys: U64) -> None:
+    def add(self, node: int, c0: U64) -> None:
         """Check and add one node's ciphertexts; a malformed one is refused whole (nothing added)."""
         if node in self.contributors:
             raise SecureAggregationError(f"node {node} already contributed to this sum", node=str(node))
-        if polys.shape != self.shape or polys.dtype != np.uint64:
-            raise SecureAggregationError(f"ciphertexts of shape {polys.shape}, expected {self.shape}", node=str(node))
-        if not reduced(polys, self.primes):
+        if c0.shape != self.shape or c0.dtype != np.uint64:
+            raise SecureAggregationError(f"ciphertexts of shape {c0.shape}, expected {self.shape}", node=str(node))
+        if not reduced(c0, self.primes):
             raise SecureAggregationError("ciphertext residues are not reduced modulo their primes", node=str(node))
-        add_mod_into(self.total, polys, self.primes)
+        add_mod_into(self.total, c0, self.primes)
         self.contributors.append(node)
 
-    def manifest(self, *, key_id: str, round: int, group: int, subset: Sequence[int]) -> Manifest:
-        return Manifest(key_id, round, group, tuple(sorted(self.contributors)), tuple(sorted(subset)), self.length,
-                        c1_digest(self.c1))
-
-    @property
-    def c1(self) -> U64:
-        return self.total[:, 1]
+    def manifest(self, *, key_id: str, round: int, group: int, nonce: bytes, subset: Sequence[int]) -> Manifest:
+        return Manifest(key_id, round, group, nonce, tuple(sorted(self.contributors)), tuple(sorted(subset)),
+                        self.length, self.level)
 
     @property
     def c0(self) -> U64:
-        return self.total[:, 0]
+        return self.total
 
 
-def check_request(share: KeyShare, manifest: Manifest, c1: U64, asked: set[tuple[int, int]],
+def check_request(share: KeyShare, manifest: Manifest, asked: set[tuple[int, int]],
                   contributions: Sequence[Contribution], *, roster: Roster | None = None, binding: bytes = b"",
                   max_decryptions: int = MAX_DECRYPTIONS, min_contributors: int | None = None) -> None:
     """Every refusal rule; raises ``SecureAggregationError`` naming the rule.
@@ -261,9 +244,10 @@ def check_request(share: KeyShare, manifest: Manifest, c1: U64, asked: set[tuple
     fewest = t if min_contributors is None else min_contributors
     if manifest.key_id != share.key_id:
         raise SecureAggregationError(f"manifest is for key {manifest.key_id}, this node holds {share.key_id}")
-    if len(set(manifest.contributors)) < fewest:
+    if len(set(manifest.contributors)) < fewest or len(set(manifest.contributors)) != len(manifest.contributors):
         limit = f"t={t}" if min_contributors is None else f"the run's minimum group of {fewest}"
-        raise SecureAggregationError(f"refusing: {len(set(manifest.contributors))} contributor(s), fewer than {limit}")
+        raise SecureAggregationError(f"refusing: {len(set(manifest.contributors))} distinct contributor(s), fewer "
+                                     f"than {limit} or listed twice")
     subset = set(manifest.subset)
     if len(subset) < t or len(subset) != len(manifest.subset):
         raise SecureAggregationError(f"refusing: decrypting subset of {len(subset)}, fewer than t={t}")
@@ -271,6 +255,8 @@ def check_request(share: KeyShare, manifest: Manifest, c1: U64, asked: set[tuple
         raise SecureAggregationError("refusing: this node is not in the decrypting subset")
     if not subset <= set(share.holders):
         raise SecureAggregationError("refusing: the decrypting subset names nodes that hold no share of this key")
+    if not set(manifest.contributors) <= set(share.holders):
+        raise SecureAggregationError("refusing: a contributor holds no share of this key")
     if (manifest.round, manifest.group) in asked:
         raise SecureAggregationError(
             f"refusing: round {manifest.round} group {manifest.group} was already decrypted by this node"
@@ -278,88 +264,67 @@ def check_request(share: KeyShare, manifest: Manifest, c1: U64, asked: set[tuple
     if len(asked) >= max_decryptions:
         raise SecureAggregationError(f"refusing: key {share.key_id} has answered {len(asked)} decryptions, its cap "
                                      f"of {max_decryptions}; a new key ceremony is needed")
-    if c1.ndim != 3 or c1_digest(c1) != manifest.digest:
-        raise SecureAggregationError("refusing: the ciphertext does not match the manifest's digest")
-    if c1.shape[0] != share.params.chunks(manifest.length):
-        raise SecureAggregationError("refusing: the ciphertext's size does not match the manifest's length")
-    _check_contributions(share, manifest, c1, contributions, roster=roster, binding=binding)
+    if manifest.primes not in Seal.of(share.params).levels or manifest.primes > len(share.params.data_bits):
+        raise SecureAggregationError(f"refusing: no ciphertext level with {manifest.primes} primes")
+    if not 0 < manifest.length <= MAX_VALUES:
+        raise SecureAggregationError(f"refusing: an aggregate of {manifest.length} values (at most {MAX_VALUES})")
+    if len(manifest.nonce) != NONCE_BYTES:
+        raise SecureAggregationError("refusing: the manifest's round nonce is malformed")
+    _check_contributions(share, manifest, contributions, roster=roster, binding=binding)
 
 
-def _check_contributions(share: KeyShare, manifest: Manifest, c1: U64, contributions: Sequence[Contribution], *,
+def _check_contributions(share: KeyShare, manifest: Manifest, contributions: Sequence[Contribution], *,
                          roster: Roster | None, binding: bytes) -> None:
     nodes = [c.node for c in contributions]
     if len(set(nodes)) != len(nodes) or set(nodes) != set(manifest.contributors):
-        raise SecureAggregationError("refusing: the contributors' tags do not match the manifest's contributors")
-    if not set(nodes) <= set(share.holders):
-        raise SecureAggregationError("refusing: a contributor holds no share of this key, so its ciphertext cannot "
-                                     "be tied to the sum")
+        raise SecureAggregationError("refusing: the contributions do not match the manifest's contributors")
     if roster is not None:
         for c in contributions:
             roster.check(c.department, contribution_message(
-                binding=binding, key_id=share.key_id, round_number=manifest.round, group=manifest.group, node=c.node,
-                department=c.department, sealed=c.sealed), c.signature, node=c.node)
+                binding=binding, key_id=share.key_id, round_number=manifest.round, group=manifest.group,
+                nonce=manifest.nonce, node=c.node, department=c.department, digest=c.digest), c.signature, node=c.node)
         if len({c.department for c in contributions}) != len(contributions):
             raise SecureAggregationError("refusing: two contributions claim one department")
-    primes = Seal.of(share.params).primes_at(c1.shape[1])
-    if bool(np.any(c1 >= np.asarray(primes, dtype=np.uint64)[:, None])):
-        raise SecureAggregationError("refusing: ciphertext residues are not reduced")
-    prg, aead = _round_keys(share, manifest.round, manifest.group)
-    total = [0] * len(primes)
-    for c in contributions:
-        try:
-            tag = ChaCha20Poly1305(aead).decrypt(c.sealed[:_NONCE], c.sealed[_NONCE:],
-                                                 _aad(share, manifest.round, manifest.group, c.node))
-        except (InvalidTag, ValueError):
-            raise SecureAggregationError(f"refusing: node {c.node}'s tag does not open under this key's MAC key "
-                                         "(forged, or from another round)", node=str(c.node)) from None
-        if len(tag) != 8 * len(primes):
-            raise SecureAggregationError(f"refusing: node {c.node}'s tag is for another ciphertext level", node=str(c.node))
-        for j, q in enumerate(primes):
-            total[j] = (total[j] + int.from_bytes(tag[8 * j: 8 * j + 8], "big")) % int(q)
-    expected = b"".join(v.to_bytes(8, "big") for v in total)
-    actual = b"".join(v.to_bytes(8, "big") for v in _projection(prg, c1, primes))
-    if not hmac.compare_digest(expected, actual):
-        raise SecureAggregationError("refusing: the ciphertext to decrypt is not the sum of the contributors' own "
-                                     "ciphertexts (crafted or altered c1)")
 
 
-def partial_decrypt(share: KeyShare, manifest: Manifest, c1: U64, asked: set[tuple[int, int]],
+def partial_decrypt(share: KeyShare, manifest: Manifest, asked: set[tuple[int, int]],
                     contributions: Sequence[Contribution], *, roster: Roster | None = None, binding: bytes = b"",
                     max_decryptions: int = MAX_DECRYPTIONS, min_contributors: int | None = None) -> U64:
-    """d_p = λ_p(S)·σ_p·c1 + NTT(flooding noise) after every refusal check.
+    """d_p = λ_p(S)·σ_p(C)·a + NTT(flooding noise) after every refusal check.
 
     The caller must record ``(manifest.round, manifest.group)`` as asked *before* sending the result.
     """
-    check_request(share, manifest, c1, asked, contributions, roster=roster, binding=binding,
+    check_request(share, manifest, asked, contributions, roster=roster, binding=binding,
                   max_decryptions=max_decryptions, min_contributors=min_contributors)
-    return answer_checked(share, manifest, c1)
+    return answer_checked(share, manifest)
 
 
-def answer_checked(share: KeyShare, manifest: Manifest, c1: U64) -> U64:
+def answer_checked(share: KeyShare, manifest: Manifest) -> U64:
     """The partial decryption of a request that ``check_request`` already passed (a node checks,
     writes its ledger entry, then answers: the checks run once)."""
     seal = Seal.of(share.params)
-    primes = seal.primes_at(c1.shape[1])
-    product = _unflooded(share, manifest, c1)
+    primes = seal.primes_at(manifest.primes)
+    product = _unflooded(share, manifest)
     bits = share.params.flood_bits(len(manifest.contributors), len(share.holders))
-    noise = seal.to_ntt(flooding_noise(bits, primes, c1.shape))
-    return add_mod(product, noise, primes)
+    add_mod_into(product, seal.to_ntt(flooding_noise(bits, primes, product.shape)), primes)
+    return product
 
 
-def _unflooded(share: KeyShare, manifest: Manifest, c1: U64) -> U64:
-    """λ_p(S)·σ_p·c1 alone. Never sent: tests compare it with SEAL's own decryptor."""
+def _unflooded(share: KeyShare, manifest: Manifest) -> U64:
+    """λ_p(S)·σ_p(C)·a alone. Never sent: tests compare it with SEAL's own decryptor."""
     seal = Seal.of(share.params)
-    primes = seal.primes_at(c1.shape[1])
-    if bool(np.any(c1 >= np.asarray(primes, dtype=np.uint64)[:, None])):
-        raise SecureAggregationError("refusing: ciphertext residues are not reduced")
+    primes = seal.primes_at(manifest.primes)
     indices = [share.members.index(n) + 1 for n in manifest.subset]
     lambdas = [lagrange_at_zero(share.index, indices, q) for q in primes]
-    scaled = mul_scalar(share.share[: len(primes)], lambdas, primes)  # λ_p·σ_p at the ciphertext's level
-    return seal.multiply(c1, scaled)
+    sigma = share.shares_of(manifest.contributors, manifest.primes)
+    scaled = mul_scalar(sigma, lambdas, primes)  # λ_p·σ_p(C) at the aggregate's level
+    a = common_c1(share.key_id, round_number=manifest.round, group=manifest.group, nonce=manifest.nonce,
+                  primes=primes, chunks=share.params.chunks(manifest.length), degree=share.params.poly_degree)
+    return seal.multiply(a, scaled)
 
 
 class DecryptionSum:
-    """c0 plus the partial decryptions of S as they arrive (one aggregate in memory), then decoded."""
+    """Σ c0 plus the partial decryptions of S as they arrive (one aggregate in memory), then decoded."""
 
     def __init__(self, params: CkksParams, c0: U64, manifest: Manifest) -> None:
         self.params = params
@@ -388,7 +353,7 @@ class DecryptionSum:
 
 
 def combine(params: CkksParams, c0: U64, partials: Mapping[int, U64], manifest: Manifest) -> NDArray[np.float64]:
-    """Decode c0 + Σ d_p once every member of S answered; fewer raises ``QuorumNotMetError``."""
+    """Decode Σc0 + Σ d_p once every member of S answered; fewer raises ``QuorumNotMetError``."""
     total = DecryptionSum(params, c0, manifest)
     for node in manifest.subset:
         if node in partials:

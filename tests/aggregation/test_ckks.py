@@ -51,7 +51,7 @@ from quorumfl.aggregation.ckks.streams import (
     parse_ciphertext,
     parse_plaintext,
 )
-from quorumfl.aggregation.ckks.threshold import _unflooded
+from quorumfl.aggregation.ckks.threshold import NONCE_BYTES, _unflooded, common_c1
 from quorumfl.errors import ConfigError, QuorumNotMetError, SecureAggregationError
 
 PARAMS = CkksParams()
@@ -98,41 +98,50 @@ class Round:
     primes: int
     ciphertexts: dict[int, np.ndarray]
     shares: dict[int, KeyShare]
+    nonce: bytes
 
     def tags(self, round_number: int = 1, nodes: tuple[int, ...] | None = None) -> list[Contribution]:
         """What each contributor sends with its ciphertext in ``round_number``."""
-        return [contribute(self.shares[n], self.ciphertexts[n][:, 1], round_number=round_number, group=0)
+        return [contribute(self.shares[n], self.ciphertexts[n], round_number=round_number, group=0, nonce=self.nonce)
                 for n in (nodes or tuple(self.ciphertexts))]
 
+    def c1(self, key_id: str, round_number: int = 1) -> np.ndarray:
+        """The round's common c1 (every party derives it from the label)."""
+        params = self.total.params
+        return common_c1(key_id, round_number=round_number, group=0, nonce=self.nonce, primes=self.total.primes,
+                         chunks=self.total.shape[0], degree=params.poly_degree)
 
-def summed(shares: dict[int, KeyShare], public_key: bytes, values: dict[int, np.ndarray], *, length: int,
-           primes: int, params: CkksParams = PARAMS) -> Round:
+
+def summed(shares: dict[int, KeyShare], values: dict[int, np.ndarray], *, length: int,
+           primes: int, params: CkksParams = PARAMS, round_number: int = 1) -> Round:
     total = CiphertextSum(params, length=length, primes=primes)
+    nonce = os.urandom(NONCE_BYTES)
     ciphertexts = {}
     for node, vector in values.items():
-        ciphertexts[node] = encrypt_vector(params, public_key, vector, primes=primes)
+        ciphertexts[node] = encrypt_vector(shares[node], vector, primes=primes, round_number=round_number, group=0,
+                                           nonce=nonce)
         total.add(node, ciphertexts[node])
-    return Round(values, total, primes, ciphertexts, shares)
+    return Round(values, total, primes, ciphertexts, shares, nonce)
 
 
 @pytest.fixture(scope="module")
 def encrypted(ceremony: Ceremony) -> Round:
     rng = np.random.default_rng(7)
     values = {n: rng.normal(0.0, 0.01, LENGTH) for n in MEMBERS}
-    return summed(ceremony.shares, ceremony.public_key, values, length=LENGTH,
-                  primes=PARAMS.send_primes(T, len(MEMBERS), 8.0))
+    return summed(ceremony.shares, values, length=LENGTH, primes=PARAMS.send_primes(T, len(MEMBERS), 8.0))
 
 
-def secret_sum(ceremony: Ceremony) -> np.ndarray:
+def secret_sum(ceremony: Ceremony, nodes: tuple[int, ...] = MEMBERS) -> np.ndarray:
+    """Σ s_i over ``nodes`` at the key level, from the parties' own secrets (the test's reference)."""
     seal = Seal.of(PARAMS)
     total = np.zeros_like(next(iter(ceremony.parties.values())).secret)
-    for party in ceremony.parties.values():
-        total = add_mod(total, party.secret, seal.primes)
+    for node in nodes:
+        total = add_mod(total, ceremony.parties[node].secret, seal.primes)
     return np.asarray(total, dtype=np.uint64)
 
 
 def manifest(ceremony: Ceremony, rnd: Round, subset: tuple[int, ...], *, round_number: int = 1) -> Manifest:
-    return rnd.total.manifest(key_id=ceremony.key_id, round=round_number, group=0, subset=subset)
+    return rnd.total.manifest(key_id=ceremony.key_id, round=round_number, group=0, nonce=rnd.nonce, subset=subset)
 
 
 # ---- decryption against references ----------------------------------------------------------------
@@ -141,7 +150,7 @@ def manifest(ceremony: Ceremony, rnd: Round, subset: tuple[int, ...], *, round_n
 def test_any_t_subset_decrypts_within_the_documented_bound(ceremony: Ceremony, encrypted: Round, subset: set[int]) -> None:
     m = manifest(ceremony, encrypted, tuple(sorted(subset)))
     tags = encrypted.tags()
-    partials = {n: partial_decrypt(ceremony.shares[n], m, encrypted.total.c1, set(), tags) for n in m.subset}
+    partials = {n: partial_decrypt(ceremony.shares[n], m, set(), tags) for n in m.subset}
     result = combine(PARAMS, encrypted.total.c0, partials, m)
     reference = np.sum(np.stack(list(encrypted.values.values())), axis=0)
     bound = 6 * PARAMS.error_std(T, len(MEMBERS))  # the bound the README and params.check quote
@@ -155,16 +164,17 @@ def test_without_flooding_the_threshold_result_equals_seals_decryptor_with_the_s
     m = manifest(ceremony, encrypted, MEMBERS[2:8])
     total = encrypted.total.c0.copy()
     for node in m.subset:
-        total = add_mod(total, _unflooded(ceremony.shares[node], m, encrypted.total.c1), seal.primes_at(encrypted.primes))
+        total = add_mod(total, _unflooded(ceremony.shares[node], m), seal.primes_at(encrypted.primes))
     threshold = seal.decode(total, LENGTH)
-    reference = seal.decrypt_reference(seal.secret_from(secret_sum(ceremony)), encrypted.total.total, LENGTH)
+    reference = seal.decrypt_reference(seal.secret_from(secret_sum(ceremony)), encrypted.total.c0,
+                                       encrypted.c1(ceremony.key_id), LENGTH)
     assert np.array_equal(threshold, reference)
 
 
 def test_measured_error_matches_the_formula_within_30_percent(ceremony: Ceremony, encrypted: Round) -> None:
     m = manifest(ceremony, encrypted, MEMBERS[:T])
     tags = encrypted.tags()
-    partials = {n: partial_decrypt(ceremony.shares[n], m, encrypted.total.c1, set(), tags) for n in m.subset}
+    partials = {n: partial_decrypt(ceremony.shares[n], m, set(), tags) for n in m.subset}
     error = combine(PARAMS, encrypted.total.c0, partials, m) - np.sum(np.stack(list(encrypted.values.values())), axis=0)
     predicted = PARAMS.error_std(T, len(MEMBERS))
     assert abs(float(np.std(error)) / predicted - 1.0) < 0.30
@@ -176,19 +186,37 @@ def test_t_minus_one_shares_give_garbage(ceremony: Ceremony, encrypted: Round) -
     m = dataclasses.replace(manifest(ceremony, encrypted, MEMBERS[:T]), subset=subset)
     total = encrypted.total.c0.copy()
     for node in subset:  # what t − 1 colluders could compute: Lagrange over their own indices
-        total = add_mod(total, _unflooded(ceremony.shares[node], m, encrypted.total.c1), seal.primes_at(encrypted.primes))
+        total = add_mod(total, _unflooded(ceremony.shares[node], m), seal.primes_at(encrypted.primes))
     garbage = seal.decode(total, LENGTH)
     assert np.median(np.abs(garbage)) > 1e6
 
 
-def test_dkg_public_key_decrypts_with_the_sum_of_the_members_secrets(ceremony: Ceremony) -> None:
+def test_a_members_encryption_is_seals_ciphertext_under_its_own_secret_and_the_rounds_c1(ceremony: Ceremony) -> None:
+    """(c0_i, a) is a SEAL ciphertext of the values under s_i: SEAL's own decryptor reads it with
+    s_i and reads noise with another member's secret or another round's c1."""
     seal = Seal.of(PARAMS)
     values = np.linspace(-3.0, 3.0, 5000)
-    polys = encrypt_vector(PARAMS, ceremony.public_key, values, primes=2)
-    decrypted = seal.decrypt_reference(seal.secret_from(secret_sum(ceremony)), polys, values.shape[0])
+    rnd = summed(ceremony.shares, {MEMBERS[0]: values}, length=values.shape[0], primes=2)
+    c0, a = rnd.ciphertexts[MEMBERS[0]], rnd.c1(ceremony.key_id)
+    decrypted = seal.decrypt_reference(seal.secret_from(secret_sum(ceremony, MEMBERS[:1])), c0, a, values.shape[0])
     assert np.max(np.abs(decrypted - values)) < 1e-9
-    wrong = seal.decrypt_reference(seal.secret_from(ceremony.parties[MEMBERS[0]].secret), polys, values.shape[0])
+    wrong = seal.decrypt_reference(seal.secret_from(secret_sum(ceremony, MEMBERS[1:2])), c0, a, values.shape[0])
     assert np.median(np.abs(wrong - values)) > 1e6
+    other_round = seal.decrypt_reference(seal.secret_from(secret_sum(ceremony, MEMBERS[:1])), c0,
+                                         rnd.c1(ceremony.key_id, round_number=2), values.shape[0])
+    assert np.median(np.abs(other_round - values)) > 1e6
+
+
+def test_the_dealt_shares_of_any_contributor_set_reconstruct_its_secret_sum(ceremony: Ceremony) -> None:
+    seal = Seal.of(PARAMS)
+    q = seal.primes_at(2)
+    for contributors in (MEMBERS, MEMBERS[:7], MEMBERS[3::2]):
+        indices = [MEMBERS.index(n) + 1 for n in MEMBERS[2:8]]
+        total = np.zeros((2, PARAMS.poly_degree), dtype=np.uint64)
+        for node in MEMBERS[2:8]:
+            lambdas = [lagrange_at_zero(MEMBERS.index(node) + 1, indices, p) for p in q]
+            total = add_mod(total, mul_scalar(ceremony.shares[node].shares_of(contributors, 2), lambdas, q), q)
+        assert np.array_equal(total, secret_sum(ceremony, contributors)[:2])
 
 
 def test_key_shares_reconstruct_the_secret_from_any_t_and_not_from_t_minus_one(ceremony: Ceremony) -> None:
@@ -211,62 +239,65 @@ def test_key_shares_reconstruct_the_secret_from_any_t_and_not_from_t_minus_one(c
 
 def test_ciphertext_sum_equals_seals_homomorphic_addition(ceremony: Ceremony) -> None:
     seal = Seal.of(PARAMS)
-    a = encrypt_vector(PARAMS, ceremony.public_key, np.ones(100), primes=2)
-    b = encrypt_vector(PARAMS, ceremony.public_key, np.full(100, 2.0), primes=2)
-    total = CiphertextSum(PARAMS, length=100, primes=2)
-    total.add(1, a)
-    total.add(2, b)
+    rnd = summed(ceremony.shares, {MEMBERS[0]: np.ones(100), MEMBERS[1]: np.full(100, 2.0)}, length=100, primes=2)
+    a, b = rnd.ciphertexts[MEMBERS[0]], rnd.ciphertexts[MEMBERS[1]]
+    c1 = rnd.c1(ceremony.key_id)
     scale = 2.0**PARAMS.scale_bits
 
-    def load(polys: np.ndarray) -> sealapi.Ciphertext:
-        data = CiphertextData(seal.levels[2], True, scale, polys)
+    def load(c0: np.ndarray) -> sealapi.Ciphertext:
+        data = CiphertextData(seal.levels[2], True, scale, np.stack([c0[0], c1[0]]))
         return seal.load(sealapi.Ciphertext, build_ciphertext(data, version=seal.version))
 
-    ct_a, ct_b = load(a[0]), load(b[0])
+    ct_a, ct_b = load(a), load(b)
     seal.evaluator.add_inplace(ct_a, ct_b)
-    assert np.array_equal(parse_ciphertext(seal.save(ct_a)).polys, total.total[0])
+    assert np.array_equal(parse_ciphertext(seal.save(ct_a)).polys[0], rnd.total.total[0])
 
 
 # ---- refusal rules -----------------------------------------------------------------------------------
 def test_a_node_refuses_every_request_the_rules_forbid(ceremony: Ceremony, encrypted: Round) -> None:
     share = ceremony.shares[MEMBERS[0]]
     good = manifest(ceremony, encrypted, MEMBERS[:T], round_number=5)
-    c1 = encrypted.total.c1
     cases = {
         "few contributors": dataclasses.replace(good, contributors=MEMBERS[: T - 1]),
+        "a contributor twice": dataclasses.replace(good, contributors=(*MEMBERS[: T - 1], MEMBERS[0])),
         "small subset": dataclasses.replace(good, subset=MEMBERS[: T - 1]),
         "not in subset": dataclasses.replace(good, subset=MEMBERS[1: T + 1]),
         "other key": dataclasses.replace(good, key_id="0" * 32),
-        "wrong digest": dataclasses.replace(good, digest="f" * 64),
         "unknown decryptor": dataclasses.replace(good, subset=(*MEMBERS[: T - 1], 12345)),
+        "unknown contributor": dataclasses.replace(good, contributors=(*MEMBERS[1:], 12345)),
+        "the key level": dataclasses.replace(good, primes=3),
+        "an absurd length": dataclasses.replace(good, length=1 << 40),
+        "a short nonce": dataclasses.replace(good, nonce=b"1234"),
     }
     tags = encrypted.tags(5)
     for name, bad in cases.items():
         with pytest.raises(SecureAggregationError):
-            partial_decrypt(share, bad, c1, set(), tags)
+            partial_decrypt(share, bad, set(), tags)
         print("refused:", name)
     asked: set[tuple[int, int]] = set()
-    partial_decrypt(share, good, c1, asked, tags)
+    partial_decrypt(share, good, asked, tags)
     asked.add((good.round, good.group))
     with pytest.raises(SecureAggregationError, match="already decrypted"):
-        partial_decrypt(share, good, c1, asked, tags)  # the same aggregate again
+        partial_decrypt(share, good, asked, tags)  # the same aggregate again
     with pytest.raises(SecureAggregationError, match="already decrypted"):  # same round, other contributors
-        partial_decrypt(share, dataclasses.replace(good, contributors=MEMBERS[:8]), c1, asked, tags[:8])
+        partial_decrypt(share, dataclasses.replace(good, contributors=MEMBERS[:8]), asked, tags[:8])
+    with pytest.raises(SecureAggregationError, match="already decrypted"):  # same round under another nonce
+        partial_decrypt(share, dataclasses.replace(good, nonce=os.urandom(NONCE_BYTES)), asked, tags)
 
 
 def test_combine_without_every_decryptor_reveals_nothing(ceremony: Ceremony, encrypted: Round) -> None:
     m = manifest(ceremony, encrypted, MEMBERS[:T])
     tags = encrypted.tags()
-    partials = {n: partial_decrypt(ceremony.shares[n], m, encrypted.total.c1, set(), tags) for n in m.subset[:-1]}
+    partials = {n: partial_decrypt(ceremony.shares[n], m, set(), tags) for n in m.subset[:-1]}
     with pytest.raises(QuorumNotMetError):
         combine(PARAMS, encrypted.total.c0, partials, m)
 
 
 def test_the_sum_refuses_malformed_ciphertexts_whole(ceremony: Ceremony) -> None:
     total = CiphertextSum(PARAMS, length=100, primes=2)
-    good = encrypt_vector(PARAMS, ceremony.public_key, np.ones(100), primes=2)
+    good = summed(ceremony.shares, {MEMBERS[0]: np.ones(100)}, length=100, primes=2).ciphertexts[MEMBERS[0]]
     unreduced = good.copy()
-    unreduced[0, 0, 0, 0] = np.uint64(2**64 - 1)
+    unreduced[0, 0, 0] = np.uint64(2**64 - 1)
     for bad in (good[:, :1], unreduced, good.astype(np.int64)):
         with pytest.raises(SecureAggregationError):
             total.add(1, bad)
@@ -302,14 +333,13 @@ def test_a_ceremony_where_one_member_never_reveals_still_yields_a_working_key() 
     shares = {n: parties[n].finish(reveals, inbox[n]) for n in members[:-1]}
     assert coordinator.public_key is not None
     values = np.arange(50, dtype=np.float64) / 10
-    rnd = summed(shares, coordinator.public_key, {n: values for n in members[:3]}, length=50, primes=2)
+    rnd = summed(shares, {n: values for n in members[:3]}, length=50, primes=2)
     total, tags = rnd.total, rnd.tags()
-    m = total.manifest(key_id=coordinator.key_id, round=1, group=0, subset=members[1:4])
-    partials = {n: partial_decrypt(shares[n], m, total.c1, set(), tags) for n in m.subset}
+    m = total.manifest(key_id=coordinator.key_id, round=1, group=0, nonce=rnd.nonce, subset=members[1:4])
+    partials = {n: partial_decrypt(shares[n], m, set(), tags) for n in m.subset}
     assert np.max(np.abs(combine(PARAMS, total.c0, partials, m) - 3 * values)) < 1e-6
     with pytest.raises(SecureAggregationError, match="hold no share"):
-        partial_decrypt(shares[members[0]], dataclasses.replace(m, subset=(*members[:2], members[-1])), total.c1, set(),
-                        tags)
+        partial_decrypt(shares[members[0]], dataclasses.replace(m, subset=(*members[:2], members[-1])), set(), tags)
 
 
 # ---- parameters --------------------------------------------------------------------------------------------
@@ -350,11 +380,10 @@ def _two_of_three_error(params: CkksParams) -> float:
     largest error against the plain sum."""
     ceremony = run_ceremony(MEMBERS[:3], 2, params)
     values = np.linspace(-1, 1, 300)
-    rnd = summed(ceremony.shares, ceremony.public_key, {n: values for n in MEMBERS[:3]}, length=300, primes=2,
-                 params=params)
+    rnd = summed(ceremony.shares, {n: values for n in MEMBERS[:3]}, length=300, primes=2, params=params)
     total, tags = rnd.total, rnd.tags()
-    m = total.manifest(key_id=ceremony.key_id, round=1, group=0, subset=MEMBERS[:2])
-    partials = {n: partial_decrypt(ceremony.shares[n], m, total.c1, set(), tags) for n in m.subset}
+    m = total.manifest(key_id=ceremony.key_id, round=1, group=0, nonce=rnd.nonce, subset=MEMBERS[:2])
+    partials = {n: partial_decrypt(ceremony.shares[n], m, set(), tags) for n in m.subset}
     return float(np.max(np.abs(combine(params, total.c0, partials, m) - 3 * values)))
 
 
@@ -480,10 +509,12 @@ def test_packing_refuses_unreduced_residues_and_unpacking_refuses_partial_pairs(
 def test_one_ciphertext_carries_n_values_two_per_complex_slot(ceremony: Ceremony) -> None:
     values = np.linspace(-1.0, 1.0, PARAMS.poly_degree)
     primes = PARAMS.send_primes(T, len(MEMBERS), 8.0)
-    polys = encrypt_vector(PARAMS, ceremony.public_key, values, primes=primes)
+    rnd = summed(ceremony.shares, {MEMBERS[0]: values}, length=values.shape[0], primes=primes)
+    polys = rnd.ciphertexts[MEMBERS[0]]
     assert polys.shape[0] == 1
     seal = Seal.of(PARAMS)
-    decrypted = seal.decrypt_reference(seal.secret_from(secret_sum(ceremony)), polys, values.shape[0])
+    decrypted = seal.decrypt_reference(seal.secret_from(secret_sum(ceremony, MEMBERS[:1])), polys,
+                                       rnd.c1(ceremony.key_id), values.shape[0])
     assert np.max(np.abs(decrypted - values)) < 1e-6
 
 

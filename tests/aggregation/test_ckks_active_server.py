@@ -1,18 +1,20 @@
-"""The active server against threshold CKKS: each attack, played with the real node code, is refused.
+"""The active server against threshold CKKS: each attack, played with the real node code, fails.
 
 The server relays the key ceremony and every decryption request. Here it plays the attacker: it
-substitutes a transport key in the commitment directory, asks for the decryption of a crafted c1
-(a large constant, which would put the joint secret key in the partial decryptions) under the
-real round's label or a fresh one, of a combination of the contributors' own ciphertexts, replays
-a tag from another round, strips or forges a contribution's signature, moves one to another node,
-and keeps asking after the key's cap. Each is refused by the member with a reason; an honest
-signed round with a silent ceremony member and a lost contribution still equals numpy's sum.
+substitutes a transport key in the commitment directory; asks for decryptions under labels of its
+own choosing (a fresh round or nonce, so the decryptors multiply their shares by a c1 it hopes
+to exploit) and tries to read the joint key off them; names contributors who did not contribute
+or leaves one out to isolate an update; replays a contribution from another round, strips or
+forges a signature, moves one to another node; asks a node to encrypt twice under one nonce; and
+keeps asking after the key's cap. Each is refused by the member with a reason or yields noise; an
+honest signed round with a silent ceremony member and a lost contribution still equals numpy's sum.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import numpy as np
 import pytest
@@ -33,8 +35,9 @@ from quorumfl.aggregation.ckks import (
     encrypt_vector,
     partial_decrypt,
 )
+from quorumfl.aggregation.ckks.rns import add_mod, sub_mod
 from quorumfl.aggregation.ckks.seal import Seal
-from quorumfl.aggregation.ckks.threshold import c1_digest
+from quorumfl.aggregation.ckks.threshold import NONCE_BYTES, common_c1
 from quorumfl.aggregation.secagg.identity import Roster, sign
 from quorumfl.aggregation.secagg.streams import new_private_key, public_key
 from quorumfl.errors import SecureAggregationError
@@ -91,6 +94,8 @@ class SignedRound:
     ciphertexts: dict[int, np.ndarray]
     total: CiphertextSum
     tags: dict[int, Contribution]
+    nonce: bytes
+    group: int
 
 
 def signed_round(public_key: bytes, shares: dict[int, KeyShare], contributors: tuple[int, ...],
@@ -98,13 +103,15 @@ def signed_round(public_key: bytes, shares: dict[int, KeyShare], contributors: t
     rng = np.random.default_rng(round_number)
     values = {n: rng.normal(0.0, 0.05, LENGTH) for n in contributors}
     total = CiphertextSum(PARAMS, length=LENGTH, primes=2)
+    nonce = os.urandom(NONCE_BYTES)
     ciphertexts, tags = {}, {}
     for node in contributors:
-        ciphertexts[node] = encrypt_vector(PARAMS, public_key, values[node], primes=2)
+        ciphertexts[node] = encrypt_vector(shares[node], values[node], primes=2, round_number=round_number,
+                                           group=group, nonce=nonce)
         total.add(node, ciphertexts[node])
-        tags[node] = contribute(shares[node], ciphertexts[node][:, 1], round_number=round_number, group=group,
+        tags[node] = contribute(shares[node], ciphertexts[node], round_number=round_number, group=group, nonce=nonce,
                                 signer=_signer(node), department=DEPARTMENT[node], binding=BINDING)
-    return SignedRound(values, ciphertexts, total, tags)
+    return SignedRound(values, ciphertexts, total, tags, nonce, group)
 
 
 @pytest.fixture(scope="module")
@@ -112,52 +119,113 @@ def keyed() -> tuple[bytes, dict[int, KeyShare]]:
     return signed_ceremony()
 
 
-def _decrypt(share: KeyShare, rnd: SignedRound, *, c1: np.ndarray | None = None, round_number: int = 1,
+def _manifest(share: KeyShare, rnd: SignedRound, *, round_number: int = 1, nonce: bytes | None = None):  # type: ignore[no-untyped-def]
+    return rnd.total.manifest(key_id=share.key_id, round=round_number, group=rnd.group,
+                              nonce=rnd.nonce if nonce is None else nonce, subset=NODES[:T])
+
+
+def _decrypt(share: KeyShare, rnd: SignedRound, *, round_number: int = 1,
              tags: list[Contribution] | None = None, asked: set[tuple[int, int]] | None = None,
              max_decryptions: int = 1000) -> np.ndarray:
-    c1 = rnd.total.c1 if c1 is None else c1
-    manifest = dataclasses.replace(
-        rnd.total.manifest(key_id=share.key_id, round=round_number, group=0, subset=NODES[:T]), digest=c1_digest(c1))
-    return partial_decrypt(share, manifest, c1, asked or set(), list(rnd.tags.values()) if tags is None else tags,
+    return partial_decrypt(share, _manifest(share, rnd, round_number=round_number), asked or set(),
+                           list(rnd.tags.values()) if tags is None else tags,
                            roster=ROSTER, binding=BINDING, max_decryptions=max_decryptions)
 
 
 def test_an_honest_signed_round_with_a_silent_member_and_a_lost_contribution_equals_the_numpy_sum() -> None:
     public_key, shares = signed_ceremony(silent=NODES[4])  # committed, then never revealed: holds no share
-    assert set(shares) == set(NODES[:4]) and len({s.mac_key for s in shares.values()}) == 1
+    assert set(shares) == set(NODES[:4]) and all(s.holders == NODES[:4] for s in shares.values())
     rnd = signed_round(public_key, shares, NODES[:3])  # NODES[3]'s encrypted update was lost on the way
-    manifest = rnd.total.manifest(key_id=shares[NODES[0]].key_id, round=1, group=0, subset=NODES[:T])
-    partials = {n: partial_decrypt(shares[n], manifest, rnd.total.c1, set(), list(rnd.tags.values()), roster=ROSTER,
+    manifest = _manifest(shares[NODES[0]], rnd)
+    partials = {n: partial_decrypt(shares[n], manifest, set(), list(rnd.tags.values()), roster=ROSTER,
                                    binding=BINDING) for n in manifest.subset}
     result = combine(PARAMS, rnd.total.c0, partials, manifest)
     reference = np.sum(np.stack(list(rnd.values.values())), axis=0)
     assert np.max(np.abs(result - reference)) <= 6 * PARAMS.error_std(T, 4)
 
 
-def test_a_crafted_c1_is_refused_under_the_rounds_label_and_under_a_fresh_one(
+def _lagrange_sum(shares: dict[int, KeyShare], manifest, partials: dict[int, np.ndarray]) -> np.ndarray:  # type: ignore[no-untyped-def]
+    total = np.zeros_like(next(iter(partials.values())))
+    for node in manifest.subset:
+        total = add_mod(total, partials[node], Seal.of(PARAMS).primes_at(manifest.primes))
+    return total
+
+
+def test_decryptions_under_labels_of_the_servers_choosing_reveal_neither_the_key_nor_an_update(
     keyed: tuple[bytes, dict[int, KeyShare]],
 ) -> None:
+    """The server cannot hand decryptors a c1 (they derive it from the label), so the old attack —
+    a large constant K as c1, s·K standing out of the flooding — has nothing to work with. Under a
+    fresh label it learns Σd = s_C·a' + F for a uniform a' of the oracle's choosing: dividing by
+    a' (pointwise, NTT form) gives s_C + F/a', which matches s_C at no coordinate. And the real
+    c0 sum, decrypted with partials made under a fresh label, is noise."""
     public_key, shares = keyed
     rnd = signed_round(public_key, shares, NODES)
-    crafted = np.full_like(rnd.total.c1, 1 << 55)  # s·K with K = 2^55 would stand out of the flooding noise
-    with pytest.raises(SecureAggregationError, match="not the sum of the contributors' own ciphertexts"):
-        _decrypt(shares[NODES[0]], rnd, c1=crafted)
-    with pytest.raises(SecureAggregationError, match="not signed by its registered key"):  # a fresh label
-        _decrypt(shares[NODES[0]], rnd, c1=crafted, round_number=77)
-    fresh = dataclasses.replace(rnd.total.manifest(key_id=shares[NODES[0]].key_id, round=77, group=0, subset=NODES[:T]),
-                                digest=c1_digest(crafted))
-    with pytest.raises(SecureAggregationError, match="does not open"):  # without signatures the sealed tags still bind
-        partial_decrypt(shares[NODES[0]], fresh, crafted, set(), list(rnd.tags.values()))
-    _decrypt(shares[NODES[0]], rnd)  # the real aggregate under its own label is answered
+    seal = Seal.of(PARAMS)
+    q = seal.primes_at(2)
+    fresh = {"a fresh nonce": _manifest(shares[NODES[0]], rnd, nonce=os.urandom(NONCE_BYTES))}
+    for name, manifest in fresh.items():
+        with pytest.raises(SecureAggregationError, match="not signed by its registered key"):  # signed for rnd.nonce
+            partial_decrypt(shares[NODES[0]], manifest, set(), list(rnd.tags.values()), roster=ROSTER, binding=BINDING)
+        # unsigned federation: the request passes every rule, so play it through
+        partials = {n: partial_decrypt(shares[n], manifest, set(), list(rnd.tags.values())) for n in manifest.subset}
+        summed = _lagrange_sum(shares, manifest, partials)
+        a = common_c1(manifest.key_id, round_number=manifest.round, group=manifest.group, nonce=manifest.nonce,
+                      primes=q, chunks=summed.shape[0], degree=PARAMS.poly_degree)
+        secret = np.zeros((2, PARAMS.poly_degree), dtype=np.uint64)
+        for node in NODES:  # s_C, the key the attacker wants: the sum of the contributors' secrets
+            secret = add_mod(secret, shares[node].secret, q)
+        hits = 0
+        for j, prime in enumerate(q):
+            for i in range(0, PARAMS.poly_degree, 97):
+                guess = int(summed[0, j, i]) * pow(int(a[0, j, i]), -1, int(prime)) % int(prime)
+                hits += guess == int(secret[j, i])
+        assert hits == 0, name
+        noise = combine(PARAMS, rnd.total.c0, partials, manifest)
+        assert np.median(np.abs(noise)) > 1e6, name  # the c0 were made under the round's own a
+    assert np.max(np.abs(combine(PARAMS, rnd.total.c0, {n: _decrypt(shares[n], rnd) for n in NODES[:T]},
+                                 _manifest(shares[NODES[0]], rnd))
+                         - np.sum(np.stack(list(rnd.values.values())), axis=0))) <= 6 * PARAMS.error_std(T, 5)
 
 
-def test_a_combination_of_the_contributors_own_ciphertexts_is_refused(keyed: tuple[bytes, dict[int, KeyShare]]) -> None:
+def test_a_manifest_that_names_a_non_contributor_or_leaves_one_out_decrypts_to_noise(
+    keyed: tuple[bytes, dict[int, KeyShare]],
+) -> None:
+    """The server holds every c0 and may list any contributors (unsigned federation: nothing checks
+    who encrypted). Leaving out one contributor, or naming a holder who sent nothing, leaves a key
+    part no c0 cancels: the decryption is flooded noise, not a partial sum it could subtract."""
     public_key, shares = keyed
-    rnd = signed_round(public_key, shares, NODES)
-    primes = np.asarray(Seal.of(PARAMS).primes_at(2), dtype=np.uint64)[:, None]
-    doubled = (rnd.total.c1 + rnd.ciphertexts[NODES[1]][:, 1]) % primes  # 2·c1_B + the others
-    with pytest.raises(SecureAggregationError, match="not the sum"):
-        _decrypt(shares[NODES[0]], rnd, c1=doubled)
+    rnd = signed_round(public_key, shares, NODES[:4])
+    honest = _manifest(shares[NODES[0]], rnd)
+    tags = list(rnd.tags.values())
+    left_out = dataclasses.replace(honest, contributors=NODES[:3])
+    named = dataclasses.replace(honest, contributors=NODES)
+    extra = Contribution(NODES[4], "", b"\0" * 32, b"")
+    for manifest, sent in ((left_out, tags[:3]), (named, [*tags, extra])):
+        partials = {n: partial_decrypt(shares[n], manifest, set(), sent) for n in manifest.subset}
+        assert np.median(np.abs(combine(PARAMS, rnd.total.c0, partials, manifest))) > 1e6
+
+
+def test_a_node_encrypts_once_under_a_nonce(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two encryptions under one (key, round, group, nonce) share their c1: c0 − c0' = Δ(x − x') +
+    (e − e'), the difference of two updates to within noise. A server that asks again (a replayed
+    train request) is refused by the key store's ledger, which outlives a restart."""
+    from quorumfl.privacy.keystore import KeyStore, StoredKey
+
+    _, shares = signed_ceremony()
+    share = shares[NODES[0]]
+    nonce = os.urandom(NONCE_BYTES)
+    first = encrypt_vector(share, np.full(100, 0.5), primes=2, round_number=1, group=0, nonce=nonce)
+    second = encrypt_vector(share, np.full(100, 0.25), primes=2, round_number=1, group=0, nonce=nonce)
+    seal = Seal.of(PARAMS)
+    difference = seal.decode(sub_mod(first, second, seal.primes_at(2)), 100)
+    assert np.max(np.abs(difference - 0.25)) < 1e-6  # why the ledger exists: the server would read x − x'
+    store = KeyStore(tmp_path / "keys")
+    store.save_key(StoredKey(share, run_id=1))
+    store.record_encrypted(share.key_id, nonce)
+    with pytest.raises(SecureAggregationError, match="already encrypted"):
+        KeyStore(tmp_path / "keys").record_encrypted(share.key_id, nonce)
+    KeyStore(tmp_path / "keys").record_encrypted(share.key_id, os.urandom(NONCE_BYTES))  # a new round's nonce
 
 
 def test_replayed_stripped_forged_and_moved_contributions_are_refused(keyed: tuple[bytes, dict[int, KeyShare]]) -> None:
@@ -218,14 +286,14 @@ def test_a_cluster_sum_below_the_signed_group_minimum_is_refused(keyed: tuple[by
     for another group do not verify."""
     public_key, shares = keyed
     rnd = signed_round(public_key, shares, NODES[3:], group=1)
-    manifest = rnd.total.manifest(key_id=shares[NODES[0]].key_id, round=1, group=1, subset=NODES[:T])
+    manifest = _manifest(shares[NODES[0]], rnd)
     tags = list(rnd.tags.values())
 
     def ask(node: int, *, minimum: int | None, sent: list[Contribution] = tags) -> np.ndarray:
-        return partial_decrypt(shares[node], manifest, rnd.total.c1, set(), sent, roster=ROSTER, binding=BINDING,
+        return partial_decrypt(shares[node], manifest, set(), sent, roster=ROSTER, binding=BINDING,
                                min_contributors=minimum)
 
-    with pytest.raises(SecureAggregationError, match="2 contributor.s., fewer than t=3"):
+    with pytest.raises(SecureAggregationError, match="2 distinct contributor.s., fewer than t=3"):
         ask(NODES[0], minimum=None)
     with pytest.raises(SecureAggregationError, match="fewer than the run's minimum group of 3"):
         ask(NODES[0], minimum=3)
@@ -244,9 +312,7 @@ def test_a_contribution_from_outside_the_key_is_refused() -> None:
     public_key, shares = signed_ceremony(silent=NODES[4])
     rnd = signed_round(public_key, shares, NODES[:3])
     outsider = dataclasses.replace(rnd.tags[NODES[2]], node=NODES[4])  # holds no share: could not make a tag
-    manifest = dataclasses.replace(
-        rnd.total.manifest(key_id=shares[NODES[0]].key_id, round=1, group=0, subset=NODES[:T]),
-        contributors=(*NODES[:2], NODES[4]))
+    manifest = dataclasses.replace(_manifest(shares[NODES[0]], rnd), contributors=(*NODES[:2], NODES[4]))
     with pytest.raises(SecureAggregationError, match="holds no share of this key"):
-        partial_decrypt(shares[NODES[0]], manifest, rnd.total.c1, set(), [*list(rnd.tags.values())[:2], outsider],
+        partial_decrypt(shares[NODES[0]], manifest, set(), [*list(rnd.tags.values())[:2], outsider],
                         roster=ROSTER, binding=BINDING)

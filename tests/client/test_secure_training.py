@@ -65,7 +65,7 @@ def _request(group: tuple[int, ...] | None, *, ckks: bool = False) -> Message:
     if group is not None and ckks:
         content[CKKS] = encode_train_request(TrainRequest(
             key_id="0" * 32, public_key=b"", params=CkksParams(), primes=2, clip=8.0, max_weight=1e4, round_number=3,
-            participants=group))
+            participants=group, nonce=b"n" * 16))
     return Message(content=content, dst_node_id=11, message_type="train")
 
 

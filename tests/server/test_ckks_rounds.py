@@ -89,8 +89,15 @@ def test_ckks_rounds_equal_plaintext_fedavg_and_cost_two_round_trips(
         assert key_id == ceremony.key_id
         mode = stat.S_IMODE((store.directory / f"key-{key_id}.json").stat().st_mode)
         assert mode == 0o600
-        asked = store.load_key(key_id).asked
-        assert asked == {(n, 0) for n, d in decryptions if node in d.decryptors}
+        stored = store.load_key(key_id)
+        assert stored.asked == {(n, 0) for n, d in decryptions if node in d.decryptors}
+        assert len(stored.encrypted) == 2  # one round nonce per round it encrypted in
+    # The server replays a round's train request to a node: it would get a second encryption under
+    # that round's c1 (the difference of two updates); the node's ledger refuses.
+    replayed = next(m for m in grid.sent if m.metadata.message_type == "train")
+    node = replayed.metadata.dst_node_id
+    with pytest.raises(SecureAggregationError, match="already encrypted"):
+        app(Message(content=replayed.content, dst_node_id=node, message_type="train"), grid.nodes[node])
 
 
 def test_nodes_lost_after_encryption_outside_s_do_not_matter_and_a_lost_decryptor_fails_the_round_cleanly(
