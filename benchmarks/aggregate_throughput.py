@@ -13,7 +13,7 @@ allow).
 - masked sum (masking): the coordinator's ``add_masked`` on N fixed-point vectors of P uint32
   (the default 32-bit modulus), checked against numpy's sum mod 2^32;
 - CKKS sum: ``CiphertextSum.add`` (reduced-residue check, addition mod each prime) on N' = min(N, 10)
-  ciphertext vectors for P values at the send level, checked against a Python-integer sum on a
+  encrypted updates (c0) for P values in wire form, checked against a Python-integer sum on a
   sample; plus ``ckks_unpack_s``: turning the packed 60-bit wire form back into residues.
 
     python benchmarks/aggregate_throughput.py            # 100 updates x 1M parameters
@@ -115,7 +115,7 @@ def _masked(nodes: int, params: int, repeats: int) -> dict[str, float]:
 
 def _ckks(nodes: int, params: int, repeats: int) -> dict[str, float]:
     ckks = CkksParams()
-    primes = 2
+    primes = ckks.wire_primes(2)  # the send level's wire form: what a train reply carries
     q = Seal.of(ckks).primes_at(primes)
     chunks = ckks.chunks(params)
     rng = np.random.default_rng(2)

@@ -45,6 +45,7 @@ from quorumfl.aggregation.ckks.threshold import (
     contribute,
     encrypt_vector,
     partial_decrypt,
+    wire_form,
 )
 
 __all__ = [
@@ -70,4 +71,5 @@ __all__ = [
     "partial_decrypt",
     "public_key_id",
     "unpack_residues",
+    "wire_form",
 ]

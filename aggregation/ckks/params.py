@@ -16,7 +16,12 @@ noise. Decisions, each checked by ``check``:
 - precision: 6σ of the decryption error, σ = (B/√3)·√t·√(N/2)/Δ, must be ≤ the precision target.
 
 Ciphertexts are switched down to the fewest primes that still hold the capacity ("send level"), so a
-longer chain costs nothing on the wire. Each of the N/2 slots is a complex number and carries two
+longer chain costs nothing on the wire. What travels — each update's c0 and each partial
+decryption — is then divided by the level's last prime and rounded ("wire level", one prime fewer,
+half the bytes at two primes) wherever the scale left, Δ/q_L, keeps the rounding error of up to
+1,000 rounded terms at 6σ below a tenth of the precision target. Capacity is kept (message and
+noise shrink with the modulus), the flooding ratio too, and each rounded term is a function of what
+it rounds, so the server learns nothing it could not compute from the unrounded values. Each of the N/2 slots is a complex number and carries two
 real values (real and imaginary part), so one ciphertext holds N values: the decryption error of
 each part has the same σ as a real-only slot's, and the bytes per value halve.
 """
@@ -34,6 +39,7 @@ __all__ = ["CkksParams", "MAX_COEFF_BITS"]
 MAX_COEFF_BITS = {4096: 109, 8192: 218, 16384: 438, 32768: 881}
 NOISE_BITS = 7  # log2 of the per-contributor, per-holder bound on the aggregate's own noise β(n, h) = 2^7·n·h
 SIGMAS = 6.0  # the precision target is checked at 6 standard deviations
+ROUNDED_TERMS = 1000  # the wire level's rounding budget covers this many rounded c0s and partial decryptions
 
 
 @dataclass(frozen=True)
@@ -128,6 +134,16 @@ class CkksParams:
             f"within ±{value_bound:g} at scale 2^{self.scale_bits} plus flooding 2^{self.flood_bits(contributors, contributors)}); "
             "add a prime, lower the scale or the clip"
         ])
+
+    def wire_primes(self, primes: int) -> int:
+        """Primes a level-``primes`` ciphertext or partial decryption travels at (module docstring):
+        one fewer where Δ/q_L (q_L < 2^bits, so at least 2^(scale − bits)) keeps 6σ of the rounding
+        error, √(terms/12)·√(N/2)/(Δ/q_L), at or below a tenth of the precision target."""
+        if primes < 2 or primes > len(self.data_bits):
+            return primes
+        scale_left = 2.0 ** (self.scale_bits - self.coeff_bits[primes - 1])
+        spread = SIGMAS * math.sqrt(ROUNDED_TERMS / 12.0) * math.sqrt(self.poly_degree / 2)
+        return primes - 1 if spread / scale_left <= self.precision / 10 else primes
 
     def check(self, *, threshold: int, contributors: int, value_bound: float) -> None:
         """Raise ``ConfigError`` listing every way this set fails for ``threshold``-of-``contributors``."""

@@ -5,8 +5,9 @@ Values are uint64 arrays shaped ``[prime, coefficient]`` (or with leading batch 
 no 128-bit product, so ``mul_small`` reduces ``a·k mod q`` for ``k < 2^40`` with a float64
 quotient estimate and one exact correction in wrapping 64-bit arithmetic; products with full-size
 field elements (Lagrange coefficients) use Python integers, which only happens once per key
-ceremony or decryption on one key-sized array. Randomness comes from ``os.urandom`` (never
-numpy's PCG64), with rejection sampling so residues are exactly uniform.
+ceremony or decryption on one key-sized array. Randomness comes from ``random_bytes``: AES-256-CTR
+under a fresh key from ``os.urandom`` (a CTR-DRBG, 3× the kernel's rate for the megabytes of noise
+a round draws; never numpy's PCG64), with rejection sampling so residues are exactly uniform.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 from collections.abc import Sequence
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from numpy.typing import NDArray
 
 from quorumfl.errors import SecureAggregationError
@@ -26,6 +28,7 @@ __all__ = [
     "lagrange_at_zero",
     "mul_scalar",
     "mul_small",
+    "random_bytes",
     "reduced",
     "shamir_shares",
     "small_noise",
@@ -48,8 +51,14 @@ def _q(primes: Sequence[int], a: U64) -> U64:
 _BLOCK_WORDS = 1 << 16  # 512 KiB of uint64 per step of add_mod_into: the block stays in cache
 
 
+def random_bytes(count: int) -> bytes:
+    """``count`` bytes of AES-256-CTR keystream under a fresh 256-bit key from ``os.urandom``."""
+    encryptor = Cipher(algorithms.AES(os.urandom(32)), modes.CTR(bytes(16))).encryptor()
+    return encryptor.update(bytes(count)) + encryptor.finalize()
+
+
 def uniform_mod(primes: Sequence[int], shape: tuple[int, ...]) -> U64:
-    """Uniform residues, ``shape[0] == len(primes)``; rejection sampling from ``os.urandom``."""
+    """Uniform residues, ``shape[0] == len(primes)``; rejection sampling from ``random_bytes``."""
     if shape[0] != len(primes):
         raise ValueError(f"first axis {shape[0]} must match the {len(primes)} primes")
     out = np.empty(shape, dtype=np.uint64)
@@ -59,7 +68,7 @@ def uniform_mod(primes: Sequence[int], shape: tuple[int, ...]) -> U64:
         got: list[U64] = []
         have = 0
         while have < need:
-            draw = np.frombuffer(os.urandom(8 * (need - have + 64)), dtype=np.uint64) & mask
+            draw = np.frombuffer(random_bytes(8 * (need - have + 64)), dtype=np.uint64) & mask
             keep = draw[draw < np.uint64(q)]
             got.append(keep)
             have += keep.size
@@ -198,12 +207,12 @@ def small_noise(primes: Sequence[int], shape: tuple[int, ...]) -> U64:
 
     A centred binomial of the same variance stands in for SEAL's clipped normal (as Kyber's and
     NewHope's RLWE errors do); the lattice attacks that set the 128-bit limits depend on σ, not
-    on the distribution's shape. Bits come from ``os.urandom``.
+    on the distribution's shape. Bits come from ``random_bytes``.
     """
     if shape[-2] != len(primes):
         raise ValueError(f"axis -2 of {shape} must match the {len(primes)} primes")
     count = int(np.prod(shape)) // len(primes)
-    words = np.frombuffer(os.urandom(8 * count), dtype=np.uint64)
+    words = np.frombuffer(random_bytes(8 * count), dtype=np.uint64)
     mask = np.uint64((1 << CBD_ETA) - 1)
     value = np.bitwise_count(words & mask).astype(np.int64)
     value -= np.bitwise_count((words >> np.uint64(32)) & mask)
@@ -222,9 +231,10 @@ def flooding_noise(bits: int, primes: Sequence[int], shape: tuple[int, ...]) -> 
         raise SecureAggregationError(f"flooding bound 2^{bits} is outside the supported 2^33..2^94")
     count = int(np.prod(shape)) // len(primes)
     high_bits = bits - 32
-    hi_raw = np.frombuffer(os.urandom(8 * count), dtype=np.uint64) & np.uint64((1 << (high_bits + 1)) - 1)
+    raw = random_bytes(12 * count)
+    hi_raw = np.frombuffer(raw, dtype=np.uint64, count=count) & np.uint64((1 << (high_bits + 1)) - 1)
     hi = hi_raw.view(np.int64) - np.int64(1 << high_bits)  # uniform in [−2^hb, 2^hb)
-    lo = np.frombuffer(os.urandom(4 * count), dtype=np.uint32).astype(np.uint64)
+    lo = np.frombuffer(raw, dtype=np.uint32, offset=8 * count).astype(np.uint64)
     batch, _, degree = shape
     out = np.empty(shape, dtype=np.uint64)
     for j, q in enumerate(primes):

@@ -170,11 +170,11 @@ class Seal:
         z = np.asarray(self.encoder.decode_complex(plain), dtype=np.complex128)
         return np.concatenate([z.real, z.imag])
 
-    def decode(self, coeffs: U64, length: int) -> NDArray[np.float64]:
-        """Decode ``[chunk, prime, coeff]`` NTT plaintexts at scale Δ to ``length`` values."""
+    def decode(self, coeffs: U64, length: int, *, scale: float | None = None) -> NDArray[np.float64]:
+        """Decode ``[chunk, prime, coeff]`` NTT plaintexts at ``scale`` (Δ unless given) to ``length`` values."""
         chunks, primes, _ = coeffs.shape
         parms = self.levels[primes]
-        scale = 2.0**self.params.scale_bits
+        scale = 2.0**self.params.scale_bits if scale is None else scale
         per = self.params.values_per_ciphertext
         out = np.empty(chunks * per)
         for c in range(chunks):
@@ -195,6 +195,25 @@ class Seal:
             self.evaluator.transform_to_ntt_inplace(ct)
             done = parse_ciphertext(self.save(ct)).polys
             out[start: start + PACK] = done[: min(PACK, polys - start)]
+        return out
+
+    def rescale(self, polys: U64) -> U64:
+        """round(x / q_L) of NTT polynomials ``[poly, prime, coeff]`` at a data level of L ≥ 2 primes, as
+        ``[poly, prime − 1, coeff]`` (SEAL's ``rescale_to_next`` on ciphertexts packed 16 polynomials at
+        a time: exact RNS division by the last prime with rounding)."""
+        polys_n, primes, degree = polys.shape
+        if primes < 2 or primes not in self.levels:
+            raise SecureAggregationError(f"cannot rescale polynomials at {primes} primes")
+        parms = self.levels[primes]
+        out = np.empty((polys_n, primes - 1, degree), dtype=np.uint64)
+        for start in range(0, polys_n, PACK):
+            batch = polys[start: start + PACK]
+            if batch.shape[0] == 1:
+                batch = np.concatenate([batch, batch])
+            ct = self.load(sealapi.Ciphertext, build_ciphertext(
+                CiphertextData(parms, True, 2.0**self.params.scale_bits, batch), version=self.version))
+            self.evaluator.rescale_to_next_inplace(ct)
+            out[start: start + PACK] = parse_ciphertext(self.save(ct)).polys[: min(PACK, polys_n - start)]
         return out
 
     def multiply(self, polys: U64, plain: U64) -> U64:

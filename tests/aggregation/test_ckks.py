@@ -30,6 +30,7 @@ from quorumfl.aggregation.ckks import (
     pack_residues,
     partial_decrypt,
     unpack_residues,
+    wire_form,
 )
 from quorumfl.aggregation.ckks.keys import Reveal
 from quorumfl.aggregation.ckks.rns import (
@@ -102,13 +103,21 @@ class Round:
 
     def tags(self, round_number: int = 1, nodes: tuple[int, ...] | None = None) -> list[Contribution]:
         """What each contributor sends with its ciphertext in ``round_number``."""
-        return [contribute(self.shares[n], self.ciphertexts[n], round_number=round_number, group=0, nonce=self.nonce)
-                for n in (nodes or tuple(self.ciphertexts))]
+        return [contribute(self.shares[n], wire_form(self.total.params, self.ciphertexts[n]), round_number=round_number,
+                           group=0, nonce=self.nonce) for n in (nodes or tuple(self.ciphertexts))]
+
+    def level_sum(self) -> np.ndarray:
+        """Σ c0_i at the level the nodes compute at (before the wire form): the references' input."""
+        total = np.zeros_like(next(iter(self.ciphertexts.values())))
+        for c0 in self.ciphertexts.values():
+            total = add_mod(total, c0, Seal.of(self.total.params).primes_at(self.primes))
+        return total
 
     def c1(self, key_id: str, round_number: int = 1) -> np.ndarray:
         """The round's common c1 (every party derives it from the label)."""
         params = self.total.params
-        return common_c1(key_id, round_number=round_number, group=0, nonce=self.nonce, primes=self.total.primes,
+        return common_c1(key_id, round_number=round_number, group=0, nonce=self.nonce,
+                         primes=Seal.of(params).primes_at(self.primes),
                          chunks=self.total.shape[0], degree=params.poly_degree)
 
 
@@ -120,7 +129,7 @@ def summed(shares: dict[int, KeyShare], values: dict[int, np.ndarray], *, length
     for node, vector in values.items():
         ciphertexts[node] = encrypt_vector(shares[node], vector, primes=primes, round_number=round_number, group=0,
                                            nonce=nonce)
-        total.add(node, ciphertexts[node])
+        total.add(node, wire_form(params, ciphertexts[node]))
     return Round(values, total, primes, ciphertexts, shares, nonce)
 
 
@@ -162,11 +171,11 @@ def test_without_flooding_the_threshold_result_equals_seals_decryptor_with_the_s
 ) -> None:
     seal = Seal.of(PARAMS)
     m = manifest(ceremony, encrypted, MEMBERS[2:8])
-    total = encrypted.total.c0.copy()
+    total = encrypted.level_sum()
     for node in m.subset:
         total = add_mod(total, _unflooded(ceremony.shares[node], m), seal.primes_at(encrypted.primes))
     threshold = seal.decode(total, LENGTH)
-    reference = seal.decrypt_reference(seal.secret_from(secret_sum(ceremony)), encrypted.total.c0,
+    reference = seal.decrypt_reference(seal.secret_from(secret_sum(ceremony)), encrypted.level_sum(),
                                        encrypted.c1(ceremony.key_id), LENGTH)
     assert np.array_equal(threshold, reference)
 
@@ -184,7 +193,7 @@ def test_t_minus_one_shares_give_garbage(ceremony: Ceremony, encrypted: Round) -
     seal = Seal.of(PARAMS)
     subset = MEMBERS[: T - 1]
     m = dataclasses.replace(manifest(ceremony, encrypted, MEMBERS[:T]), subset=subset)
-    total = encrypted.total.c0.copy()
+    total = encrypted.level_sum()
     for node in subset:  # what t − 1 colluders could compute: Lagrange over their own indices
         total = add_mod(total, _unflooded(ceremony.shares[node], m), seal.primes_at(encrypted.primes))
     garbage = seal.decode(total, LENGTH)
@@ -240,17 +249,18 @@ def test_key_shares_reconstruct_the_secret_from_any_t_and_not_from_t_minus_one(c
 def test_ciphertext_sum_equals_seals_homomorphic_addition(ceremony: Ceremony) -> None:
     seal = Seal.of(PARAMS)
     rnd = summed(ceremony.shares, {MEMBERS[0]: np.ones(100), MEMBERS[1]: np.full(100, 2.0)}, length=100, primes=2)
-    a, b = rnd.ciphertexts[MEMBERS[0]], rnd.ciphertexts[MEMBERS[1]]
-    c1 = rnd.c1(ceremony.key_id)
-    scale = 2.0**PARAMS.scale_bits
+    a, b = (wire_form(PARAMS, c0) for c0 in rnd.ciphertexts.values())  # what the server receives: one prime
+    c1 = uniform_mod(seal.primes_at(1), (1, 1, PARAMS.poly_degree))[0][None]  # SEAL's addition needs a c1
+    scale = 2.0**40
 
     def load(c0: np.ndarray) -> sealapi.Ciphertext:
-        data = CiphertextData(seal.levels[2], True, scale, np.stack([c0[0], c1[0]]))
+        data = CiphertextData(seal.levels[1], True, scale, np.stack([c0[0], c1[0]]))
         return seal.load(sealapi.Ciphertext, build_ciphertext(data, version=seal.version))
 
     ct_a, ct_b = load(a), load(b)
     seal.evaluator.add_inplace(ct_a, ct_b)
     assert np.array_equal(parse_ciphertext(seal.save(ct_a)).polys[0], rnd.total.total[0])
+    assert np.array_equal(parse_ciphertext(seal.save(ct_a)).polys[1], add_mod(c1, c1, seal.primes_at(1))[0])
 
 
 # ---- refusal rules -----------------------------------------------------------------------------------
@@ -295,10 +305,11 @@ def test_combine_without_every_decryptor_reveals_nothing(ceremony: Ceremony, enc
 
 def test_the_sum_refuses_malformed_ciphertexts_whole(ceremony: Ceremony) -> None:
     total = CiphertextSum(PARAMS, length=100, primes=2)
-    good = summed(ceremony.shares, {MEMBERS[0]: np.ones(100)}, length=100, primes=2).ciphertexts[MEMBERS[0]]
+    level = summed(ceremony.shares, {MEMBERS[0]: np.ones(100)}, length=100, primes=2).ciphertexts[MEMBERS[0]]
+    good = wire_form(PARAMS, level)
     unreduced = good.copy()
     unreduced[0, 0, 0] = np.uint64(2**64 - 1)
-    for bad in (good[:, :1], unreduced, good.astype(np.int64)):
+    for bad in (level, good[:, :, :-2], unreduced, good.astype(np.int64)):  # unrounded, short, unreduced, signed
         with pytest.raises(SecureAggregationError):
             total.add(1, bad)
     assert not total.contributors and not total.total.any()
@@ -385,6 +396,32 @@ def _two_of_three_error(params: CkksParams) -> float:
     m = total.manifest(key_id=ceremony.key_id, round=1, group=0, nonce=rnd.nonce, subset=MEMBERS[:2])
     partials = {n: partial_decrypt(ceremony.shares[n], m, set(), tags) for n in m.subset}
     return float(np.max(np.abs(combine(params, total.c0, partials, m) - 3 * values)))
+
+
+def test_updates_and_partial_decryptions_travel_one_prime_lighter_and_the_rounding_stays_in_budget(
+    ceremony: Ceremony, encrypted: Round
+) -> None:
+    """At the default parameters what travels is divided by the last prime and rounded: half the
+    bytes of two primes. The decrypted sum through the wire form matches the one computed at two
+    primes to well below a tenth of the precision target; a parameter set whose scale would leave
+    too little after the division keeps its primes."""
+    seal = Seal.of(PARAMS)
+    assert PARAMS.wire_primes(2) == 1 and encrypted.total.shape[1] == 1
+    c0 = next(iter(encrypted.ciphertexts.values()))
+    assert wire_form(PARAMS, c0).nbytes * 2 == c0.nbytes
+    m = manifest(ceremony, encrypted, MEMBERS[:T])
+    partials = {n: partial_decrypt(ceremony.shares[n], m, set(), encrypted.tags()) for n in m.subset}
+    assert all(p.shape[1] == 1 for p in partials.values())
+    through_wire = combine(PARAMS, encrypted.total.c0, partials, m)
+    at_level = encrypted.level_sum()
+    for node in m.subset:  # the same flooding, unrounded: the partials' level-2 values are not kept, so
+        at_level = add_mod(at_level, _unflooded(ceremony.shares[node], m), seal.primes_at(2))  # compare unflooded
+    unrounded = seal.decode(at_level, LENGTH)
+    reference = np.sum(np.stack(list(encrypted.values.values())), axis=0)
+    assert np.max(np.abs(unrounded - reference)) < 1e-9
+    assert np.max(np.abs(through_wire - reference)) <= 6 * PARAMS.error_std(T, len(MEMBERS))
+    coarse = dataclasses.replace(PARAMS, scale_bits=80)  # Δ/q = 2^20 would round too coarsely
+    assert coarse.wire_primes(2) == 2 and PARAMS.wire_primes(3) == 3  # and the key level never travels
 
 
 def test_a_longer_chain_is_switched_down_to_the_primes_the_sum_needs() -> None:

@@ -34,10 +34,11 @@ from quorumfl.aggregation.ckks import (
     contribute,
     encrypt_vector,
     partial_decrypt,
+    wire_form,
 )
 from quorumfl.aggregation.ckks.rns import add_mod, sub_mod
 from quorumfl.aggregation.ckks.seal import Seal
-from quorumfl.aggregation.ckks.threshold import NONCE_BYTES, common_c1
+from quorumfl.aggregation.ckks.threshold import NONCE_BYTES, _flooded, common_c1
 from quorumfl.aggregation.secagg.identity import Roster, sign
 from quorumfl.aggregation.secagg.streams import new_private_key, public_key
 from quorumfl.errors import SecureAggregationError
@@ -106,8 +107,8 @@ def signed_round(public_key: bytes, shares: dict[int, KeyShare], contributors: t
     nonce = os.urandom(NONCE_BYTES)
     ciphertexts, tags = {}, {}
     for node in contributors:
-        ciphertexts[node] = encrypt_vector(shares[node], values[node], primes=2, round_number=round_number,
-                                           group=group, nonce=nonce)
+        ciphertexts[node] = wire_form(PARAMS, encrypt_vector(shares[node], values[node], primes=2,
+                                                             round_number=round_number, group=group, nonce=nonce))
         total.add(node, ciphertexts[node])
         tags[node] = contribute(shares[node], ciphertexts[node], round_number=round_number, group=group, nonce=nonce,
                                 signer=_signer(node), department=DEPARTMENT[node], binding=BINDING)
@@ -169,7 +170,9 @@ def test_decryptions_under_labels_of_the_servers_choosing_reveal_neither_the_key
             partial_decrypt(shares[NODES[0]], manifest, set(), list(rnd.tags.values()), roster=ROSTER, binding=BINDING)
         # unsigned federation: the request passes every rule, so play it through
         partials = {n: partial_decrypt(shares[n], manifest, set(), list(rnd.tags.values())) for n in manifest.subset}
-        summed = _lagrange_sum(shares, manifest, partials)
+        # the attacker's best case: the partials before the wire form rounds them (what travels is a
+        # function of these, so it reveals no more)
+        summed = _lagrange_sum(shares, manifest, {n: _flooded(shares[n], manifest) for n in manifest.subset})
         a = common_c1(manifest.key_id, round_number=manifest.round, group=manifest.group, nonce=manifest.nonce,
                       primes=q, chunks=summed.shape[0], degree=PARAMS.poly_degree)
         secret = np.zeros((2, PARAMS.poly_degree), dtype=np.uint64)
