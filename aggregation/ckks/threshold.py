@@ -156,8 +156,9 @@ def encrypt_vector(share: KeyShare, values: NDArray[np.float64], *, primes: int,
     if primes not in seal.levels:
         raise SecureAggregationError(f"no ciphertext level with {primes} primes")
     level = seal.primes_at(primes)
-    c0 = seal.encode(np.asarray(values, dtype=np.float64), primes)
-    add_mod_into(c0, seal.to_ntt(small_noise(level, c0.shape)), level)
+    plain = seal.encode_coefficients(np.asarray(values, dtype=np.float64), primes)
+    add_mod_into(plain, small_noise(level, plain.shape), level)  # Δ·x + e in the coefficient domain
+    c0 = seal.to_ntt(plain)
     a = common_c1(share.key_id, round_number=round_number, group=group, nonce=nonce, primes=level,
                   chunks=c0.shape[0], degree=share.params.poly_degree)
     sub_mod_into(c0, seal.multiply(a, np.ascontiguousarray(share.secret[:primes])), level)

@@ -555,6 +555,48 @@ def test_one_ciphertext_carries_n_values_two_per_complex_slot(ceremony: Ceremony
     assert np.max(np.abs(decrypted - values)) < 1e-6
 
 
+def _seals_encoding(values: np.ndarray, primes: int) -> np.ndarray:
+    """SEAL's own CKKSEncoder, chunk by chunk, brought back to the coefficient domain."""
+    seal = Seal.of(PARAMS)
+    parms = seal.levels[primes]
+    slots, per = PARAMS.slots, PARAMS.values_per_ciphertext
+    padded = np.zeros(PARAMS.chunks(values.shape[0]) * per)
+    padded[: values.shape[0]] = values
+    out = []
+    for c in range(padded.shape[0] // per):
+        piece = padded[c * per: (c + 1) * per]
+        plain = sealapi.Plaintext()
+        seal.encoder.encode((piece[:slots] + 1j * piece[slots:]).tolist(), list(parms), 2.0**PARAMS.scale_bits, plain)
+        ntt = parse_plaintext(seal.save(plain), degree=PARAMS.poly_degree).coeffs
+        ct = seal.load(sealapi.Ciphertext, build_ciphertext(CiphertextData(parms, True, 1.0, np.stack([ntt, np.ones_like(ntt)])),
+                                                            version=seal.version))
+        seal.evaluator.transform_from_ntt_inplace(ct)
+        out.append(parse_ciphertext(seal.save(ct)).polys[0])
+    return np.stack(out)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.floats(-8.0, 8.0, allow_nan=False), min_size=1, max_size=20000), st.integers(0, 3))
+def test_the_numpy_encoder_is_seals_encoder(values: list[float], exponent: int) -> None:
+    """``encode_coefficients`` against SEAL's CKKSEncoder: the same coefficients to within float64's
+    precision (both FFTs run in double: at Δ = 2^100 a coefficient's last bit is 2^35 or more, so they
+    differ by a few of those), and SEAL's decoder reads the values back."""
+    seal = Seal.of(PARAMS)
+    x = np.asarray(values) * 10.0**-exponent
+    ours = seal.encode_coefficients(x, 2)
+    reference = _seals_encoding(x, 2)
+    q = np.asarray(seal.primes_at(2), dtype=np.uint64)[:, None]
+    apart = np.minimum((ours - reference) % q, (reference - ours) % q)
+    largest = max(float(np.max(np.abs(x))), 1e-300) * 2.0**PARAMS.scale_bits / PARAMS.poly_degree
+    assert float(apart.max()) <= largest * 2.0**-40  # a wrong slot order or sign would be off by ~largest
+    assert np.max(np.abs(seal.decode(seal.to_ntt(ours), x.shape[0]) - x)) < 1e-9
+
+
+def test_the_numpy_encoder_refuses_values_its_scale_cannot_hold() -> None:
+    with pytest.raises(SecureAggregationError, match="too large to encode"):
+        Seal.of(PARAMS).encode_coefficients(np.full(10, 2.0**20), 2)
+
+
 def test_blocked_modular_addition_over_many_cache_blocks_equals_the_plain_one() -> None:
     primes = Seal.of(PARAMS).primes[:2]
     acc = np.stack([uniform_mod(primes, (2, 8192)) for _ in range(11)])  # 11 rows: blocks of 4 and a partial one
