@@ -38,6 +38,7 @@ __all__ = ["Seal"]
 
 U64 = NDArray[np.uint64]
 PACK = 16  # SEAL accepts ciphertexts of up to 16 polynomials: NTT transforms go 16 at a time
+ENCODE_BLOCK = 8  # chunks encoded together: 8 × N complex values, 1 MB, per temporary
 
 
 def _scratch_root() -> str | None:
@@ -171,7 +172,13 @@ class Seal:
         padded = np.zeros(chunks * degree)
         padded[: values.shape[0]] = values
         halves = padded.reshape(chunks, 2, slots)
-        spread = np.empty((chunks, degree), dtype=np.complex128)
+        out = np.empty((chunks, primes, degree), dtype=np.uint64)
+        for start in range(0, chunks, ENCODE_BLOCK):  # blocks of chunks: the temporaries stay a few MB
+            self._encode_block(halves[start: start + ENCODE_BLOCK], out[start: start + ENCODE_BLOCK])
+        return out
+
+    def _encode_block(self, halves: NDArray[np.float64], out: U64) -> None:
+        spread = np.empty((halves.shape[0], self.params.poly_degree), dtype=np.complex128)
         spread[:, self._slot_real] = halves[:, 0] + 1j * halves[:, 1]
         spread[:, self._slot_conj] = halves[:, 0] - 1j * halves[:, 1]
         coefficients = np.fft.fft(spread, axis=1)
@@ -184,8 +191,7 @@ class Seal:
             raise SecureAggregationError("values too large to encode at this scale: a coefficient passes 2^104")
         low = (magnitude - high * 2.0**64).astype(np.uint64)
         high_words = high.astype(np.uint64)
-        out = np.empty((chunks, primes, degree), dtype=np.uint64)
-        for j, q in enumerate(self.primes_at(primes)):
+        for j, q in enumerate(self.primes_at(out.shape[1])):
             wrap = pow(2, 64, q)  # hi·2^64 ≡ hi·wrap (mod q), hi < 2^40: a float64 quotient is off by ≤ 1
             quotient = np.floor(high * (float(wrap) / float(q))).astype(np.uint64)
             with np.errstate(over="ignore"):
@@ -195,7 +201,6 @@ class Seal:
             value = low % np.uint64(q) + part
             value = np.where(value >= np.uint64(q), value - np.uint64(q), value)
             out[:, j] = np.where(negative & (value != 0), np.uint64(q) - value, value)
-        return out
 
     def _unpack(self, plain: Any) -> NDArray[np.float64]:
         """One decoded plaintext's N/2 complex slots as its N real values (real parts, then imaginary)."""
