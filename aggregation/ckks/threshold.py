@@ -36,8 +36,8 @@ request for the same (round, group) — decrypting one aggregate twice would let
 the flooding away, and decrypting two sums over different contributors of one round would reveal
 their difference (t is a majority of the members, so two disjoint decrypting subsets cannot exist)
 — and more decryptions under one key than the run's cap. A manifest that names members who did not
-contribute, or leaves out some who did, decrypts to noise: the flooding hides the key part that no
-c0 cancels. t colluding members can decrypt anything; t − 1 learn nothing from their shares.
+contribute, or leaves out some who did, decrypts to noise: the term a·s_X of the members X whose c0
+is missing (or extra) is uniform-looking and carries the flooding, so it reveals nothing about s_X. t colluding members can decrypt anything; t − 1 learn nothing from their shares.
 """
 
 from __future__ import annotations
