@@ -9,7 +9,8 @@ Three stages, each one message round trip, for members m_1..m_n (party index x_i
    transport key), so the server can substitute neither.
 2. ``reveal``: given every commitment — each signature checked against the admin's roster — it
    reveals b_i and sends each member p an encrypted Shamir share f_i(x_p) of s_i (one degree t−1
-   polynomial per RNS prime and NTT coordinate).
+   polynomial per data prime and NTT coordinate: decryptions never use the special prime, so
+   shares leave it out, a third less to relay at three primes).
 3. ``finish``: given the revealers R, their b_j and the bundles addressed to it, it checks every
    H(b_j) against the commitment, keeps its share f_j(x_p) of every revealer's secret (a round
    decrypts the sum of its contributors' secrets, ``threshold``) and its own s_p, and computes the
@@ -156,8 +157,8 @@ class Reveal:
 @dataclass(frozen=True)
 class KeyShare:
     """What a member keeps (secret: its node's key store): its own ceremony secret s_i and its share of
-    every holder's secret (data primes: the levels ciphertexts travel at), their sum σ (key level),
-    the public key, the members."""
+    every holder's secret, their sum σ — all at the data primes (the special prime is only ever in
+    the public key) — the public key, the members."""
 
     key_id: str
     ceremony: bytes
@@ -168,7 +169,7 @@ class KeyShare:
     threshold: int
     params: CkksParams
     public_key: bytes
-    share: U64  # σ = Σ_j f_j(x_i), key level [prime, coeff]
+    share: U64  # σ = Σ_j f_j(x_i), data primes [prime, coeff]
     secret: U64  # s_i, data primes [prime, coeff] (NTT): encrypts this member's updates
     dealt: U64  # f_j(x_i) for each holder j in ``holders`` order, data primes [holder, prime, coeff]
 
@@ -244,7 +245,9 @@ class KeyParty:
         self.commitments = dict(commitments)
         seal = Seal.of(ann.params)
         recipients = sorted(commitments)
-        shares = shamir_shares(self.secret, [ann.index(n) for n in recipients], ann.threshold, seal.primes)
+        data = seal.primes_at(len(ann.params.data_bits))  # decryptions never use the special prime
+        shares = shamir_shares(np.ascontiguousarray(self.secret[: len(data)]), [ann.index(n) for n in recipients],
+                               ann.threshold, data)
         bundles: dict[int, bytes] = {}
         for node, share in zip(recipients, shares, strict=True):
             if node == self.node:
@@ -266,10 +269,11 @@ class KeyParty:
         seal = Seal.of(ann.params)
         primes = seal.primes
         shape = (len(primes), ann.params.poly_degree)
+        data = seal.primes_at(len(ann.params.data_bits))
+        share_shape = (len(data), ann.params.poly_degree)
         total_b = np.zeros(shape, dtype=np.uint64)
         share = self.own_share.copy()
-        data = len(ann.params.data_bits)
-        dealt = np.empty((len(revealers), data, ann.params.poly_degree), dtype=np.uint64)
+        dealt = np.empty((len(revealers), *share_shape), dtype=np.uint64)
         for row, node in enumerate(sorted(revealers)):
             if node not in self.commitments:
                 raise SecureAggregationError(f"node {node} revealed without having committed")
@@ -281,7 +285,7 @@ class KeyParty:
                 raise SecureAggregationError(f"public share of node {node} does not match its commitment")
             total_b = add_mod(total_b, b, primes)
             if node == self.node:
-                dealt[row] = self.own_share[:data]
+                dealt[row] = self.own_share
                 continue
             if node not in bundles:
                 raise SecureAggregationError(f"no share bundle from node {node}, which revealed")
@@ -289,19 +293,19 @@ class KeyParty:
                 bundles[node], private=self.transport_private, peer_public=self.commitments[node].transport_key,
                 epoch=ann.ceremony, sender=node, recipient=self.node,
             )
-            if len(raw) != 8 * shape[0] * shape[1]:
+            if len(raw) != 8 * share_shape[0] * share_shape[1]:
                 raise SecureAggregationError(f"share from node {node} has the wrong size")
-            part = np.frombuffer(raw, dtype="<u8").astype(np.uint64).reshape(shape)
-            if bool(np.any(part >= np.asarray(primes, dtype=np.uint64)[:, None])):
+            part = np.frombuffer(raw, dtype="<u8").astype(np.uint64).reshape(share_shape)
+            if bool(np.any(part >= np.asarray(data, dtype=np.uint64)[:, None])):
                 raise SecureAggregationError(f"share from node {node} is not reduced")
-            share = add_mod(share, part, primes)
-            dealt[row] = part[:data]
+            share = add_mod(share, part, data)
+            dealt[row] = part
         a = expand_uniform(ann.seed, primes, ann.params.poly_degree)
         pk = seal.public_key(total_b, a)
         return KeyShare(
             key_id=public_key_id(pk), ceremony=ann.ceremony, node=self.node, index=ann.index(self.node),
             members=ann.members, holders=tuple(sorted(revealers)), threshold=ann.threshold, params=ann.params,
-            public_key=pk, share=share, secret=np.ascontiguousarray(self.secret[:data]), dealt=dealt,
+            public_key=pk, share=share, secret=np.ascontiguousarray(self.secret[: len(data)]), dealt=dealt,
         )
 
 

@@ -21,9 +21,11 @@ decryption — is then divided by the level's last prime and rounded ("wire leve
 half the bytes at two primes) wherever the scale left, Δ/q_L, keeps the rounding error of up to
 1,000 rounded terms at 6σ below a tenth of the precision target. Capacity is kept (message and
 noise shrink with the modulus), the flooding ratio too, and each rounded term is a function of what
-it rounds, so the server learns nothing it could not compute from the unrounded values. Each of the N/2 slots is a complex number and carries two
-real values (real and imaginary part), so one ciphertext holds N values: the decryption error of
-each part has the same σ as a real-only slot's, and the bytes per value halve.
+it rounds, so the server learns nothing it could not compute from the unrounded values.
+
+Each of the N/2 slots is a complex number and carries two real values (real and imaginary part),
+so one ciphertext holds N values: the decryption error of each part has the same σ as a real-only
+slot's, and the bytes per value halve.
 """
 
 from __future__ import annotations

@@ -229,20 +229,21 @@ def test_the_dealt_shares_of_any_contributor_set_reconstruct_its_secret_sum(cere
 
 
 def test_key_shares_reconstruct_the_secret_from_any_t_and_not_from_t_minus_one(ceremony: Ceremony) -> None:
-    seal = Seal.of(PARAMS)
-    secret = secret_sum(ceremony)
+    q = Seal.of(PARAMS).primes_at(len(PARAMS.data_bits))  # shares are dealt at the data primes
+    secret = secret_sum(ceremony)[: len(q)]
+    assert ceremony.shares[MEMBERS[0]].share.shape == secret.shape
     for subset in (MEMBERS[:T], MEMBERS[4:], MEMBERS[::2] + MEMBERS[1:2]):
         indices = [MEMBERS.index(n) + 1 for n in subset]
         total = np.zeros_like(secret)
         for node in subset:
-            lambdas = [lagrange_at_zero(MEMBERS.index(node) + 1, indices, q) for q in seal.primes]
-            total = add_mod(total, mul_scalar(ceremony.shares[node].share, lambdas, seal.primes), seal.primes)
+            lambdas = [lagrange_at_zero(MEMBERS.index(node) + 1, indices, p) for p in q]
+            total = add_mod(total, mul_scalar(ceremony.shares[node].share, lambdas, q), q)
         assert np.array_equal(total, secret)
     indices = [MEMBERS.index(n) + 1 for n in MEMBERS[: T - 1]]
     short = np.zeros_like(secret)
     for node in MEMBERS[: T - 1]:
-        lambdas = [lagrange_at_zero(MEMBERS.index(node) + 1, indices, q) for q in seal.primes]
-        short = add_mod(short, mul_scalar(ceremony.shares[node].share, lambdas, seal.primes), seal.primes)
+        lambdas = [lagrange_at_zero(MEMBERS.index(node) + 1, indices, p) for p in q]
+        short = add_mod(short, mul_scalar(ceremony.shares[node].share, lambdas, q), q)
     assert np.mean(short == secret) < 1e-3
 
 
