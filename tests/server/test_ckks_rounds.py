@@ -203,3 +203,30 @@ def test_a_node_that_joined_after_the_ceremony_refuses_a_key_it_cannot_check_and
         app(forged(coordinator.key_id, coordinator.public_key), newcomer)
     with pytest.raises(SecureAggregationError, match="is not the one this node holds"):  # a member, same key id
         app(forged(second.key_id, coordinator.public_key), contexts[late])
+
+
+def test_a_contribution_whose_record_names_another_ciphertext_is_dropped_and_the_round_goes_on(
+    tmp_path: Path, six_parts: dict[str, Path]
+) -> None:
+    """The server binds each department's signed record to the c0 it actually received: two nodes'
+    ciphertexts swapped on the way (a relay mixing them up, or one department passing off another's
+    update) no longer match their records, both are dropped with a reason, and the four others
+    (t = 4) still make the round."""
+    contexts = _contexts(six_parts)
+    grid = LoopbackGrid(contexts)
+    swapped: list[int] = []
+
+    def swap(sent: list[Message], replies: list[Message]) -> list[Message]:
+        if sent and sent[0].metadata.message_type == "train" and not swapped:
+            first, second = replies[0].content, replies[1].content
+            first["encrypted"], second["encrypted"] = second["encrypted"], first["encrypted"]
+            swapped.extend(int(r.metadata.src_node_id) for r in replies[:2])
+        return replies
+
+    grid.drop = swap
+    fed, repo = _federation(tmp_path, grid, **{**CKKS, "num-rounds": 1})
+    [only] = repo.get_run(fed.run()).rounds
+    assert only.status == RoundStatus.COMPLETED and len(only.participants) == 4
+    refused = {(f.node_id, f.stage): f for f in only.failures}
+    assert set(refused) == {(n, "train") for n in swapped}
+    assert all("names another ciphertext" in f.reason for f in refused.values())
