@@ -1,6 +1,6 @@
 """A node's threshold-CKKS key material on disk: one file per key, 0600, integrity-checked, written atomically.
 
-What a key's JSON file holds: the key share σ (secret), the joint public key, the ceremony's members and
+What a key's JSON file holds: the joint public key, the ceremony's members and
 holders, t, the CKKS parameters, which Flower run it was made for, and two ledgers, each written
 *before* what it guards leaves the node (a crash can only make the node refuse more, never answer
 twice): the (round, group) pairs this node has partially decrypted, and the round nonces it has
@@ -126,7 +126,7 @@ class KeyStore:
         self._write(self._key_path(s.key_id), {
             "key_id": s.key_id, "ceremony": s.ceremony.hex(), "node": str(s.node), "index": s.index,
             "members": [str(m) for m in s.members], "holders": [str(h) for h in s.holders], "threshold": s.threshold,
-            "params": s.params.to_dict(), "public_key": _b64(s.public_key), "share": _array(s.share),
+            "params": s.params.to_dict(), "public_key": _b64(s.public_key),
             "shares_file": {"secret": list(s.secret.shape), "dealt": list(s.dealt.shape),
                             "sha256": hashlib.sha256(raw).hexdigest()},
             "run_id": stored.run_id, "asked": sorted([r, g] for r, g in stored.asked),
@@ -163,7 +163,7 @@ class KeyStore:
                 key_id=str(c["key_id"]), ceremony=bytes.fromhex(c["ceremony"]), node=int(c["node"]), index=int(c["index"]),
                 members=tuple(int(m) for m in c["members"]), holders=tuple(int(h) for h in c["holders"]),
                 threshold=int(c["threshold"]), params=CkksParams.from_dict(c["params"]),
-                public_key=_unb64(c["public_key"]), share=_unarray(c["share"]), secret=secret, dealt=dealt,
+                public_key=_unb64(c["public_key"]), secret=secret, dealt=dealt,
             )
             stored = StoredKey(share, int(c["run_id"]), {(int(r), int(g)) for r, g in c["asked"]},
                                {bytes.fromhex(n) for n in c["encrypted"]})

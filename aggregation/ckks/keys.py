@@ -14,8 +14,8 @@ Three stages, each one message round trip, for members m_1..m_n (party index x_i
 3. ``finish``: given the revealers R, their b_j and the bundles addressed to it, it checks every
    H(b_j) against the commitment, keeps its share f_j(x_p) of every revealer's secret (a round
    decrypts the sum of its contributors' secrets, ``threshold``) and its own s_p, and computes the
-   joint public key pk = (Σ_{j∈R} b_j, a), whose hash names the key; σ_p = Σ_{j∈R} f_j(x_p) is
-   its share of s = Σ s_j.
+   joint public key pk = (Σ_{j∈R} b_j, a), whose hash names the key; σ_p = Σ_{j∈R} f_j(x_p) (derived,
+   ``KeyShare.share``) is its share of s = Σ s_j.
 
 Commitments before reveal stop a late party from choosing b_i as a function of the others'
 (e.g. to cancel them and plant a key it knows). Without a dealer nobody ever holds s; any t of
@@ -157,8 +157,8 @@ class Reveal:
 @dataclass(frozen=True)
 class KeyShare:
     """What a member keeps (secret: its node's key store): its own ceremony secret s_i and its share of
-    every holder's secret, their sum σ — all at the data primes (the special prime is only ever in
-    the public key) — the public key, the members."""
+    every holder's secret, at the data primes (the special prime is only ever in the public key),
+    the public key, the members."""
 
     key_id: str
     ceremony: bytes
@@ -169,9 +169,13 @@ class KeyShare:
     threshold: int
     params: CkksParams
     public_key: bytes
-    share: U64  # σ = Σ_j f_j(x_i), data primes [prime, coeff]
     secret: U64  # s_i, data primes [prime, coeff] (NTT): encrypts this member's updates
     dealt: U64  # f_j(x_i) for each holder j in ``holders`` order, data primes [holder, prime, coeff]
+
+    @property
+    def share(self) -> U64:
+        """σ_i = Σ_j f_j(x_i) over every holder: this member's share of s = Σ s_j (data primes)."""
+        return self.shares_of(self.holders, self.dealt.shape[1])
 
     def shares_of(self, contributors: Sequence[int], primes: int) -> U64:
         """σ_i(C) = Σ_{j∈C} f_j(x_i) at the first ``primes`` primes: this member's share of s_C."""
@@ -272,7 +276,6 @@ class KeyParty:
         data = seal.primes_at(len(ann.params.data_bits))
         share_shape = (len(data), ann.params.poly_degree)
         total_b = np.zeros(shape, dtype=np.uint64)
-        share = self.own_share.copy()
         dealt = np.empty((len(revealers), *share_shape), dtype=np.uint64)
         for row, node in enumerate(sorted(revealers)):
             if node not in self.commitments:
@@ -298,14 +301,13 @@ class KeyParty:
             part = np.frombuffer(raw, dtype="<u8").astype(np.uint64).reshape(share_shape)
             if bool(np.any(part >= np.asarray(data, dtype=np.uint64)[:, None])):
                 raise SecureAggregationError(f"share from node {node} is not reduced")
-            share = add_mod(share, part, data)
             dealt[row] = part
         a = expand_uniform(ann.seed, primes, ann.params.poly_degree)
         pk = seal.public_key(total_b, a)
         return KeyShare(
             key_id=public_key_id(pk), ceremony=ann.ceremony, node=self.node, index=ann.index(self.node),
             members=ann.members, holders=tuple(sorted(revealers)), threshold=ann.threshold, params=ann.params,
-            public_key=pk, share=share, secret=np.ascontiguousarray(self.secret[: len(data)]), dealt=dealt,
+            public_key=pk, secret=np.ascontiguousarray(self.secret[: len(data)]), dealt=dealt,
         )
 
 

@@ -13,7 +13,7 @@ a round draws; never numpy's PCG64), with rejection sampling so residues are exa
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
@@ -34,6 +34,7 @@ __all__ = [
     "small_noise",
     "sub_mod",
     "sub_mod_into",
+    "uniform_below",
     "uniform_mod",
 ]
 
@@ -57,23 +58,26 @@ def random_bytes(count: int) -> bytes:
     return encryptor.update(bytes(count)) + encryptor.finalize()
 
 
+def uniform_below(q: int, count: int, draw: Callable[[int], bytes]) -> U64:
+    """``count`` residues uniform in [0, q) by rejection from ``draw(n)``, n bytes of a stream: words
+    masked to q's bit length, those ≥ q dropped (a 60-bit SEAL prime drops about one in 2^30)."""
+    mask = np.uint64((1 << int(q).bit_length()) - 1)
+    out = np.empty(count, dtype=np.uint64)
+    have = 0
+    while have < count:
+        words = np.frombuffer(draw(8 * (count - have + 64)), dtype="<u8") & mask
+        keep = words[words < np.uint64(q)][: count - have]
+        out[have: have + keep.size] = keep
+        have += keep.size
+    return out
+
+
 def uniform_mod(primes: Sequence[int], shape: tuple[int, ...]) -> U64:
     """Uniform residues, ``shape[0] == len(primes)``; rejection sampling from ``random_bytes``."""
     if shape[0] != len(primes):
         raise ValueError(f"first axis {shape[0]} must match the {len(primes)} primes")
-    out = np.empty(shape, dtype=np.uint64)
-    for j, q in enumerate(primes):
-        need = int(np.prod(shape[1:]))
-        mask = np.uint64((1 << int(q).bit_length()) - 1)
-        got: list[U64] = []
-        have = 0
-        while have < need:
-            draw = np.frombuffer(random_bytes(8 * (need - have + 64)), dtype=np.uint64) & mask
-            keep = draw[draw < np.uint64(q)]
-            got.append(keep)
-            have += keep.size
-        out[j] = np.concatenate(got)[:need].reshape(shape[1:])
-    return out
+    need = int(np.prod(shape[1:]))
+    return np.stack([uniform_below(q, need, random_bytes).reshape(shape[1:]) for q in primes])
 
 
 def add_mod(a: U64, b: U64, primes: Sequence[int]) -> U64:
@@ -110,14 +114,11 @@ def add_mod_into(acc: U64, b: U64, primes: Sequence[int]) -> None:
 
 
 def sub_mod_into(acc: U64, b: U64, primes: Sequence[int]) -> None:
-    """acc ← (acc − b) mod q in place, for reduced inputs: acc + (q − b) < 2q, then min(s, s − q)."""
-    q = _q(primes, acc)
+    """acc ← (acc − b) mod q in place, for reduced inputs: ``add_mod_into`` of q − b ∈ (0, q] (the sum
+    stays below 2q, all its min(s, s − q) needs)."""
     if b.shape != acc.shape:
         raise ValueError(f"cannot subtract an array of shape {b.shape} from one of shape {acc.shape}")
-    negated = np.subtract(q, b)  # q − b ∈ (0, q]
-    add = np.add(acc, negated, out=acc)
-    np.subtract(add, q, out=negated)
-    np.minimum(acc, negated, out=acc)
+    add_mod_into(acc, np.subtract(_q(primes, acc), b), primes)
 
 
 def reduced(a: U64, primes: Sequence[int]) -> bool:

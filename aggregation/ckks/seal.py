@@ -15,6 +15,7 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,7 @@ from quorumfl.errors import SecureAggregationError
 __all__ = ["Seal"]
 
 U64 = NDArray[np.uint64]
-PACK = 16  # SEAL accepts ciphertexts of up to 16 polynomials: NTT transforms go 16 at a time
+PACK = 16  # SEAL accepts ciphertexts of up to 16 polynomials (15 of ours and a row of ones per batch)
 ENCODE_BLOCK = 8  # chunks encoded together: 8 × N complex values, 1 MB, per temporary
 
 
@@ -219,59 +220,49 @@ class Seal:
             out[c * per: (c + 1) * per] = self._unpack(plain)
         return out[:length]
 
+    def _each_batch(self, polys: U64, *, ntt: bool, out_primes: int, op: Callable[[Any], None]) -> U64:
+        """``op`` applied in place to ``polys`` ``[poly, prime, coeff]`` packed as ciphertexts of 15
+        polynomials and a filler row of ⌊q/2⌋ (dropped after): SEAL takes at most 16 per ciphertext and
+        refuses a "transparent" one (every polynomial after the first zero), which a zero update would
+        otherwise be; ⌊q/2⌋ stays non-zero through the NTT, a product and a rescale. The file round trip
+        each batch costs is why batches are as large as SEAL allows."""
+        count, primes, degree = polys.shape
+        parms = self.levels[primes]
+        filler = np.broadcast_to(np.asarray(self.primes_at(primes), dtype=np.uint64)[:, None] // np.uint64(2),
+                                 (1, primes, degree))
+        out = np.empty((count, out_primes, degree), dtype=np.uint64)
+        for start in range(0, count, PACK - 1):
+            batch = np.concatenate([polys[start: start + PACK - 1], filler])
+            ct = self.load(sealapi.Ciphertext, build_ciphertext(
+                CiphertextData(parms, ntt, 2.0**self.params.scale_bits, batch), version=self.version))
+            op(ct)
+            out[start: start + PACK - 1] = parse_ciphertext(self.save(ct)).polys[:-1]
+        return out
+
     def to_ntt(self, coeffs: U64) -> U64:
         """NTT (SEAL's ordering) of coefficient-domain polynomials ``[poly, prime, coeff]`` at a data level."""
-        polys, primes, _ = coeffs.shape
-        parms = self.levels[primes]
-        out = np.empty_like(coeffs)
-        for start in range(0, polys, PACK - 1):
-            batch = coeffs[start: start + PACK - 1]
-            # SEAL refuses a "transparent" ciphertext (every polynomial after the first zero), so one
-            # polynomial of ones rides along at the end and is dropped: 15 transforms per call
-            batch = np.concatenate([batch, np.ones((1, *batch.shape[1:]), dtype=np.uint64)])
-            ct = self.load(sealapi.Ciphertext, build_ciphertext(CiphertextData(parms, False, 1.0, batch), version=self.version))
-            self.evaluator.transform_to_ntt_inplace(ct)
-            done = parse_ciphertext(self.save(ct)).polys
-            out[start: start + PACK - 1] = done[:-1]
-        return out
+        return self._each_batch(coeffs, ntt=False, out_primes=coeffs.shape[1],
+                                op=self.evaluator.transform_to_ntt_inplace)
 
     def rescale(self, polys: U64) -> U64:
         """round(x / q_L) of NTT polynomials ``[poly, prime, coeff]`` at a data level of L ≥ 2 primes, as
-        ``[poly, prime − 1, coeff]`` (SEAL's ``rescale_to_next`` on ciphertexts packed 16 polynomials at
-        a time: exact RNS division by the last prime with rounding)."""
-        polys_n, primes, degree = polys.shape
+        ``[poly, prime − 1, coeff]`` (SEAL's ``rescale_to_next``: exact RNS division by the last prime
+        with rounding)."""
+        primes = polys.shape[1]
         if primes < 2 or primes not in self.levels:
             raise SecureAggregationError(f"cannot rescale polynomials at {primes} primes")
-        parms = self.levels[primes]
-        out = np.empty((polys_n, primes - 1, degree), dtype=np.uint64)
-        for start in range(0, polys_n, PACK):
-            batch = polys[start: start + PACK]
-            if batch.shape[0] == 1:
-                batch = np.concatenate([batch, batch])
-            ct = self.load(sealapi.Ciphertext, build_ciphertext(
-                CiphertextData(parms, True, 2.0**self.params.scale_bits, batch), version=self.version))
-            self.evaluator.rescale_to_next_inplace(ct)
-            out[start: start + PACK] = parse_ciphertext(self.save(ct)).polys[: min(PACK, polys_n - start)]
-        return out
+        return self._each_batch(polys, ntt=True, out_primes=primes - 1, op=self.evaluator.rescale_to_next_inplace)
 
     def multiply(self, polys: U64, plain: U64) -> U64:
         """Element-wise product mod q of NTT polynomials ``[poly, prime, coeff]`` with one NTT ``[prime, coeff]``.
 
-        SEAL's ``multiply_plain`` on ciphertexts packed 16 polynomials at a time (~9 ms per 2M
+        SEAL's ``multiply_plain`` on ciphertexts packed 15 polynomials at a time (~9 ms per 2M
         residues; numpy has no 128-bit product).
         """
-        polys_n, primes, _ = polys.shape
-        parms = self.levels[primes]
+        parms = self.levels[polys.shape[1]]
         pt = self.load(sealapi.Plaintext, build_plaintext(PlaintextData(parms, 1.0, plain), version=self.version))
-        out = np.empty_like(polys)
-        for start in range(0, polys_n, PACK):
-            batch = polys[start: start + PACK]
-            if batch.shape[0] == 1:
-                batch = np.concatenate([batch, batch])
-            ct = self.load(sealapi.Ciphertext, build_ciphertext(CiphertextData(parms, True, 1.0, batch), version=self.version))
-            self.evaluator.multiply_plain_inplace(ct, pt)
-            out[start: start + PACK] = parse_ciphertext(self.save(ct)).polys[: min(PACK, polys_n - start)]
-        return out
+        return self._each_batch(polys, ntt=True, out_primes=polys.shape[1],
+                                op=lambda ct: self.evaluator.multiply_plain_inplace(ct, pt))
 
     def decrypt_reference(self, secret: Any, c0: U64, c1: U64, length: int) -> NDArray[np.float64]:
         """SEAL's own Decryptor on the ciphertexts (c0, c1), each ``[chunk, prime, coeff]`` (tests' reference)."""

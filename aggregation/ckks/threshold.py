@@ -47,7 +47,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers import Cipher, CipherContext, algorithms, modes
 from numpy.typing import NDArray
 
 from quorumfl.aggregation.ckks.keys import KeyShare
@@ -60,6 +60,7 @@ from quorumfl.aggregation.ckks.rns import (
     reduced,
     small_noise,
     sub_mod_into,
+    uniform_below,
 )
 from quorumfl.aggregation.ckks.seal import Seal
 from quorumfl.aggregation.secagg.identity import Roster, field_bytes
@@ -100,18 +101,15 @@ def common_c1(key_id: str, *, round_number: int, group: int, nonce: bytes, prime
     label = b"quorumfl/ckks/common-c1" + field_bytes(key_id.encode()) + round_number.to_bytes(8, "big", signed=True) \
         + group.to_bytes(4, "big", signed=True) + nonce
     key = hashlib.sha256(label).digest()
-    need = chunks * degree
-    out = np.empty((len(primes), need), dtype=np.uint64)
+    rows = []
     for j, q in enumerate(primes):
-        stream = Cipher(algorithms.AES(key), modes.CTR(j.to_bytes(16, "big"))).encryptor()
-        mask = np.uint64((1 << int(q).bit_length()) - 1)
-        have = 0
-        while have < need:  # a 60-bit prime rejects about one draw in 2^30: one pass nearly always
-            draw = np.frombuffer(stream.update(bytes(8 * (need - have + 64))), dtype="<u8") & mask
-            keep = draw[draw < np.uint64(q)][: need - have]
-            out[j, have: have + keep.size] = keep
-            have += keep.size
-    return np.ascontiguousarray(out.reshape(len(primes), chunks, degree).transpose(1, 0, 2))
+        keystream = Cipher(algorithms.AES(key), modes.CTR(j.to_bytes(16, "big"))).encryptor()
+
+        def draw(n: int, ks: CipherContext = keystream) -> bytes:
+            return ks.update(bytes(n))
+
+        rows.append(uniform_below(q, chunks * degree, draw))
+    return np.ascontiguousarray(np.stack(rows).reshape(len(primes), chunks, degree).transpose(1, 0, 2))
 
 
 def contribution_message(*, binding: bytes, key_id: str, round_number: int, group: int, nonce: bytes, node: int,
