@@ -62,7 +62,6 @@ from quorumfl.aggregation.ckks import (
     encrypt_vector,
     pack_residues,
     partial_decrypt,
-    wire_form,
 )
 from quorumfl.aggregation.ckks.threshold import NONCE_BYTES
 from quorumfl.aggregation.secagg import resolve_threshold
@@ -87,8 +86,8 @@ def _steps(length: int, nodes: int) -> dict[str, float]:
     encrypted, encrypt_s = [], []
     for m, v in zip(members, values, strict=True):
         start = time.perf_counter()
-        encrypted.append(wire_form(params, encrypt_vector(shares[m], v, primes=primes, round_number=1, group=0,
-                                                          nonce=nonce)))
+        encrypted.append(encrypt_vector(shares[m], v, primes=primes, round_number=1, group=0, nonce=nonce,
+                                        wire=True))
         encrypt_s.append(time.perf_counter() - start)
     total = CiphertextSum(params, length=length, primes=primes)
     start = time.perf_counter()

@@ -27,7 +27,6 @@ from quorumfl.aggregation.ckks import (
     check_request,
     contribute,
     encrypt_vector,
-    wire_form,
 )
 from quorumfl.aggregation.ckks.seal import Seal
 from quorumfl.aggregation.ckks.threshold import answer_checked
@@ -140,9 +139,8 @@ def encrypted_train_reply(msg: Message, context: Context, local: LocalTraining) 
     payload = np.clip(payload, -request.clip, request.clip)
     record_payload(context.node_config, round_number=request.round_number, node=int(context.node_id),
                    received=local.received, payload=payload)
-    c0 = wire_form(request.params, encrypt_vector(share, payload, primes=request.primes,
-                                                  round_number=request.round_number, group=request.group,
-                                                  nonce=request.nonce))
+    c0 = encrypt_vector(share, payload, primes=request.primes, round_number=request.round_number,
+                        group=request.group, nonce=request.nonce, wire=True)
     tag = contribute(share, c0, round_number=request.round_number, group=request.group, nonce=request.nonce,
                      signer=me.signer(), department=me.department, binding=_binding(context))
     store.record_encrypted(request.key_id, request.nonce)  # on disk before the ciphertext leaves

@@ -235,12 +235,27 @@ def flooding_noise(bits: int, primes: Sequence[int], shape: tuple[int, ...]) -> 
     raw = random_bytes(12 * count)
     hi_raw = np.frombuffer(raw, dtype=np.uint64, count=count) & np.uint64((1 << (high_bits + 1)) - 1)
     hi = hi_raw.view(np.int64) - np.int64(1 << high_bits)  # uniform in [−2^hb, 2^hb)
-    lo = np.frombuffer(raw, dtype=np.uint32, offset=8 * count).astype(np.uint64)
+    lo = np.frombuffer(raw, dtype=np.uint32, offset=8 * count).astype(np.int64)
     batch, _, degree = shape
     out = np.empty(shape, dtype=np.uint64)
     for j, q in enumerate(primes):
-        hi_mod = np.mod(hi, np.int64(q)).astype(np.uint64)
-        value = mul_small(hi_mod, 1 << 32, int(q)) + lo % np.uint64(q)
-        value = np.where(value >= np.uint64(q), value - np.uint64(q), value)
-        out[:, j, :] = value.reshape(batch, degree)
+        # h·2^32 mod q from the quotient's float64 estimate, off by at most one while it stays below 2^50
+        # (h itself when bits − log2 q allows, else h mod q first), so the remainder computed modulo
+        # 2^64 lies in (−q, 2q); l (reduced when q is small) adds less than q
+        h = hi if bits - (int(q).bit_length() - 1) <= 50 else np.mod(hi, np.int64(q))
+        quotient = np.floor(h.astype(np.float64) * (2.0**32 / float(q))).astype(np.int64)
+        with np.errstate(over="ignore"):  # wraps modulo 2^64 to the true remainder
+            value = ((h.view(np.uint64) << np.uint64(32)) - quotient.view(np.uint64) * np.uint64(q)).view(np.int64)
+        value += lo if q > 1 << 32 else lo % np.int64(q)
+        out[:, j, :] = _reduce_signed(value, q).view(np.uint64).reshape(batch, degree)
     return out
+
+
+def _reduce_signed(value: NDArray[np.int64], q: int) -> NDArray[np.int64]:
+    """``value`` in (−q, 3q) reduced to [0, q) in place, with sign masks instead of boolean indexing."""
+    modulus = np.int64(q)
+    value += modulus & (value >> np.int64(63))
+    for _ in range(2):
+        value -= modulus
+        value += modulus & (value >> np.int64(63))
+    return value

@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -220,38 +220,55 @@ class Seal:
             out[c * per: (c + 1) * per] = self._unpack(plain)
         return out[:length]
 
-    def _each_batch(self, polys: U64, *, ntt: bool, out_primes: int, op: Callable[[Any], None]) -> U64:
-        """``op`` applied in place to ``polys`` ``[poly, prime, coeff]`` packed as ciphertexts of 15
-        polynomials and a filler row of ⌊q/2⌋ (dropped after): SEAL takes at most 16 per ciphertext and
-        refuses a "transparent" one (every polynomial after the first zero), which a zero update would
-        otherwise be; ⌊q/2⌋ stays non-zero through the NTT, a product and a rescale. The file round trip
-        each batch costs is why batches are as large as SEAL allows."""
-        count, primes, degree = polys.shape
+    def _each_batch(self, inputs: Sequence[tuple[U64, bool]], *, out_primes: int, op: Callable[[list[Any]], Any]) -> U64:
+        """``op`` on ``inputs`` (polynomials ``[poly, prime, coeff]`` of one shape, each with whether it is
+        in NTT form) packed as ciphertexts of 15 polynomials and a filler row of ⌊q/2⌋ (dropped after):
+        ``op`` takes one ciphertext per input and returns the one kept. SEAL takes at most 16
+        polynomials per ciphertext and refuses a "transparent" one (every polynomial after the first
+        zero), which a zero update would otherwise be; ⌊q/2⌋ stays non-zero through the NTT, a
+        product and a rescale. Every batch costs a file round trip per input and one for the result
+        (SEAL's ``save`` compresses with zstd), so batches are as large as SEAL allows and one call
+        does every step it can."""
+        count, primes, degree = inputs[0][0].shape
+        if any(polys.shape != inputs[0][0].shape for polys, _ in inputs):
+            raise SecureAggregationError("polynomial batches of different shapes")
         parms = self.levels[primes]
         filler = np.broadcast_to(np.asarray(self.primes_at(primes), dtype=np.uint64)[:, None] // np.uint64(2),
                                  (1, primes, degree))
         out = np.empty((count, out_primes, degree), dtype=np.uint64)
         for start in range(0, count, PACK - 1):
-            batch = np.concatenate([polys[start: start + PACK - 1], filler])
-            ct = self.load(sealapi.Ciphertext, build_ciphertext(
-                CiphertextData(parms, ntt, 2.0**self.params.scale_bits, batch), version=self.version))
-            op(ct)
-            out[start: start + PACK - 1] = parse_ciphertext(self.save(ct)).polys[:-1]
+            cts = [self.load(sealapi.Ciphertext, build_ciphertext(CiphertextData(
+                parms, ntt, 2.0**self.params.scale_bits, np.concatenate([polys[start: start + PACK - 1], filler])),
+                version=self.version)) for polys, ntt in inputs]
+            out[start: start + PACK - 1] = parse_ciphertext(self.save(op(cts))).polys[:-1]
         return out
+
+    def _in_place(self, step: Callable[[Any], None]) -> Callable[[list[Any]], Any]:
+        def apply(cts: list[Any]) -> Any:
+            step(cts[0])
+            return cts[0]
+        return apply
 
     def to_ntt(self, coeffs: U64) -> U64:
         """NTT (SEAL's ordering) of coefficient-domain polynomials ``[poly, prime, coeff]`` at a data level."""
-        return self._each_batch(coeffs, ntt=False, out_primes=coeffs.shape[1],
-                                op=self.evaluator.transform_to_ntt_inplace)
+        return self._each_batch([(coeffs, False)], out_primes=coeffs.shape[1],
+                                op=self._in_place(self.evaluator.transform_to_ntt_inplace))
 
     def rescale(self, polys: U64) -> U64:
         """round(x / q_L) of NTT polynomials ``[poly, prime, coeff]`` at a data level of L ≥ 2 primes, as
         ``[poly, prime − 1, coeff]`` (SEAL's ``rescale_to_next``: exact RNS division by the last prime
         with rounding)."""
-        primes = polys.shape[1]
+        self._check_rescale(polys.shape[1])
+        return self._each_batch([(polys, True)], out_primes=polys.shape[1] - 1,
+                                op=self._in_place(self.evaluator.rescale_to_next_inplace))
+
+    def _check_rescale(self, primes: int) -> None:
         if primes < 2 or primes not in self.levels:
             raise SecureAggregationError(f"cannot rescale polynomials at {primes} primes")
-        return self._each_batch(polys, ntt=True, out_primes=primes - 1, op=self.evaluator.rescale_to_next_inplace)
+
+    def _plain(self, plain: U64) -> Any:
+        parms = self.levels[plain.shape[0]]
+        return self.load(sealapi.Plaintext, build_plaintext(PlaintextData(parms, 1.0, plain), version=self.version))
 
     def multiply(self, polys: U64, plain: U64) -> U64:
         """Element-wise product mod q of NTT polynomials ``[poly, prime, coeff]`` with one NTT ``[prime, coeff]``.
@@ -259,10 +276,33 @@ class Seal:
         SEAL's ``multiply_plain`` on ciphertexts packed 15 polynomials at a time (~9 ms per 2M
         residues; numpy has no 128-bit product).
         """
-        parms = self.levels[polys.shape[1]]
-        pt = self.load(sealapi.Plaintext, build_plaintext(PlaintextData(parms, 1.0, plain), version=self.version))
-        return self._each_batch(polys, ntt=True, out_primes=polys.shape[1],
-                                op=lambda ct: self.evaluator.multiply_plain_inplace(ct, pt))
+        pt = self._plain(plain)
+        return self._each_batch([(polys, True)], out_primes=polys.shape[1],
+                                op=self._in_place(lambda ct: self.evaluator.multiply_plain_inplace(ct, pt)))
+
+    def ntt_with_product(self, coeffs: U64, polys: U64, plain: U64, *, subtract: bool, rescale: bool) -> U64:
+        """NTT(coeffs) − polys·plain (``subtract``) or + polys·plain, for coefficient-domain ``coeffs`` and
+        NTT ``polys`` (both ``[poly, prime, coeff]``) and one NTT ``plain`` ``[prime, coeff]``; then, with
+        ``rescale``, divided by q_L and rounded (``rescale``). The same as ``to_ntt``, ``multiply``, a
+        modular difference or sum and ``rescale`` one after the other, in one pass of SEAL calls: an
+        encryption (Δ·x + e − a·s) and a partial decryption (flooding + a·λσ) each cost one saved
+        ciphertext per batch instead of three."""
+        primes = coeffs.shape[1]
+        if rescale:
+            self._check_rescale(primes)
+        pt = self._plain(plain)
+        combine = self.evaluator.sub_inplace if subtract else self.evaluator.add_inplace
+
+        def step(cts: list[Any]) -> Any:
+            first, product = cts
+            self.evaluator.transform_to_ntt_inplace(first)
+            self.evaluator.multiply_plain_inplace(product, pt)
+            combine(first, product)
+            if rescale:
+                self.evaluator.rescale_to_next_inplace(first)
+            return first
+
+        return self._each_batch([(coeffs, False), (polys, True)], out_primes=primes - 1 if rescale else primes, op=step)
 
     def decrypt_reference(self, secret: Any, c0: U64, c1: U64, length: int) -> NDArray[np.float64]:
         """SEAL's own Decryptor on the ciphertexts (c0, c1), each ``[chunk, prime, coeff]`` (tests' reference)."""

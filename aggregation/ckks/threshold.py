@@ -59,7 +59,6 @@ from quorumfl.aggregation.ckks.rns import (
     mul_scalar,
     reduced,
     small_noise,
-    sub_mod_into,
     uniform_below,
 )
 from quorumfl.aggregation.ckks.seal import Seal
@@ -146,8 +145,9 @@ def contribute(share: KeyShare, c0: U64, *, round_number: int, group: int, nonce
 
 
 def encrypt_vector(share: KeyShare, values: NDArray[np.float64], *, primes: int, round_number: int, group: int,
-                   nonce: bytes) -> U64:
-    """c0 = Δ·values + e − a·s_i at ``primes`` primes, ``[chunk, prime, coeff]`` (module docstring)."""
+                   nonce: bytes, wire: bool = False) -> U64:
+    """c0 = Δ·values + e − a·s_i at ``primes`` primes, ``[chunk, prime, coeff]`` (module docstring); with
+    ``wire``, in the form it travels (``wire_form``, computed in the same pass)."""
     if not np.all(np.isfinite(values)):
         raise SecureAggregationError("the vector to encrypt has non-finite values")
     seal = Seal.of(share.params)
@@ -156,19 +156,21 @@ def encrypt_vector(share: KeyShare, values: NDArray[np.float64], *, primes: int,
     level = seal.primes_at(primes)
     plain = seal.encode_coefficients(np.asarray(values, dtype=np.float64), primes)
     add_mod_into(plain, small_noise(level, plain.shape), level)  # Δ·x + e in the coefficient domain
-    c0 = seal.to_ntt(plain)
     a = common_c1(share.key_id, round_number=round_number, group=group, nonce=nonce, primes=level,
-                  chunks=c0.shape[0], degree=share.params.poly_degree)
-    sub_mod_into(c0, seal.multiply(a, np.ascontiguousarray(share.secret[:primes])), level)
-    return c0
+                  chunks=plain.shape[0], degree=share.params.poly_degree)
+    return seal.ntt_with_product(plain, a, np.ascontiguousarray(share.secret[:primes]), subtract=True,
+                                 rescale=wire and _rescaled_on_wire(share.params, primes))
+
+
+def _rescaled_on_wire(params: CkksParams, primes: int) -> bool:
+    return params.wire_primes(primes) < primes
 
 
 def wire_form(params: CkksParams, polys: U64) -> U64:
     """Level-L polynomials ``[chunk, prime, coeff]`` as they travel: divided by q_L and rounded where
     ``params.wire_primes(L)`` says so (a function of the polynomials alone: it reveals nothing they
     do not), else as they are."""
-    level = polys.shape[1]
-    return Seal.of(params).rescale(polys) if params.wire_primes(level) < level else polys
+    return Seal.of(params).rescale(polys) if _rescaled_on_wire(params, polys.shape[1]) else polys
 
 
 def _wire_scale(params: CkksParams, level: int, wire: int) -> float:
@@ -323,30 +325,37 @@ def partial_decrypt(share: KeyShare, manifest: Manifest, asked: set[tuple[int, i
 def answer_checked(share: KeyShare, manifest: Manifest) -> U64:
     """The partial decryption of a request that ``check_request`` already passed (a node checks,
     writes its ledger entry, then answers: the checks run once), in wire form."""
-    return wire_form(share.params, _flooded(share, manifest))
+    return _flooded(share, manifest, wire=True)
 
 
-def _flooded(share: KeyShare, manifest: Manifest) -> U64:
-    """λ_p(S)·σ_p(C)·a + NTT(e_p) at the computing level, before the wire form rounds it."""
+def _flooded(share: KeyShare, manifest: Manifest, *, wire: bool = False) -> U64:
+    """λ_p(S)·σ_p(C)·a + NTT(e_p) at the computing level or, with ``wire``, as it travels (``wire_form``,
+    computed in the same pass)."""
     seal = Seal.of(share.params)
-    primes = seal.primes_at(manifest.primes)
-    product = _unflooded(share, manifest)
+    scaled, a = _decryption_terms(share, manifest)
     bits = share.params.flood_bits(len(manifest.contributors), len(share.holders))
-    add_mod_into(product, seal.to_ntt(flooding_noise(bits, primes, product.shape)), primes)
-    return product
+    noise = flooding_noise(bits, seal.primes_at(manifest.primes), a.shape)
+    return seal.ntt_with_product(noise, a, scaled, subtract=False,
+                                 rescale=wire and _rescaled_on_wire(share.params, manifest.primes))
 
 
 def _unflooded(share: KeyShare, manifest: Manifest) -> U64:
     """λ_p(S)·σ_p(C)·a alone. Never sent: tests compare it with SEAL's own decryptor."""
+    scaled, a = _decryption_terms(share, manifest)
+    return Seal.of(share.params).multiply(a, scaled)
+
+
+def _decryption_terms(share: KeyShare, manifest: Manifest) -> tuple[U64, U64]:
+    """(λ_p(S)·σ_p(C), the round's common c1) at the aggregate's level."""
     seal = Seal.of(share.params)
     primes = seal.primes_at(manifest.primes)
     indices = [share.members.index(n) + 1 for n in manifest.subset]
     lambdas = [lagrange_at_zero(share.index, indices, q) for q in primes]
     sigma = share.shares_of(manifest.contributors, manifest.primes)
-    scaled = mul_scalar(sigma, lambdas, primes)  # λ_p·σ_p(C) at the aggregate's level
+    scaled = mul_scalar(sigma, lambdas, primes)
     a = common_c1(share.key_id, round_number=manifest.round, group=manifest.group, nonce=manifest.nonce,
                   primes=primes, chunks=share.params.chunks(manifest.length), degree=share.params.poly_degree)
-    return seal.multiply(a, scaled)
+    return scaled, a
 
 
 class DecryptionSum:

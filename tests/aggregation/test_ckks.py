@@ -616,3 +616,50 @@ def test_reduced_finds_one_residue_at_or_above_its_prime() -> None:
     assert reduced(a, primes)
     a[2, 1, 63] = primes[1]
     assert not reduced(a, primes)
+
+
+@pytest.mark.parametrize(("subtract", "rescale"), [(True, True), (False, True), (True, False), (False, False)])
+def test_one_pass_of_ntt_product_and_rescale_equals_the_steps_one_after_the_other(subtract: bool, rescale: bool) -> None:
+    """``ntt_with_product`` (what an encryption and a partial decryption now run) against ``to_ntt``,
+    ``multiply``, numpy's modular difference or sum and ``rescale`` called one by one, on 31 polynomials
+    (three batches, the last one short), zero coefficients included."""
+    seal = Seal.of(PARAMS)
+    primes = seal.primes_at(2)
+    q = np.asarray(primes, dtype=np.uint64)[:, None]
+    rng = np.random.default_rng(7)
+    coeffs = (rng.integers(0, 2**63, size=(31, 2, PARAMS.poly_degree), dtype=np.uint64) % q)
+    coeffs[3] = 0
+    polys = uniform_mod(primes, (2, 31, PARAMS.poly_degree)).transpose(1, 0, 2).copy()
+    plain = uniform_mod(primes, (2, PARAMS.poly_degree))
+    product = seal.multiply(polys, plain)
+    ntt = seal.to_ntt(coeffs)
+    steps = (ntt + (q - product)) % q if subtract else (ntt + product) % q
+    if rescale:
+        steps = seal.rescale(steps)
+    fused = seal.ntt_with_product(coeffs, polys, plain, subtract=subtract, rescale=rescale)
+    assert fused.shape == steps.shape and np.array_equal(fused, steps)
+
+
+@pytest.mark.parametrize("bits", [33, 50, 67, 81, 94])
+def test_flooding_noise_residues_are_those_of_the_integers_its_bytes_spell(
+    bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each residue against Python's exact integers: h·2^32 + l from the drawn bytes (h the masked
+    first word shifted to be signed, l the 32-bit tail), reduced modulo SEAL's 60-bit primes and
+    modulo a 20-bit and a 33-bit prime (the small-prime branches), at every supported size."""
+    import quorumfl.aggregation.ckks.rns as rns
+
+    count = 4096
+    raw = os.urandom(12 * count)
+    raw = bytes(8) + b"\xff" * 8 + raw[16:]  # the most negative and the largest h among the draws
+    monkeypatch.setattr(rns, "random_bytes", lambda n: raw[:n])
+    primes = [*Seal.of(PARAMS).primes[:2], 1048573, 8589934609]
+    noise = flooding_noise(bits, primes, (2, len(primes), count // 2))
+    high = bits - 32
+    for i in range(count):
+        h = (int.from_bytes(raw[8 * i: 8 * i + 8], "little") & ((1 << (high + 1)) - 1)) - (1 << high)
+        low = int.from_bytes(raw[8 * count + 4 * i: 8 * count + 4 * i + 4], "little")
+        value = h * 2**32 + low
+        assert -(2**bits) <= value < 2**bits
+        for j, q in enumerate(primes):
+            assert int(noise[i // (count // 2), j, i % (count // 2)]) == value % q
