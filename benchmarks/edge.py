@@ -13,6 +13,12 @@ Both models are exported to ONNX the same way and measured in onnxruntime on the
   before QAT and kept zero (``quorumfl.edge.qat``), which the zlib stream shrinks with;
 - latency: median wall time of one ``session.run`` at batch 1 and at batch 64, one intra-op thread
   (an edge CPU), both sessions warmed up and timed alternately in the same loop;
+- federated QAT (``qat-rounds``): instead of fine-tuning on the server, ten IID departments (tenths of the
+  pool) each fine-tune the fp32 model with fake quantisation for ``--qat-epochs`` on their own tenth,
+  ``--qat-rounds`` times, through the node's round function; the example-weighted mean of their
+  weights and activation ranges is converted as ``models promote --edge`` does for such a version.
+  ``federated_qat_acc`` (its INT8 accuracy in onnxruntime) against ``server_qat_acc`` (= ``int8_acc``:
+  QAT on the server's ``--qat-samples`` images);
 - delta sync: the fp32 model then trains one more federated round (one local epoch of SGD at lr 0.05
   on each of 10 IID departments' tenth of the pool, averaged: FedAvg), goes through the same QAT
   and export, and the bytes a device holding the first artifact downloads for the second
@@ -26,7 +32,8 @@ Both models are exported to ONNX the same way and measured in onnxruntime on the
     python benchmarks/edge.py --smoke    # digits, small cnn, tiny sizes; 400 Ames sales
     python benchmarks/edge.py --json     # last line: one JSON object
 
-Keys: fp32_acc, int8_acc, acc_drop_pts, size_ratio, file_size_ratio, int8_download_bytes, sparsity,
+Keys: fp32_acc, int8_acc, acc_drop_pts, server_qat_acc, federated_qat_acc, federated_qat_rounds,
+federated_qat_departments, federated_qat_s, size_ratio, file_size_ratio, int8_download_bytes, sparsity,
 int8_weight_sparsity, latency_speedup_b1, latency_speedup_b64, the
 latencies in ms, file sizes, the .pte size, delta_sync_bytes, full_sync_bytes, delta_over_full,
 round_int8_acc, times of each step and peak RSS; the table task's table_fp32_mae, table_int8_mae,
@@ -83,6 +90,36 @@ def median_latency(sessions: list[Any], x: np.ndarray, repeats: int) -> list[flo
             session(x)
             times[k].append(time.perf_counter() - start)
     return [float(np.median(t)) for t in times]
+
+
+def federated_qat(model: nn.Module, pool: Any, parts: list[np.ndarray], *, model_name: str, rounds: int,
+                  epochs: int, learning_rate: float, seed: int) -> tuple[Any, float]:
+    """``rounds`` federated QAT rounds (run config ``qat-rounds``) of the departments holding ``parts`` of
+    ``pool``, through the node's own round function (``client.node_round.train_round`` with a QAT
+    round's train config), FedAvg of what comes back (weights and activation ranges, by example
+    count); then the INT8 graph the promotion builds from them (``training.qat.calibrated``). Returns
+    (INT8 graph, seconds)."""
+    from quorumfl.client.node_round import train_round
+    from quorumfl.protocol.wire import TrainConfig
+    from quorumfl.training.qat import calibrated, decode_ranges, range_template
+
+    start = time.perf_counter()
+    arrays = {**model_to_arrays(model), **range_template(model, pool.input_shape)}
+    for number in range(1, rounds + 1):
+        config = TrainConfig(server_round=number, model=model_name, local_epochs=epochs, batch_size=64,
+                             learning_rate=learning_rate, proximal_mu=0.0, seed=seed, qat=True)
+        replies = []
+        for part in parts:
+            data = pool.subset(np.sort(part))
+            replies.append(train_round(config, [arrays], None, data, data.subset(np.arange(min(len(data), 256)))))
+        total = sum(r.num_examples for r in replies)
+        arrays = {k: sum(r.shared[k].astype(np.float64) * (r.num_examples / total) for r in replies).astype(np.float32)
+                  for k in arrays}
+    final = copy.deepcopy(model)
+    arrays_to_model(final, {k: v for k, v in arrays.items() if k in model_to_arrays(model)})
+    final.eval()
+    graph = calibrated(final, torch.from_numpy(pool.x[:2]), decode_ranges(arrays))
+    return graph, time.perf_counter() - start
 
 
 def table_figures(*, rows: int, epochs: int, qat_epochs: int, sparsity: float, repeats: int, seed: int) -> dict[str, Any]:
@@ -167,6 +204,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3, help="fp32 training epochs")
     p.add_argument("--qat-epochs", type=int, default=1)
     p.add_argument("--qat-samples", type=int, default=20000, help="training images used for QAT")
+    p.add_argument("--qat-rounds", type=int, default=1, help="federated QAT rounds (of --qat-epochs each)")
     p.add_argument("--repeats", type=int, default=300, help="timed runs per batch size")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sparsity", type=float, default=0.0, help="prune this fraction of each layer before QAT")
@@ -207,9 +245,17 @@ def main() -> None:
     b1 = median_latency([fp32, int8], test.x[:1], args.repeats)
     b64 = median_latency([fp32, int8], test.x[:64], max(10, args.repeats // 5))
 
+    # Federated QAT: the departments fine-tune with fake quantisation on their own tenths of the pool
+    parts = np.array_split(rng.permutation(len(pool)), 10)
+    qat_parts = parts[:3] if args.smoke else parts  # the smoke run checks the path, with three departments
+    fed_graph, fed_qat_s = federated_qat(model, pool, qat_parts, model_name=args.model, rounds=args.qat_rounds,
+                                         epochs=args.qat_epochs, learning_rate=0.005, seed=args.seed)
+    fed_int8 = load_model(onnx_bytes(fed_graph, quantized.example), ArtifactFormat.ONNX, pool.input_shape, threads=1)
+    fed_acc = float(np.mean(np.concatenate([fed_int8(test.x[i : i + 500]).argmax(1)
+                                            for i in range(0, len(test), 500)]) == test.y))
+
     # One more federated round (FedAvg of 10 departments' one-epoch updates), promoted the same way
     t0 = time.perf_counter()
-    parts = np.array_split(rng.permutation(len(pool)), 10)
     updates = []
     for part in parts:
         local = copy.deepcopy(model)
@@ -243,6 +289,11 @@ def main() -> None:
         "fp32_acc": fp32_acc,
         "int8_acc": int8_acc,
         "acc_drop_pts": round((fp32_acc - int8_acc) * 100, 3),
+        "server_qat_acc": int8_acc,
+        "federated_qat_acc": fed_acc,
+        "federated_qat_rounds": args.qat_rounds,
+        "federated_qat_departments": len(qat_parts),
+        "federated_qat_s": fed_qat_s,
         "fp32_onnx_bytes": len(fp32_file),
         "int8_onnx_bytes": len(int8_file),
         "int8_pte_bytes": len(pte_file),

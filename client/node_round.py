@@ -31,6 +31,7 @@ from quorumfl.aggregation.personal import merge_arrays, personal_names, split_ar
 from quorumfl.core.data.datasets import Dataset
 from quorumfl.core.models import (
     CONTROL_PREFIX,
+    QAT_PREFIX,
     arrays_to_model,
     model_to_arrays,
     split_control,
@@ -211,6 +212,54 @@ def _contribute_statistics(
     return NodeRound(cluster, received, shared, kept, len(train_data), before.loss, metrics)
 
 
+def _qat_round(
+    config: TrainConfig, model: torch.nn.Module, train_data: Dataset, test_data: Dataset, start: Arrays,
+    candidates: Sequence[Mapping[str, NDArray[np.generic]]], cluster: int | None, before: EvalResult, seed: int,
+    started: float,
+) -> NodeRound:
+    """A federated QAT round (run config ``qat-rounds``): the received model fine-tuned with fake
+    quantisation in the loop on this department's data (``quorumfl.training.qat``; the round's local
+    epochs, batch size and learning rate, SGD with momentum 0.9), its activation observers starting
+    from the federation's ranges once an earlier QAT round set them. What goes back: the trained
+    weights and the ranges this department's observers saw (``qat.encode_ranges``), both averaged by
+    the server as any array is, under the round's secure aggregation."""
+    from quorumfl.training import qat
+
+    if _mode(config) is not Personalisation.NONE or len(candidates) != 1 or config.dp != "none" \
+            or config.compression != "none":
+        raise ConfigError("a federated QAT round (qat-rounds) trains one global model (FedAvg or FedProx) without "
+                          "dp or compression; the server asked for another combination")
+    sent = {k: v for k, v in candidates[0].items() if k.startswith(QAT_PREFIX)}
+    if not sent:
+        raise ConfigError("the server asked for a QAT round but sent no activation ranges with the model")
+    received_ranges = qat.decode_ranges(sent)
+    features = torch.from_numpy(np.ascontiguousarray(train_data.x))
+    labels = torch.from_numpy(np.ascontiguousarray(train_data.y))
+    if len(features) == 0:
+        raise DataError("this department has no training data for the QAT round")
+    example = features[: max(2, min(len(features), config.batch_size))]
+    if len(example) < 2:
+        example = torch.cat([example, example])
+    prepared = qat.prepare(model, example)
+    if any(pair != (0.0, 0.0) for pair in received_ranges.values()):  # all zero: no QAT round has set them yet
+        qat.set_activation_ranges(prepared, received_ranges, freeze=False)
+    loss = qat.fine_tune(prepared, features, labels, train_data.objective, epochs=config.local_epochs,
+                         batch_size=config.batch_size, learning_rate=config.learning_rate, momentum=0.9, seed=seed)
+    qat.load_trained(prepared, model)
+    seen = qat.activation_ranges(prepared)
+    if set(seen) != set(received_ranges):
+        raise ConfigError("the activation ranges the server sent do not fit this model's observers; the server and "
+                          "this node run different QuorumFL or torch versions")
+    after = evaluate(model, test_data)
+    metrics = {"num-examples": float(len(train_data)), "train-loss": loss, f"global-{before.primary}": before.value,
+               "global-loss": before.loss, f"local-{after.primary}": after.value, "qat-round": 1.0,
+               "train-seconds": time.perf_counter() - started}
+    if cluster is not None:
+        metrics["cluster"] = float(cluster)
+    shared = {**model_to_arrays(model), **qat.encode_ranges(seen)}
+    return NodeRound(cluster, {**start, **sent}, shared, None, len(train_data), loss, metrics)
+
+
 def _global_statistics(model: torch.nn.Module, start: Arrays) -> None:
     """Give a personal model (Ditto) the federation's standardisation from the global model."""
     stats = find_statistics(model)
@@ -284,6 +333,8 @@ def train_round(
     if _statistics_round(config, model):
         return _contribute_statistics(config, model, train_data, start, names, cluster, before, personal, scaffold,
                                       started)
+    if config.qat:
+        return _qat_round(config, model, train_data, test_data, start, candidates, cluster, before, seed, started)
     dp_metrics: dict[str, float] = {}
     if config.dp == "local" and scaffold is not None:
         raise ConfigError("SCAFFOLD's gradient correction does not combine with DP-SGD (dp = 'local'); use dp = "

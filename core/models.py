@@ -18,7 +18,7 @@ from torch import nn
 from quorumfl.errors import ConfigError, ModelError
 
 __all__ = [
-    "CONTROL_PREFIX", "MODELS", "architecture_key", "arrays_to_model", "build_model", "model_to_arrays", "split_control",
+    "CONTROL_PREFIX", "MODELS", "QAT_PREFIX", "architecture_key", "arrays_to_model", "build_model", "model_to_arrays", "split_control",
 ]
 
 Builder = Callable[[tuple[int, ...], int], nn.Module]
@@ -103,11 +103,13 @@ def model_to_arrays(model: nn.Module) -> dict[str, NDArray[Any]]:
 
 
 CONTROL_PREFIX = "control:"  # SCAFFOLD's control variates travel with a model's arrays under these names
+QAT_PREFIX = "qat-range:"  # a federated QAT round's activation ranges (quorumfl.training.qat) travel under these
 
 
 def split_control(arrays: Mapping[str, NDArray[Any]]) -> tuple[dict[str, NDArray[Any]], dict[str, NDArray[Any]]]:
-    """(the model's own arrays, SCAFFOLD's control variates by parameter name) of a server model."""
-    model = {k: v for k, v in arrays.items() if not k.startswith(CONTROL_PREFIX)}
+    """(the model's own arrays, SCAFFOLD's control variates by parameter name) of a server model; a
+    federated QAT round's activation ranges (``QAT_PREFIX``) are in neither."""
+    model = {k: v for k, v in arrays.items() if not k.startswith((CONTROL_PREFIX, QAT_PREFIX))}
     control = {k[len(CONTROL_PREFIX):]: v for k, v in arrays.items() if k.startswith(CONTROL_PREFIX)}
     return model, control
 

@@ -26,9 +26,6 @@ from __future__ import annotations
 
 import logging
 import tempfile
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
 from typing import TypeVar
@@ -36,32 +33,11 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from quorumfl.edge.qat import MAX_BATCH
 from quorumfl.errors import ConfigError, EdgeError
+from quorumfl.training.qat import MAX_BATCH, quiet
 
 __all__ = ["ArtifactFormat", "Precision", "dynamic_onnx_bytes", "export_artifact", "export_form", "onnx_bytes",
            "parse_option", "parse_precision", "pte_bytes", "quiet"]
-
-# Libraries whose warnings during export are about their own internals (CUDA kernels not built into
-# a CPU wheel, torchvision ops not registered, deprecated pytree hooks), not about the model.
-_NOISY = ("torchao", "torch.onnx", "torch.utils._pytree", "torch.export", "torch._export", "onnxscript")
-
-
-@contextmanager
-def quiet() -> Iterator[None]:
-    """Silence library warnings and log notes about their internals while exporting."""
-    loggers = [logging.getLogger(name) for name in _NOISY]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
-
 
 class ArtifactFormat(StrEnum):
     ONNX = "onnx"

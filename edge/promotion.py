@@ -21,6 +21,7 @@ run's schema, whose train split fine-tunes and whose test split measures.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,7 @@ from quorumfl.server.model_store import ModelStore
 from quorumfl.server.state.artifacts import ArtifactRecords
 from quorumfl.server.state.orm import EdgeArtifact, ModelVersion
 from quorumfl.server.state.repository import Repository
+from quorumfl.training.qat import decode_ranges
 
 __all__ = ["calibration_for", "default_key_path", "edge_source", "promote_to_edge", "registry_root"]
 
@@ -83,9 +85,10 @@ def edge_source(version: ModelVersion, config: dict[str, object]) -> EdgeSource:
     else:
         name, shape, outputs = parse_architecture(version.architecture)
         model = build_model(name, shape, outputs)
-    arrays_to_model(model, split_control(ModelStore.load(version.path, version.sha256))[0])  # not SCAFFOLD's c
+    arrays = ModelStore.load(version.path, version.sha256)
+    arrays_to_model(model, split_control(arrays)[0])  # not SCAFFOLD's c, nor a federated QAT's ranges
     model.eval()
-    return EdgeSource(model, tuple(shape), outputs)
+    return EdgeSource(model, tuple(shape), outputs, decode_ranges(arrays) or None)
 
 
 def calibration_for(config: dict[str, object], *, partition: Path | None = None, seed: int = 0) -> Calibration:
@@ -137,6 +140,10 @@ def promote_to_edge(
         raise EdgeError("--precision dynamic is exported as ONNX only (onnxruntime runs it); drop the pte format, or "
                         "use --precision fp32 or int8 for an ExecuTorch program")
     calibration = calibration_for(config, partition=partition)
+    if source.ranges is not None and precision is Precision.INT8:
+        calibration = replace(calibration, source=f"the departments' own, through the activation ranges of the "
+                                                  f"federated QAT rounds; measured on {len(calibration.y_eval)} samples "
+                                                  f"of {calibration.dataset}")
     key = key_path or default_key_path(home)
     created = False
     if key_path is None and not key.exists():

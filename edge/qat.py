@@ -31,23 +31,11 @@ from torch import nn
 
 from quorumfl.core.tasks.objective import CLASSIFICATION, Objective
 from quorumfl.errors import ConfigError, EdgeError
+from quorumfl.training import qat
+from quorumfl.training.qat import MAX_BATCH, WEIGHT_QMAX, int8_obstacle
 
-__all__ = ["MAX_SPARSITY", "QatSettings", "QuantizedModel", "accuracy", "evaluate", "int8_obstacle", "prune_by_magnitude",
-           "quantize_aware", "weight_sparsity"]
-
-# Layers that run as table lookups: no INT8 kernel exists for them in XNNPACK or onnxruntime.
-_LOOKUPS: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
-
-# Weights take 7 bits of their INT8 range (onnxruntime's "reduce_range"). On x86 CPUs without VNNI
-# (AVX2 only: many edge devices) onnxruntime's INT8 GEMM multiplies with VPMADDUBSW, which adds two
-# uint8 × int8 products into an int16 with saturation; with full-range weights that sum can clip.
-# Seen on an AVX2-only AMD EPYC: one prediction of a table model off by 48,000 dollars (36 % of the
-# target's spread) while the same graph without onnxruntime's fusions was right. 255 · 63 · 2 < 2^15.
-WEIGHT_QMAX = 63
-
-# Largest batch the exported graph accepts; torch.export needs a bound for the symbolic dimension.
-MAX_BATCH = 4096
-
+__all__ = ["MAX_BATCH", "MAX_SPARSITY", "WEIGHT_QMAX", "QatSettings", "QuantizedModel", "accuracy", "evaluate",
+           "int8_obstacle", "prune_by_magnitude", "quantize_aware", "weight_sparsity"]
 
 @dataclass(frozen=True)
 class QatSettings:
@@ -116,14 +104,6 @@ class QuantizedModel:
         return out
 
 
-def int8_obstacle(model: nn.Module) -> str | None:
-    """The first layer of ``model`` that no INT8 kernel runs, described for the operator, or None."""
-    for name, module in model.named_modules():
-        if isinstance(module, _LOOKUPS):
-            return f"its layer '{name}' is an {type(module).__name__} (a table lookup, which no INT8 kernel runs)"
-    return None
-
-
 def _check_data(model_shape: tuple[int, ...], x: NDArray[Any], y: NDArray[Any]) -> None:
     if x.ndim != len(model_shape) + 1 or len(x) == 0:
         raise EdgeError(f"QAT data must be a non-empty (N, {', '.join(map(str, model_shape))}) array, got shape {x.shape}")
@@ -134,11 +114,6 @@ def _check_data(model_shape: tuple[int, ...], x: NDArray[Any], y: NDArray[Any]) 
         raise EdgeError(f"QAT labels have shape {y.shape}, expected ({len(x)},)")
     if x.dtype.kind == "f" and not np.isfinite(x).all():
         raise EdgeError("QAT data contains NaN or Inf values")
-
-
-def _batches(n: int, batch_size: int, generator: torch.Generator) -> list[torch.Tensor]:
-    order = torch.randperm(n, generator=generator)
-    return [order[i : i + batch_size] for i in range(0, n, batch_size)]
 
 
 def _tensor(a: NDArray[Any]) -> torch.Tensor:
@@ -157,19 +132,6 @@ def quantize_aware(
 ) -> QuantizedModel:
     """Fine-tune ``model`` (left unchanged) with fake quantisation on ``(x, y)`` under the task's
     objective, then convert to INT8."""
-    from quorumfl.edge.export import quiet
-
-    with quiet():  # importing torchao warns about CUDA kernels a CPU wheel does not have
-        from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
-            XNNPACKQuantizer,
-            get_symmetric_quantization_config,
-        )
-        from torchao.quantization.pt2e import (
-            move_exported_model_to_eval,
-            move_exported_model_to_train,
-        )
-        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
-
     settings = settings or QatSettings()
     _check_data(tuple(input_shape), x, y)
     obstacle = int8_obstacle(model)
@@ -178,49 +140,15 @@ def quantize_aware(
                         "(--precision dynamic: INT8 weights, onnxruntime) or as fp32 (--precision fp32)")
     features, labels = _tensor(x), _tensor(y)
     example = features[: min(len(features), settings.batch_size)].clone()
-    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
     source = _copy_eval(model)
     prune_by_magnitude(source, settings.sparsity)
-    try:
-        with quiet():  # torch.export's notes on deprecated internals, not ours
-            captured = torch.export.export(
-                source, (example,), dynamic_shapes=({0: batch},)
-            ).module()
-            quantizer = XNNPACKQuantizer().set_global(
-                get_symmetric_quantization_config(is_per_channel=True, is_qat=True, weight_qmin=-WEIGHT_QMAX,
-                                                  weight_qmax=WEIGHT_QMAX)
-            )
-            prepared = prepare_qat_pt2e(captured, quantizer)
-    except Exception as exc:  # torch.export / torchao raise many types; name the step
-        raise EdgeError(f"cannot prepare the model for quantisation-aware training: {exc}") from exc
-
-    generator = torch.Generator().manual_seed(settings.seed)
-    optimizer = torch.optim.SGD(prepared.parameters(), lr=settings.learning_rate, momentum=settings.momentum)
+    prepared = qat.prepare(source, example)
     # Pruned weights stay zero through fine-tuning: re-zeroed after every step (an exact zero
     # quantises to INT8 zero, so the converted graph keeps the sparsity).
-    masks = [(p, p != 0) for p in prepared.parameters() if p.dim() >= 2] if settings.sparsity > 0 else []
-    move_exported_model_to_train(prepared)
-    for _ in range(settings.epochs):
-        for index in _batches(len(features), settings.batch_size, generator):
-            optimizer.zero_grad()
-            loss = objective.loss(prepared(features[index]), labels[index], reduction="mean")
-            if not torch.isfinite(loss):
-                raise EdgeError("QAT loss became NaN/Inf; lower the QAT learning rate")
-            loss.backward()  # type: ignore[no-untyped-call]
-            optimizer.step()
-            with torch.no_grad():
-                for parameter, keep in masks:
-                    parameter.mul_(keep)
-    if settings.epochs == 0:  # calibration only: let the observers see the data once
-        with torch.no_grad():
-            for index in _batches(len(features), settings.batch_size, generator):
-                prepared(features[index])
-    move_exported_model_to_eval(prepared)
-    try:
-        converted = convert_pt2e(prepared)
-    except Exception as exc:
-        raise EdgeError(f"cannot convert the QAT model to INT8: {exc}") from exc
-    move_exported_model_to_eval(converted)
+    qat.fine_tune(prepared, features, labels, objective, epochs=settings.epochs, batch_size=settings.batch_size,
+                  learning_rate=settings.learning_rate, momentum=settings.momentum, seed=settings.seed,
+                  keep_zeros=settings.sparsity > 0)
+    converted = qat.convert(prepared)
     return QuantizedModel(converted, example[:2].clone() if len(example) > 1 else torch.cat([example, example]))
 
 

@@ -36,6 +36,7 @@ from quorumfl.edge.signing import load_private_key, sign
 from quorumfl.errors import ArtifactError, ConfigError, ModelError
 from quorumfl.server.state.artifacts import ArtifactRecords, NewArtifact
 from quorumfl.server.state.orm import EdgeArtifact, ModelVersion
+from quorumfl.training.qat import Ranges, calibrated
 
 __all__ = ["Calibration", "EdgeSource", "Registry", "input_dtype", "parse_architecture"]
 
@@ -62,6 +63,7 @@ class EdgeSource:
     model: nn.Module
     input_shape: tuple[int, ...]
     outputs: int  # class count, or 1 for a regression
+    ranges: Ranges | None = None  # activation ranges of a federated QAT (run config qat-rounds), if the version has them
 
 
 def input_dtype(x: NDArray[Any]) -> str:
@@ -77,6 +79,11 @@ def parse_architecture(key: str) -> tuple[str, tuple[int, ...], int]:
         return name, tuple(int(d) for d in shape.split("x")), int(classes)
     except ValueError:
         raise ModelError(f"architecture '{key}' is not of the form NAME:CxHxW:CLASSES") from None
+
+
+def _two(x: NDArray[Any]) -> torch.Tensor:
+    """Two examples (the exporters need two to keep the batch dimension dynamic)."""
+    return torch.from_numpy(np.ascontiguousarray(np.concatenate([x[:1]] * 2) if len(x) < 2 else x[:2]))
 
 
 class Registry:
@@ -107,14 +114,20 @@ class Registry:
         metric = objective.primary
         fp32 = evaluate(model, calibration.x_eval, calibration.y_eval, objective)[metric]
         graph: nn.Module
-        if precision is Precision.INT8:
+        if precision is Precision.INT8 and source.ranges is not None:  # calibrated by the departments' QAT rounds
+            if settings is not None and settings.sparsity > 0:
+                raise ConfigError(f"model version {version.id} comes from federated QAT rounds, whose activation ranges "
+                                  "calibrate it as it is; --sparsity would prune and fine-tune it on the server "
+                                  "instead: drop --sparsity, or promote a version from before the QAT rounds")
+            example = _two(calibration.x_train)
+            graph = calibrated(model, example, source.ranges)
+        elif precision is Precision.INT8:
             quantized = quantize_aware(model, calibration.x_train, calibration.y_train, input_shape,
                                        objective=objective, settings=settings)
             graph, example = quantized.module, quantized.example
-        else:  # the exporters need two examples to keep the batch dimension dynamic
+        else:
             graph = export_form(model)
-            example = torch.from_numpy(np.ascontiguousarray(np.concatenate([calibration.x_train[:1]] * 2)
-                                                            if len(calibration.x_train) < 2 else calibration.x_train[:2]))
+            example = _two(calibration.x_train)
         payloads = {fmt: export_artifact(graph, example, fmt, precision) for fmt in formats}
         edge = None
         if ArtifactFormat.ONNX in payloads:

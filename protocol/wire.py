@@ -68,6 +68,7 @@ class TrainConfig:
     task: str = "image"  # what is learned (quorumfl.core.tasks): built-in name, module:attribute or entry point
     schema: str = ""  # the run's schema (JSON) every department's data must fit; "" = the node's image dataset's
     update_norm_bound: float = 0.0  # secure rounds: the node scales its update down to this L2 norm (0 = off)
+    qat: bool = False  # a federated QAT round (run config qat-rounds): fine-tune with fake quantisation
 
     def to_record(self) -> ConfigRecord:
         return ConfigRecord(
@@ -99,6 +100,7 @@ class TrainConfig:
                 "task": self.task,
                 "schema": self.schema,
                 "update-norm-bound": self.update_norm_bound,
+                "qat": self.qat,
             }
         )
 
@@ -144,6 +146,7 @@ class TrainConfig:
             task=get("task", str, "image"),
             schema=get("schema", str, ""),
             update_norm_bound=get("update-norm-bound", float, 0.0),
+            qat=get("qat", bool, False),
         )
 
 

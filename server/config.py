@@ -80,6 +80,29 @@ class StartFrom(StrEnum):
     FRESH = "fresh"  # new weights from the seed
 
 
+def _qat_problems(config: RunConfig) -> list[str]:
+    """What ``qat-rounds`` does not combine with (``quorumfl.client.node_round._qat_round``)."""
+    if not config.qat_rounds:
+        return []
+    problems = []
+    if config.qat_rounds >= config.num_rounds:
+        problems.append(f"qat-rounds {config.qat_rounds} must be below num-rounds {config.num_rounds}: QAT fine-tunes "
+                        "a model that the earlier rounds trained")
+    if config.strategy not in (StrategyName.FEDAVG, StrategyName.FEDPROX):
+        problems.append(f"qat-rounds trains one global model with strategy fedavg or fedprox, not "
+                        f"{config.strategy.value}; set qat-rounds = 0 or change the strategy")
+    if config.dp is not DpMode.NONE:
+        problems.append("qat-rounds with dp is not supported (the QAT loop is not DP-SGD); set dp = 'none' or "
+                        "qat-rounds = 0")
+    if config.compression is not Compression.NONE:
+        problems.append("qat-rounds with compression is not supported: the activation ranges must arrive whole; set "
+                        "compression = 'none'")
+    if config.secure_aggregation is not SecureMode.NONE and config.secagg_clip < 1.0:
+        problems.append(f"qat-rounds needs secagg-clip >= 1 (activation ranges travel as values within ±1), got "
+                        f"{config.secagg_clip}")
+    return problems
+
+
 def _epoch_list(value: str, problems: list[str]) -> tuple[int, ...]:
     value = value.replace(" ", "")
     if not value:
@@ -177,6 +200,11 @@ class RunConfig:
         1, "times a node whose ClientApp crashed mid-training (Flower error 8) is asked again within the round's "
         "deadline (plaintext and masked rounds); it resumes from its checkpoint", low=0, high=10)
     seed: int = key(0, "seed of the initial weights, sampling and the nodes' plaintext training", low=0, node=True)
+    qat_rounds: int = key(
+        0, "federated quantisation-aware training: the last R rounds fine-tune with fake quantisation on every "
+        "department, and the ranges their observers saw are averaged with the model, so `models promote --edge` "
+        "calibrates the INT8 artifact on the departments' own data (README \"Edge devices\"); fedavg or fedprox (μ "
+        "does not apply in these rounds), no dp, no compression", low=0, high=10_000)
     # ---- client selection
     selector: str = key(
         "random", "who trains each round: `random` (seeded uniform), `oort` (Oort's utility heuristic) or `rl` (a "
@@ -364,6 +392,7 @@ class RunConfig:
                             "server-momentum = 0 and server-lr = 1")
         if config.dp is DpMode.DISTRIBUTED and config.compression is not Compression.NONE:
             problems.append("dp 'distributed' with compression is not supported; set compression = 'none'")
+        problems.extend(_qat_problems(config))
         if config.robust_aggregation is not RobustRule.NONE and (
                 config.secure_aggregation is not SecureMode.NONE
                 or config.strategy in (StrategyName.IFCA, StrategyName.SCAFFOLD)):

@@ -30,6 +30,7 @@ from quorumfl.aggregation.compression import warmup_fraction
 from quorumfl.aggregation.momentum import ServerMomentum
 from quorumfl.aggregation.secagg.identity import Roster
 from quorumfl.core.models import (
+    QAT_PREFIX,
     arrays_to_model,
     model_to_arrays,
     split_control,
@@ -114,6 +115,7 @@ class Federation:
         # FedAvgM's buffer lives in this process: a resumed run or a rollback starts it again from 0
         self.momentum = ServerMomentum(momentum=config.server_momentum, learning_rate=config.server_lr,
                                        names=[name for name, _ in self.model.named_parameters()])
+        self._qat_template: Arrays | None = None  # a QAT round's unset activation ranges (built once)
         self.dp_noise = distributed_noise(config)  # distributed DP: σ on each revealed sum, else None
         # the settings a node takes as they are (declared node=True in server/config.py), plus what the
         # server decides: the round, μ (the strategy's, per node) and distributed DP's σ
@@ -162,6 +164,21 @@ class Federation:
             parents.append(None)
         return lineages, models, parents
 
+    def _qat_arrays(self, arrays: Arrays, qat: bool) -> Arrays:
+        """The model as a round sends it: with activation ranges in a QAT round (zeros, unset, before the
+        first one), without them otherwise (a run that starts from a QAT version trains plainly)."""
+        ranges = {k for k in arrays if k.startswith(QAT_PREFIX)}
+        if not qat:
+            return {k: v for k, v in arrays.items() if k not in ranges} if ranges else arrays
+        if ranges:
+            return arrays
+        if self._qat_template is None:
+            from quorumfl.training.qat import range_template
+
+            spec = self.task.spec
+            self._qat_template = dict(range_template(self.model, tuple(spec.resolve().input_shape(spec.schema))))
+        return {**arrays, **self._qat_template}
+
     def _available_nodes(self) -> list[int]:
         """Connected, enabled nodes; waits up to ``node-wait-timeout`` for ``min-nodes`` of them."""
         deadline = self.clock() + self.config.node_wait_timeout
@@ -200,6 +217,8 @@ class Federation:
         self.mode.start(run.id)
         try:
             lineages, models, parents = self._initial()
+            if config.qat_rounds:  # a model INT8 cannot run is refused before any round, not at the first QAT one
+                self._qat_arrays({}, True)
             first, completed, seen = 1, 0, set[int]()
             if config.resume_run:
                 first, completed, seen = resume_point(self.repo, self.store, run, lineages, models, parents)
@@ -271,7 +290,9 @@ class Federation:
         outcome = RoundOutcome()
         timings: dict[str, float] = {}
 
-        configs = {node: replace(cfg, local_epochs=selection.epochs[node]) for node, cfg in
+        qat = number > config.num_rounds - config.qat_rounds  # a federated QAT round (the last qat-rounds)
+        models = [self._qat_arrays(arrays, qat) for arrays in models]
+        configs = {node: replace(cfg, local_epochs=selection.epochs[node], qat=qat) for node, cfg in
                    self.strategy.configure_train(number, selected, self._compression_round(number)).items()}
         phase = self.mode.train(number, available, models, configs, outcome, timings)
         for node in phase.accepted:

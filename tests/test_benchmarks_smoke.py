@@ -109,7 +109,7 @@ def test_selection_smoke() -> None:
 def test_edge_smoke() -> None:
     figures = _run("edge.py")
     keys = {"fp32_acc", "int8_acc", "size_ratio", "latency_speedup_b1", "latency_speedup_b64", "delta_sync_bytes",
-            "full_sync_bytes", "round_int8_acc"}
+            "full_sync_bytes", "round_int8_acc", "server_qat_acc", "federated_qat_acc", "federated_qat_s"}
     assert keys <= set(figures)
     assert all(float(figures[k]) > 0 for k in keys)  # type: ignore[arg-type]
     assert float(figures["int8_onnx_bytes"]) < float(figures["fp32_onnx_bytes"])  # type: ignore[arg-type]

@@ -1,0 +1,99 @@
+"""Federated QAT (``qat-rounds``) through the federation loop and the real ClientApp handlers (in-process
+Grid): the last rounds fine-tune with fake quantisation on every department, and what their observers
+saw comes back as arrays that the server averages with the model, in plaintext and under masking."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from quorumfl.core.data import prepare_partitions
+from quorumfl.core.data.store import read_partition
+from quorumfl.core.models import QAT_PREFIX, split_control
+from quorumfl.errors import ConfigError
+from quorumfl.protocol.wire import ARRAYS, METRICS, from_array_record
+from quorumfl.server.config import RunConfig
+from quorumfl.server.model_store import ModelStore
+from quorumfl.server.state.repository import RunStatus
+from quorumfl.training.qat import RANGE_DIVISOR, decode_ranges
+
+from .test_clustered_rounds import _contexts as _repeatable
+from .test_rounds import (
+    LoopbackGrid,
+    _contexts,
+    _federation,
+    task_identity,  # noqa: F401  (an autouse fixture)
+)
+
+RUN = {"num-rounds": 2, "qat-rounds": 1, "local-epochs": 1, "batch-size": 32, "learning-rate": 0.05, "seed": 5}
+
+
+@pytest.fixture
+def three_parts(tmp_path: Path) -> dict[str, Path]:
+    return prepare_partitions(tmp_path / "data", ["tax-office", "parks", "libraries"], seed=1, method="dirichlet",
+                              alpha=0.5)
+
+
+def _versions(repo: object, run_id: int) -> list[dict[str, np.ndarray]]:
+    return [ModelStore.load(v.path, v.sha256) for v in repo.list_model_versions(run_id=run_id)]  # type: ignore[attr-defined]
+
+
+def test_the_last_round_fine_tunes_with_fake_quantisation_and_averages_the_departments_ranges(
+    tmp_path: Path, three_parts: dict[str, Path]
+) -> None:
+    grid = LoopbackGrid(_contexts(three_parts))
+    fed, repo = _federation(tmp_path, grid, **RUN)
+    run_id = fed.run()
+    assert repo.get_run(run_id).status == RunStatus.COMPLETED, repo.get_run(run_id).error
+    first, last = _versions(repo, run_id)
+    assert not any(k.startswith(QAT_PREFIX) for k in first)  # round 1 trained plainly
+    stored = decode_ranges(last)
+    assert stored and set(last) == set(split_control(last)[0]) | {QAT_PREFIX + n for n in stored}
+
+    replies = [r for r in grid.replies if r.metadata.message_type == "train" and
+               r.content.metric_records[METRICS].get("qat-round") == 1.0]
+    assert len(replies) == 3  # every department fine-tuned with fake quantisation in round 2
+    weights = np.array([r.content.metric_records[METRICS]["num-examples"] for r in replies], dtype=np.float64)
+    sent = [from_array_record(r.content.array_records[ARRAYS]) for r in replies]
+    for key, value in last.items():  # the numpy reference: the example-weighted mean of what came back
+        stack = np.stack([s[key] for s in sent]).astype(np.float64)
+        np.testing.assert_allclose(value, np.tensordot(weights / weights.sum(), stack, axes=1), rtol=1e-5,
+                                   atol=1e-6, err_msg=key)
+    # what a department sent is what its observers saw: the input quantiser's range lies within its data's
+    first_observer = min(stored, key=lambda n: int(n.rsplit("_", 1)[1]))
+    for s, part in zip(sent, three_parts.values(), strict=True):
+        low, high = decode_ranges({QAT_PREFIX + first_observer: s[QAT_PREFIX + first_observer]})[first_observer]
+        x = read_partition(part).train.x
+        assert float(x.min()) - 1e-5 <= low < high <= float(x.max()) + 1e-5
+    low, high = stored[first_observer]  # ...and the federation's is their mean in asinh space
+    encoded = [np.sinh(RANGE_DIVISOR * np.float64(s[QAT_PREFIX + first_observer][1])) for s in sent]
+    assert min(encoded) - 1e-4 <= high <= max(encoded) + 1e-4
+
+
+@pytest.mark.slow
+def test_masked_qat_rounds_give_the_plaintext_model_and_ranges(tmp_path: Path, three_parts: dict[str, Path]) -> None:
+    plain, repo = _federation(tmp_path, LoopbackGrid(_repeatable(three_parts, tmp_path / "plain")), **RUN)
+    plain_run = plain.run()
+    masked, repo = _federation(tmp_path, LoopbackGrid(_repeatable(three_parts, tmp_path / "masked")), **RUN,
+                               **{"secure-aggregation": "masking", "secagg-threshold": 2})
+    masked_run = masked.run()
+    assert repo.get_run(masked_run).status == RunStatus.COMPLETED, repo.get_run(masked_run).error
+    reference, stored = _versions(repo, plain_run)[-1], _versions(repo, masked_run)[-1]
+    assert set(stored) == set(reference) and any(k.startswith(QAT_PREFIX) for k in stored)
+    for key, value in stored.items():  # 2^-16 fixed point, clip 8
+        np.testing.assert_allclose(value, reference[key], rtol=0, atol=1e-3, err_msg=key)
+
+
+def test_qat_rounds_refuse_what_they_do_not_combine_with() -> None:
+    for overrides, words in [
+        ({"qat-rounds": 2, "num-rounds": 2}, "must be below num-rounds"),
+        ({"qat-rounds": 1, "strategy": "scaffold"}, "fedavg or fedprox"),
+        ({"qat-rounds": 1, "dp": "local", "dp-noise-multiplier": 1.0, "model": "mlp-tanh"}, "with dp"),
+        ({"qat-rounds": 1, "compression": "int8"}, "with compression"),
+        ({"qat-rounds": 1, "secure-aggregation": "masking", "secagg-clip": 0.5}, "secagg-clip >= 1"),
+    ]:
+        with pytest.raises(ConfigError, match=words):
+            RunConfig.from_mapping({"num-rounds": 3, **overrides})
+
