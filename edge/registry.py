@@ -2,10 +2,11 @@
 
 Promotion takes the model version's weights (loaded and checked against its SHA-256 by the caller),
 measures the task's primary metric of the fp32 model, brings it to the asked precision (``int8``:
-QAT on calibration data and INT8 conversion; ``dynamic``: onnxruntime's INT8 weights; ``fp32``),
-exports ONNX and ExecuTorch, measures the ONNX artifact's metric in onnxruntime on the same data,
-and publishes each format under the next artifact version: the file is
-written atomically to ``HOME/edge/artifacts`` and its row (with the signed manifest) is added to the
+QAT on calibration data and INT8 conversion, or, for a version from federated QAT rounds, INT8
+conversion with the departments' activation ranges; ``dynamic``: onnxruntime's INT8 weights;
+``fp32``), exports ONNX and ExecuTorch, measures the ONNX artifact's metric in onnxruntime on the same
+data, and publishes each format under the next artifact version: the file (as the zlib stream a device
+downloads, ``STORED_SUFFIX``) is written atomically to ``HOME/edge/artifacts`` and its row (with the signed manifest) is added to the
 state DB, all formats in one transaction. Files are written before the rows, so a crash leaves at
 worst an unreferenced file, never a row without its file; file names carry the content hash, so
 two promotions racing for one version number cannot overwrite each other's file.
@@ -28,6 +29,7 @@ from torch import nn
 
 from quorumfl.core.files import atomic_write
 from quorumfl.core.tasks import CLASSIFICATION, Objective
+from quorumfl.edge.delta import decode, encode
 from quorumfl.edge.export import ArtifactFormat, Precision, export_artifact, export_form
 from quorumfl.edge.manifest import Channel, Manifest, check_payload
 from quorumfl.edge.qat import QatSettings, evaluate, quantize_aware
@@ -41,6 +43,11 @@ from quorumfl.training.qat import Ranges, calibrated
 __all__ = ["Calibration", "EdgeSource", "Registry", "input_dtype", "parse_architecture"]
 
 log = logging.getLogger(__name__)
+
+# Artifact files are kept as the zlib stream of a whole download (``edge.delta.encode`` against
+# nothing): a pruned INT8 model's zeros take no disk, and the manifest's size and SHA-256 stay those of
+# the artifact itself. A file without the suffix (promoted before) is read as it is.
+STORED_SUFFIX = ".zlib"
 
 
 @dataclass(frozen=True)
@@ -149,8 +156,8 @@ class Registry:
             )
             # the hash in the name: a concurrent promotion that drew the same version number (its
             # row is then refused by the unique constraint) can never overwrite this file
-            path = self.root / f"v{number}-{manifest.sha256[:16]}.{fmt.value}"
-            atomic_write(path, payload)
+            path = self.root / f"v{number}-{manifest.sha256[:16]}.{fmt.value}{STORED_SUFFIX}"
+            atomic_write(path, encode(payload, b""))  # at rest as the zlib stream a device downloads
             body = manifest.to_bytes()
             items.append(NewArtifact(format=fmt.value, size_bytes=len(payload), sha256=manifest.sha256,
                                      signature=sign(key, body).hex(), manifest=body.decode(), path=str(path)))
@@ -172,5 +179,11 @@ class Registry:
         except OSError as exc:
             raise ArtifactError(f"artifact file {row.path} is unreadable ({exc.strerror or exc})") from exc
         manifest = Manifest.from_bytes(row.manifest.encode())
+        if row.path.endswith(STORED_SUFFIX):  # inflated to at most the signed size, then checked as a plain file
+            try:
+                data = decode(data, b"", manifest.size)
+            except ArtifactError:
+                raise ArtifactError(f"artifact file {row.path} is damaged: its zlib stream does not inflate to the "
+                                    f"{manifest.size} bytes its manifest signs") from None
         check_payload(manifest, data)
         return data, manifest

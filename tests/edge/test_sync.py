@@ -20,6 +20,7 @@ from sqlalchemy import update
 from quorumfl.edge.delta import encode
 from quorumfl.edge.export import ArtifactFormat
 from quorumfl.edge.manifest import Channel
+from quorumfl.edge.registry import Registry
 from quorumfl.edge.service import SyncServer, SyncService, start_server
 from quorumfl.edge.sync import installed, load_current, rollback, sync
 from quorumfl.errors import ArtifactError, ConfigError
@@ -52,7 +53,7 @@ def _latest(published: Published, fmt: str = "onnx") -> EdgeArtifact:
 def test_two_devices_install_and_run_the_artifact(server: SyncServer, published: Published, tmp_path: Path,
                                                   digits_eval: tuple[np.ndarray, np.ndarray]) -> None:
     row = _latest(published)
-    wire = len(encode(Path(row.path).read_bytes(), b""))  # the whole file as one zlib stream
+    wire = len(encode(Registry.payload(row), b""))  # the whole file as one zlib stream
     assert wire < row.size_bytes
     for device in ("a", "b"):
         result = _sync(server, published, tmp_path / device)
@@ -194,7 +195,7 @@ def test_a_newer_version_travels_as_a_delta_and_a_refused_delta_is_fetched_whole
     finally:
         srv.stop()
     assert (result.version, result.delta_from, result.downloaded_bytes) == (
-        newer[0].version, None, len(encode(Path(newer[0].path).read_bytes(), b"")))
+        newer[0].version, None, len(encode(Registry.payload(newer[0]), b"")))
     assert list(whole.deltas) == [0]
 
 
@@ -231,7 +232,7 @@ def test_without_a_delta_the_whole_artifact_is_downloaded(published: Published, 
             result = _sync(srv, published, device)
         finally:
             srv.stop()
-        whole = len(encode(Path(rows[0].path).read_bytes(), b"")) if isinstance(service, Baseless) else rows[0].size_bytes
+        whole = len(encode(Registry.payload(rows[0]), b"")) if isinstance(service, Baseless) else rows[0].size_bytes
         assert (result.status, result.delta_from, result.downloaded_bytes) == ("updated", None, whole)
         assert hashlib.sha256((device / f"v{rows[0].version}.onnx").read_bytes()).hexdigest() == rows[0].sha256
 
@@ -296,7 +297,7 @@ def test_cut_download_resumes_from_its_offset(published: Published, tmp_path: Pa
     finally:
         srv.stop()
     # Assert: the second request started at the bytes already on disk, and only the rest travelled
-    wire = len(encode(Path(row.path).read_bytes(), b""))
+    wire = len(encode(Registry.payload(row), b""))
     assert 0 < cut_at < wire
     assert list(cutting.downloads) == [(row.version, "onnx", 0), (row.version, "onnx", cut_at)]
     assert (result.status, result.resumed_from, result.downloaded_bytes) == ("updated", cut_at, wire - cut_at)
@@ -469,7 +470,7 @@ def test_each_stream_is_encoded_once_for_a_fleet_and_a_damaged_file_is_still_ref
     try:
         results = [_sync(srv, published, device) for device in devices]
         assert service.encoded == 1
-        expected = encode(Path(row.path).read_bytes(), base)
+        expected = encode(Registry.payload(row), base)
         assert [(r.delta_from, r.downloaded_bytes) for r in results] == [(held.manifest.version, len(expected))] * 3
         for device in devices:
             assert hashlib.sha256((device / f"v{row.version}.onnx").read_bytes()).hexdigest() == row.sha256
