@@ -4,8 +4,9 @@ The model is captured with ``torch.export`` (batch dimension dynamic), prepared 
 pt2e flow with ExecuTorch's XNNPACK quantizer (symmetric INT8 per-channel weights in 7 bits of range,
 ``WEIGHT_QMAX``; per-tensor activations), fine-tuned on local data with fake quantisation in the loop, then converted to a graph
 of real INT8 quantise/dequantise ops that the ONNX and ExecuTorch exporters lower to INT8 kernels.
-Nothing here is written by hand that torchao provides; this module only wires the steps together and
-checks its inputs. With ``sparsity`` (``QatSettings``), each Linear/Conv weight first loses that
+Nothing here is written by hand that torchao provides; the pt2e steps themselves live in
+``quorumfl.training.qat`` (shared with the departments' federated QAT rounds), and this module
+checks the server-side inputs and wires them together. With ``sparsity`` (``QatSettings``), each Linear/Conv weight first loses that
 fraction of its smallest-magnitude entries (torch's ``prune.l1_unstructured``), and the zeros are
 kept through fine-tuning, so the INT8 weights hold the same zeros and the artifact compresses
 (``quorumfl.edge.delta``: downloads are zlib streams). The loss is the task's objective (cross-entropy for classes, squared error for a
@@ -36,6 +37,7 @@ from quorumfl.training.qat import MAX_BATCH, WEIGHT_QMAX, int8_obstacle
 
 __all__ = ["MAX_BATCH", "MAX_SPARSITY", "WEIGHT_QMAX", "QatSettings", "QuantizedModel", "accuracy", "evaluate",
            "int8_obstacle", "prune_by_magnitude", "quantize_aware", "weight_sparsity"]
+
 
 @dataclass(frozen=True)
 class QatSettings:
