@@ -29,7 +29,9 @@ flower_warm_train_s, flower_warm_overhead_s (QuorumFL's nodes); plain_round_s, p
 plain_overhead_s; masked_round_s, masked_overhead_s; ckks_round_s, ckks_overhead_s;
 quorumfl_over_flower (plain / Flower round on stock nodes), quorumfl_over_flower_warm (plain / Flower
 round on QuorumFL's nodes), masked_over_plain, ckks_over_plain; plain_aggregate_s, plain_evaluate_s,
-plain_store_s (the server's own steps); per-round lists; server peak RSS.
+plain_store_s (the server's own steps); per-round lists, and each round's recorded stages
+(``plain_stages_s``, ``masked_stages_s``, ``ckks_stages_s``: train, the secure stages, evaluate, store,
+the slowest node's training), so a slow round shows where its time went; server peak RSS.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ def _quorumfl(name: str, rounds: list[dict[str, float]]) -> dict[str, Any]:
     median = statistics.median(seconds)
     slowest = statistics.median(train)
     return {f"{name}_round_s": median, f"{name}_train_s": slowest, f"{name}_overhead_s": median - slowest,
-            f"{name}_rounds_s": [round(s, 2) for s in seconds]}
+            f"{name}_rounds_s": [round(s, 2) for s in seconds],
+            f"{name}_stages_s": [{k: round(v, 2) for k, v in t.items()} for t in rounds]}
 
 
 def _flower_rounds(home: Path, federation: LocalFederation, size: Sizes) -> list[dict[str, float]]:

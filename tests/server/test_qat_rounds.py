@@ -40,6 +40,7 @@ def _versions(repo: object, run_id: int) -> list[dict[str, np.ndarray]]:
     return [ModelStore.load(v.path, v.sha256) for v in repo.list_model_versions(run_id=run_id)]  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow  # ~20 s: the default suite keeps the unit tests (tests/edge/test_federated_qat.py)
 def test_the_last_round_fine_tunes_with_fake_quantisation_and_averages_the_departments_ranges(
     tmp_path: Path, three_parts: dict[str, Path]
 ) -> None:
