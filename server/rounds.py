@@ -170,14 +170,17 @@ class Federation:
         ranges = {k for k in arrays if k.startswith(QAT_PREFIX)}
         if not qat:
             return {k: v for k, v in arrays.items() if k not in ranges} if ranges else arrays
-        if ranges:
-            return arrays
+        return arrays if ranges else {**arrays, **self._range_template()}
+
+    def _range_template(self) -> Arrays:
+        """The unset activation ranges of this run's model (``training.qat.range_template``), built once;
+        it refuses a model INT8 cannot run."""
         if self._qat_template is None:
             from quorumfl.training.qat import range_template
 
             spec = self.task.spec
             self._qat_template = dict(range_template(self.model, tuple(spec.resolve().input_shape(spec.schema))))
-        return {**arrays, **self._qat_template}
+        return self._qat_template
 
     def _available_nodes(self) -> list[int]:
         """Connected, enabled nodes; waits up to ``node-wait-timeout`` for ``min-nodes`` of them."""
@@ -218,7 +221,7 @@ class Federation:
         try:
             lineages, models, parents = self._initial()
             if config.qat_rounds:  # a model INT8 cannot run is refused before any round, not at the first QAT one
-                self._qat_arrays({}, True)
+                self._range_template()
             first, completed, seen = 1, 0, set[int]()
             if config.resume_run:
                 first, completed, seen = resume_point(self.repo, self.store, run, lineages, models, parents)
