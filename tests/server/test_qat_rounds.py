@@ -116,3 +116,25 @@ def test_ckks_qat_rounds_give_the_plaintext_model_and_ranges(tmp_path: Path, thr
     # boundary in round 2's training, which then differs by a few 1e-6: the bound of the masked test
     for key, value in stored.items():
         np.testing.assert_allclose(value, reference[key], rtol=0, atol=1e-3, err_msg=key)
+
+
+def test_a_node_refuses_a_qat_round_it_cannot_check(three_parts: dict[str, Path]) -> None:
+    """A server that asks for a QAT round beside DP-SGD, or sends no ranges with the model: the node
+    refuses before training, naming why (it fails closed whatever the server's config says)."""
+    from dataclasses import replace
+
+    from quorumfl.client.node_round import train_round
+    from quorumfl.core.models import build_model, model_to_arrays
+    from quorumfl.protocol.wire import TrainConfig
+    from quorumfl.training.qat import range_template
+
+    part = read_partition(next(iter(three_parts.values())))
+    model = build_model("mlp", part.train.input_shape, 10, seed=0)
+    arrays = model_to_arrays(model)
+    config = TrainConfig(server_round=2, model="mlp", local_epochs=1, batch_size=32, learning_rate=0.05,
+                         proximal_mu=0.0, seed=0, qat=True)
+    with pytest.raises(ConfigError, match="sent no activation ranges"):
+        train_round(config, [arrays], None, part.train, part.test)
+    with_ranges = {**arrays, **range_template(model, part.train.input_shape)}
+    with pytest.raises(ConfigError, match="without dp or compression"):
+        train_round(replace(config, dp="distributed"), [with_ranges], None, part.train, part.test)
