@@ -26,7 +26,11 @@ Both models are exported to ONNX the same way and measured in onnxruntime on the
 
 - a non-image task (``table_figures``, skipped with ``--no-table``): Ames housing sales, the tabular
   task's ``mlp`` predicting the sale price, metric MAE in dollars; the same QAT (``--table-qat-epochs``,
-  the same ``--sparsity``), export and measures on the department's own test rows.
+  the same ``--sparsity``), export and measures on the department's own test rows. QAT first zeroes
+  the first layer's weights for the one-hot slots the model never reads (``zero_unread_inputs``:
+  categories below their floor; no output changes), which most of that layer is
+  (``table_unread_weights``); ``table_size_ratio_over_fp32_download`` compares with an fp32 download
+  that has the same zeros, to show what INT8 itself adds.
 
     python benchmarks/edge.py            # Fashion-MNIST, cnn-wide, 3 fp32 epochs, 1 QAT epoch; Ames
     python benchmarks/edge.py --smoke    # digits, small cnn, tiny sizes; 400 Ames sales
@@ -37,8 +41,9 @@ federated_qat_departments, federated_qat_s, size_ratio, file_size_ratio, int8_do
 int8_weight_sparsity, latency_speedup_b1, latency_speedup_b64, the
 latencies in ms, file sizes, the .pte size, delta_sync_bytes, full_sync_bytes, delta_over_full,
 round_int8_acc, times of each step and peak RSS; the table task's table_fp32_mae, table_int8_mae,
-table_mae_change_pct, table_size_ratio, table_file_size_ratio, table_latency_speedup_b1 and its sizes
-and latencies (``table_*``).
+table_mae_change_pct, table_size_ratio, table_file_size_ratio, table_unread_weights,
+table_fp32_zeroed_download_bytes, table_size_ratio_over_fp32_download, table_latency_speedup_b1 and its
+sizes and latencies (``table_*``).
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ from quorumfl.core.data.datasets import holdout_split
 from quorumfl.core.models import arrays_to_model, build_model, model_to_arrays
 from quorumfl.edge.delta import decode, encode
 from quorumfl.edge.export import ArtifactFormat, onnx_bytes, pte_bytes
-from quorumfl.edge.qat import QatSettings, quantize_aware, weight_sparsity
+from quorumfl.edge.qat import QatSettings, quantize_aware, weight_sparsity, zero_unread_inputs
 from quorumfl.edge.runtime import load_model
 
 
@@ -173,6 +178,11 @@ def table_figures(*, rows: int, epochs: int, qat_epochs: int, sparsity: float, r
     fp32_mae, int8_mae = mae(fp32), mae(int8)
     b1 = median_latency([fp32, int8], test.x[:1], repeats)
     download = len(encode(int8_file, b""))
+    # What quantize_aware zeroed first (exact: inputs the model never reads), and the fp32 download a
+    # promotion at --precision fp32 would serve with the same zeros: how much of the ratio is INT8's.
+    zeroed = copy.deepcopy(model)
+    unread = zero_unread_inputs(zeroed)
+    fp32_zeroed_download = len(encode(onnx_bytes(zeroed, torch.from_numpy(data.x[:2])), b""))
     return {
         "table_dataset": "ames",
         "table_model": "mlp",
@@ -189,6 +199,9 @@ def table_figures(*, rows: int, epochs: int, qat_epochs: int, sparsity: float, r
         "table_size_ratio": len(fp32_file) / download,
         "table_file_size_ratio": len(fp32_file) / len(int8_file),
         "table_int8_weight_sparsity": weight_sparsity(quantized.module.buffers()),
+        "table_unread_weights": unread,
+        "table_fp32_zeroed_download_bytes": fp32_zeroed_download,
+        "table_size_ratio_over_fp32_download": fp32_zeroed_download / download,
         "table_fp32_ms_b1": b1[0] * 1e3,
         "table_int8_ms_b1": b1[1] * 1e3,
         "table_latency_speedup_b1": b1[0] / b1[1],

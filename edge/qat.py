@@ -9,7 +9,10 @@ Nothing here is written by hand that torchao provides; the pt2e steps themselves
 checks the server-side inputs and wires them together. With ``sparsity`` (``QatSettings``), each Linear/Conv weight first loses that
 fraction of its smallest-magnitude entries (torch's ``prune.l1_unstructured``), and the zeros are
 kept through fine-tuning, so the INT8 weights hold the same zeros and the artifact compresses
-(``quorumfl.edge.delta``: downloads are zlib streams). The loss is the task's objective (cross-entropy for classes, squared error for a
+(``quorumfl.edge.delta``: downloads are zlib streams). Whatever the sparsity, ``zero_unread_inputs``
+first zeroes the weights of inputs the model never reads (a table model's category slots that its
+``Standardize`` layer reads as 0: most of a one-hot table's first layer), which changes no output
+and leaves each output channel's INT8 scale to the weights that count. The loss is the task's objective (cross-entropy for classes, squared error for a
 regression target), so a table model fine-tunes as it was trained. No I/O.
 
 A model whose arithmetic is mostly a lookup (``nn.Embedding``/``nn.EmbeddingBag``: the text task's
@@ -30,13 +33,14 @@ import torch
 from numpy.typing import NDArray
 from torch import nn
 
+from quorumfl.core.tasks.modules import Standardize
 from quorumfl.core.tasks.objective import CLASSIFICATION, Objective
 from quorumfl.errors import ConfigError, EdgeError
 from quorumfl.training import qat
 from quorumfl.training.qat import MAX_BATCH, WEIGHT_QMAX, int8_obstacle
 
 __all__ = ["MAX_BATCH", "MAX_SPARSITY", "WEIGHT_QMAX", "QatSettings", "QuantizedModel", "accuracy", "evaluate",
-           "int8_obstacle", "prune_by_magnitude", "quantize_aware", "weight_sparsity"]
+           "int8_obstacle", "prune_by_magnitude", "quantize_aware", "weight_sparsity", "zero_unread_inputs"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,32 @@ def prune_by_magnitude(model: nn.Module, sparsity: float) -> None:
         if isinstance(module, _PRUNED):
             prune.l1_unstructured(module, "weight", amount=sparsity)  # type: ignore[no-untyped-call]
             prune.remove(module, "weight")  # type: ignore[no-untyped-call]
+
+
+def zero_unread_inputs(model: nn.Module) -> int:
+    """Zero, in place, the weights of inputs ``model`` never reads; return how many were zeroed.
+
+    A ``Standardize`` layer outputs 0 for every feature below its floor (a category slot too rare
+    in the federation, ``Standardize.kept``), whatever the input, so the ``Linear`` right after it
+    (in an ``nn.Sequential``) multiplies those columns by 0 on every call: zeroing them changes no
+    output. Training never moves them either (their gradient is 0), so they keep their random
+    initial values. Zeroed, they cost an INT8 download almost nothing (zlib), and no longer widen
+    their rows' per-channel INT8 scales. A model whose statistics are not yet set reads everything."""
+    zeroed = 0
+    for container in model.modules():
+        if not isinstance(container, nn.Sequential):
+            continue
+        layers = list(container)
+        for first, second in zip(layers, layers[1:], strict=False):
+            if isinstance(first, Standardize) and isinstance(second, nn.Linear):
+                unread = ~first.kept()
+                if unread.shape != (second.in_features,):
+                    raise EdgeError(f"a Standardize layer of {unread.numel()} features feeds a Linear layer of "
+                                    f"{second.in_features} inputs; the model is inconsistent")
+                with torch.no_grad():
+                    zeroed += int((second.weight[:, unread] != 0).sum())
+                    second.weight[:, unread] = 0.0
+    return zeroed
 
 
 def weight_sparsity(parameters: Iterable[torch.Tensor]) -> float:
@@ -143,6 +173,7 @@ def quantize_aware(
     features, labels = _tensor(x), _tensor(y)
     example = features[: min(len(features), settings.batch_size)].clone()
     source = _copy_eval(model)
+    zero_unread_inputs(source)
     prune_by_magnitude(source, settings.sparsity)
     prepared = qat.prepare(source, example)
     # Pruned weights stay zero through fine-tuning: re-zeroed after every step (an exact zero

@@ -14,6 +14,7 @@ two promotions racing for one version number cannot overwrite each other's file.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 from collections.abc import Sequence
@@ -32,7 +33,7 @@ from quorumfl.core.tasks import CLASSIFICATION, Objective
 from quorumfl.edge.delta import decode, encode
 from quorumfl.edge.export import ArtifactFormat, Precision, export_artifact, export_form
 from quorumfl.edge.manifest import Channel, Manifest, check_payload
-from quorumfl.edge.qat import QatSettings, evaluate, quantize_aware
+from quorumfl.edge.qat import QatSettings, evaluate, quantize_aware, zero_unread_inputs
 from quorumfl.edge.runtime import load_model
 from quorumfl.edge.signing import load_private_key, sign
 from quorumfl.errors import ArtifactError, ConfigError, ModelError
@@ -116,7 +117,8 @@ class Registry:
         if settings is not None and settings.sparsity > 0 and precision is not Precision.INT8:
             raise ConfigError(f"--sparsity prunes before quantisation-aware training, which only --precision int8 runs "
                               f"(got {precision.value}); drop --sparsity or use int8")
-        model, input_shape, objective = source.model, source.input_shape, calibration.objective
+        model, input_shape, objective = copy.deepcopy(source.model), source.input_shape, calibration.objective
+        zero_unread_inputs(model)  # changes no output; every format's zlib download shrinks by them
         dtype = input_dtype(calibration.x_train)
         metric = objective.primary
         fp32 = evaluate(model, calibration.x_eval, calibration.y_eval, objective)[metric]

@@ -272,3 +272,31 @@ def test_extend_after_add_keeps_what_add_accumulated() -> None:
     assert list(rejected) == ["bad"] and "1 non-finite" in rejected["bad"]
     assert mean.nodes == ["first", "second"]
     np.testing.assert_array_equal(mean.result()["w"], np.full(LARGE, 3.0, np.float32))
+
+
+def test_a_result_is_never_changed_by_later_terms_or_by_later_means() -> None:
+    """The float32 blocks and partial sums are reused in place: a result the caller holds must share no
+    memory with them and stay what it was, whatever is summed afterwards, by this mean or the next."""
+    import gc
+
+    rng = np.random.default_rng(7)
+    shapes = {"w": (LARGE + 3,), "b": (5,)}
+    first, more, other = (_updates(rng, n, shapes) for n in (BLOCK + 3, 4, BLOCK * 2 + 1))
+    more = [NodeUpdate(f"m{i}", u.arrays, u.weight) for i, u in enumerate(more)]
+    mean = WeightedMean(first[0].arrays)
+    assert not mean.extend(first)
+    early = mean.result()
+    early_copy = {k: v.copy() for k, v in early.items()}
+    assert not mean.extend(more)
+    both = mean.result()
+    del mean
+    gc.collect()  # its memory is free for the next mean's
+    later = aggregate_weighted_mean(other)
+    for key, value in _reference(first).items():
+        np.testing.assert_array_equal(early[key], early_copy[key])
+        np.testing.assert_allclose(early[key], value, rtol=1e-5, atol=1e-6)
+    for key, value in _reference(first + more).items():
+        np.testing.assert_allclose(both[key], value, rtol=1e-5, atol=1e-6)
+    for key, value in _reference(other).items():
+        np.testing.assert_allclose(later[key], value, rtol=1e-5, atol=1e-6)
+    assert not np.shares_memory(early["w"], both["w"]) and not np.shares_memory(both["w"], later["w"])

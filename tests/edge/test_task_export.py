@@ -6,6 +6,7 @@ on a department's partition of the run's schema, never on a built-in dataset."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -222,3 +223,55 @@ def test_the_cli_exports_a_text_model_and_a_device_predicts_with_it(tmp_path: Pa
     assert view["accuracy"] == pytest.approx(float(np.mean(np.asarray(view["predicted"]) == test.y[:40])))
     no_input = quorumfl("edge", "predict", "--dir", str(tmp_path / "device"))
     assert no_input.returncode != 0 and "--input" in no_input.stderr
+
+
+def test_weights_of_inputs_a_table_model_never_reads_are_zeroed_and_no_output_changes(tmp_path: Path) -> None:
+    """A category slot below its floor is read as 0 by ``Standardize`` whatever the row holds, so the
+    first layer's column for it is dead weight: zeroing it must change no output, even for rows that
+    set that slot, and the INT8 artifact then holds those zeros (its download shrinks by them)."""
+    from quorumfl.edge.delta import encode
+    from quorumfl.edge.export import onnx_bytes
+    from quorumfl.edge.qat import QatSettings, quantize_aware, zero_unread_inputs
+
+    source = write_csv(tmp_path / "sales.csv", property_rows(400, seed=5))
+    schema = propose_schema(source, "tabular", {"label": "sale_price", "ignore": "parcel,band"})
+    import_partition(source, tmp_path / "part", department="assessor", schema=schema)
+    data = read_partition(tmp_path / "part").train
+    spec = ModelSpec("tabular", "mlp", json.dumps(schema, sort_keys=True))
+    model = spec.build(seed=0)
+    untouched = spec.build(seed=0)
+    assert zero_unread_inputs(untouched) == 0  # statistics not set yet: every input is read
+    stats = find_statistics(model)
+    assert stats is not None
+    stats.set_statistics(torch.from_numpy(data.x))
+    stats.floor[:3] = 2.0  # three more slots that no federation could hold often enough (a mean is at most 1)
+    unread = ~stats.kept()
+    assert int(unread.sum()) >= 3
+    first = model[1]
+    assert isinstance(first, torch.nn.Linear) and bool((first.weight[:, unread] != 0).all())
+    zeroed = copy.deepcopy(model)
+    model.eval()
+    zeroed.eval()
+    assert zero_unread_inputs(zeroed) == int(unread.sum()) * first.out_features
+    assert zero_unread_inputs(zeroed) == 0  # idempotent
+    assert bool((zeroed[1].weight[:, unread] == 0).all()) and bool((zeroed[1].weight[:, ~unread] == first.weight[:, ~unread]).all())
+    rows = torch.from_numpy(np.random.default_rng(0).uniform(-1, 1, (64, data.x.shape[1])).astype(np.float32))
+    with torch.no_grad():
+        assert torch.equal(model(rows), zeroed(rows))  # exactly: those columns only ever met zeros
+    # the INT8 path zeroes them itself, before QAT: the converted graph's first weight has those zero columns
+    quantized = quantize_aware(model, data.x, data.y, data.input_shape, objective=spec.objective(),
+                               settings=QatSettings(epochs=1, batch_size=32, seed=0))
+    weights = [b for b in quantized.module.buffers() if b.dim() == 2 and b.shape[1] == data.x.shape[1]]
+    assert len(weights) == 1 and bool((weights[0][:, unread] == 0).all())
+    # and the fp32 download with the zeros is smaller than without
+    example = torch.from_numpy(data.x[:2])
+    assert len(encode(onnx_bytes(zeroed, example), b"")) < len(encode(onnx_bytes(model, example), b""))
+
+
+def test_a_standardize_layer_that_does_not_match_its_linear_layer_is_refused() -> None:
+    from quorumfl.core.tasks.modules import Standardize
+    from quorumfl.edge.qat import zero_unread_inputs
+
+    model = torch.nn.Sequential(Standardize(5, torch.zeros(5)), torch.nn.Linear(4, 2))
+    with pytest.raises(EdgeError, match="5 features feeds a Linear layer of 4 inputs"):
+        zero_unread_inputs(model)
