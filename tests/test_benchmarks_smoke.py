@@ -117,6 +117,7 @@ def test_edge_smoke() -> None:
     table = {"table_fp32_mae", "table_int8_mae", "table_size_ratio", "table_latency_speedup_b1"}  # the non-image task
     assert table <= set(figures) and all(float(figures[k]) > 0 for k in table)  # type: ignore[arg-type]
     assert float(figures["table_int8_onnx_bytes"]) < float(figures["table_fp32_onnx_bytes"])  # type: ignore[arg-type]
+    assert {"table_unread_weights", "table_size_ratio_over_fp32_download", "table_sparsity"} <= set(figures)
 
 
 @pytest.mark.slow
