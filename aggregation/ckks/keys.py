@@ -28,8 +28,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 from numpy.typing import NDArray
@@ -48,10 +49,12 @@ from quorumfl.errors import ConfigError, SecureAggregationError
 
 __all__ = [
     "Announcement",
+    "BundleStore",
     "CeremonyCoordinator",
     "Commitment",
     "KeyParty",
     "KeyShare",
+    "MemoryBundles",
     "Reveal",
     "ceremony_in_one_process",
     "commitment_message",
@@ -311,13 +314,68 @@ class KeyParty:
         )
 
 
-class CeremonyCoordinator:
-    """The server's side: routes commitments, reveals and bundles; computes the same public key; holds no secret."""
+class BundleStore(Protocol):
+    """Where the coordinator keeps the encrypted share bundles between the reveal and finish stages:
+    n·(n − 1) of them, 131 KB each at the default parameters (1.3 GB at 100 members), so the server
+    keeps them on disk (``quorumfl.server.ckks``); ``MemoryBundles`` otherwise."""
 
-    def __init__(self, announcement: Announcement) -> None:
+    def put(self, sender: int, recipient: int, bundle: bytes) -> None: ...
+
+    def inbox(self, recipient: int) -> dict[int, bytes]:
+        """The bundles addressed to ``recipient``, by sender."""
+        ...
+
+    def size(self, recipient: int) -> int:
+        """The bytes of ``recipient``'s inbox."""
+        ...
+
+
+class MemoryBundles:
+    """Bundles kept in memory (one-process ceremonies, tests)."""
+
+    def __init__(self) -> None:
+        self._by_recipient: dict[int, dict[int, bytes]] = {}
+
+    def put(self, sender: int, recipient: int, bundle: bytes) -> None:
+        self._by_recipient.setdefault(recipient, {})[sender] = bundle
+
+    def inbox(self, recipient: int) -> dict[int, bytes]:
+        return dict(self._by_recipient.get(recipient, {}))
+
+    def size(self, recipient: int) -> int:
+        return sum(len(b) for b in self._by_recipient.get(recipient, {}).values())
+
+
+class _Inbox(Mapping[int, dict[int, bytes]]):
+    """Per revealer, the bundles addressed to it, read from the store when asked for."""
+
+    def __init__(self, store: BundleStore, recipients: Sequence[int]) -> None:
+        self._store = store
+        self._recipients = tuple(recipients)
+
+    def __getitem__(self, recipient: int) -> dict[int, bytes]:
+        if recipient not in self._recipients:
+            raise KeyError(recipient)
+        return self._store.inbox(recipient)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._recipients)
+
+    def __len__(self) -> int:
+        return len(self._recipients)
+
+
+class CeremonyCoordinator:
+    """The server's side: routes commitments, reveals and bundles; computes the same public key; holds no secret.
+
+    Each accepted reveal's bundles go to ``bundles`` (a ``BundleStore``; in memory unless given) and
+    only its public share stays here, so the server's memory need not hold the n² bundles."""
+
+    def __init__(self, announcement: Announcement, bundles: BundleStore | None = None) -> None:
         self.announcement = announcement
+        self.bundles: BundleStore = bundles if bundles is not None else MemoryBundles()
         self.commitments: dict[int, Commitment] = {}
-        self.reveals: dict[int, Reveal] = {}
+        self.reveals: dict[int, Reveal] = {}  # each without its bundles (they are in ``bundles``)
         self.confirmed: list[int] = []
         self.public_key: bytes | None = None
 
@@ -344,10 +402,13 @@ class CeremonyCoordinator:
             raise SecureAggregationError(f"public share of node {reveal.node} does not match its commitment")
         if set(reveal.bundles) != set(self.commitments) - {reveal.node}:
             raise SecureAggregationError(f"node {reveal.node} did not send a share to every committed member")
-        self.reveals[reveal.node] = reveal
+        for recipient, bundle in reveal.bundles.items():
+            self.bundles.put(reveal.node, recipient, bundle)
+        self.reveals[reveal.node] = Reveal(reveal.node, reveal.b, {})
 
-    def finish_request(self) -> tuple[dict[int, U64], dict[int, dict[int, bytes]]]:
-        """For stage 3: every revealer's b, and per recipient the bundles addressed to it. Fixes pk."""
+    def finish_request(self) -> tuple[dict[int, U64], Mapping[int, dict[int, bytes]]]:
+        """For stage 3: every revealer's b, and per revealer the bundles addressed to it from the
+        other revealers (read from the store as each is asked for). Fixes pk."""
         ann = self.announcement
         if len(self.reveals) < ann.threshold:
             raise SecureAggregationError(f"only {len(self.reveals)} members revealed; the key needs {ann.threshold}")
@@ -357,8 +418,7 @@ class CeremonyCoordinator:
             total = add_mod(total, reveal.b, seal.primes)
         self.public_key = seal.public_key(total, expand_uniform(ann.seed, seal.primes, ann.params.poly_degree))
         reveals = {node: r.b for node, r in self.reveals.items()}
-        inbox = {node: {s: r.bundles[node] for s, r in self.reveals.items() if node in r.bundles} for node in self.reveals}
-        return reveals, inbox
+        return reveals, _Inbox(self.bundles, sorted(self.reveals))
 
     def confirm(self, node: int, key_id: str) -> None:
         if self.public_key is None:

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import Context, Message, RecordDict
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from quorumfl.aggregation.ckks import CkksParams, ceremony_in_one_process
 from quorumfl.client.app import app
@@ -27,6 +29,7 @@ from quorumfl.protocol.ckks_wire import (
     encode_train_request,
 )
 from quorumfl.protocol.wire import ARRAYS
+from quorumfl.server.config import RunConfig
 from quorumfl.server.state.repository import RoundStatus, RunStatus
 
 from .test_rounds import (
@@ -230,3 +233,83 @@ def test_a_contribution_whose_record_names_another_ciphertext_is_dropped_and_the
     refused = {(f.node_id, f.stage): f for f in only.failures}
     assert set(refused) == {(n, "train") for n in swapped}
     assert all("names another ciphertext" in f.reason for f in refused.values())
+
+
+def test_a_ceremony_whose_inboxes_exceed_the_wave_budget_finishes_in_waves_from_a_spool_it_leaves_no_trace_of(
+    tmp_path: Path, six_parts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server spools the n² bundles to an unlinked file and asks members to finish a few at a time;
+    the key and the rounds are those of a ceremony held at once (the run equals plaintext FedAvg)."""
+    import quorumfl.server.ckks as server_ckks
+
+    plain_fed, repo = _federation(tmp_path, LoopbackGrid(_contexts(six_parts, REPRODUCIBLE)))
+    plain_models = _models(repo, plain_fed.run())
+    pushes: list[list[int]] = []
+
+    def record(sent: list[Message], replies: list[Message]) -> list[Message]:
+        if sent and sent[0].metadata.message_type == FINISH:
+            pushes.append(sorted(m.metadata.dst_node_id for m in sent))
+        return replies
+
+    # each member's inbox holds 5 bundles: a budget of two inboxes makes waves of 2, 2 and 2
+    grid = LoopbackGrid(_contexts(six_parts, REPRODUCIBLE))
+    grid.drop = record
+    sizes: list[int] = []
+    real_waves = server_ckks.finish_waves
+
+    def waves(members: list[int], size: object, budget: int | None = None) -> list[list[int]]:
+        assert callable(size)
+        sizes.extend(size(m) for m in members)
+        return real_waves(members, size, 2 * max(size(m) for m in members))
+
+    monkeypatch.setattr(server_ckks, "finish_waves", waves)
+    fed, repo = _federation(tmp_path / "ckks", grid, **CKKS)
+    run_id = fed.run()
+    assert repo.get_run(run_id).status == RunStatus.COMPLETED
+    assert len(pushes) == 3 and all(len(p) == 2 for p in pushes)
+    assert sorted(n for p in pushes for n in p) == sorted(grid.nodes)
+    assert len(set(sizes)) == 1 and sizes[0] > 5 * 100_000  # five bundles of a share polynomial each
+    [ceremony] = repo.ceremonies(run_id)
+    assert ceremony.status == "complete" and len(ceremony.holders) == 6
+    for plain, decrypted in zip(plain_models, _models(repo, run_id), strict=True):
+        for key in plain:
+            np.testing.assert_allclose(decrypted[key], plain[key], rtol=0, atol=1e-6)
+    spool_dir = RunConfig.from_mapping({}).resolved_model_dir()  # the run's model folder (the test's home)
+    assert spool_dir.is_dir() and tmp_path in spool_dir.parents
+    assert not [p for p in spool_dir.rglob("*") if "ckks-bundles" in p.name]  # unlinked as it was made
+
+
+@settings(max_examples=80, deadline=None)
+@given(sizes=st.lists(st.integers(0, 50), max_size=20), budget=st.integers(1, 60))
+def test_finish_waves_ask_every_member_once_in_order_within_the_budget(sizes: list[int], budget: int) -> None:
+    from quorumfl.server.ckks import finish_waves
+
+    members = [100 + i for i in range(len(sizes))]
+    size = dict(zip(members, sizes, strict=True))
+    waves = finish_waves(members, size.__getitem__, budget)
+    assert [m for wave in waves for m in wave] == members
+    assert all(wave for wave in waves)
+    for wave in waves:
+        assert len(wave) == 1 or sum(size[m] for m in wave) <= budget
+
+
+def test_spooled_bundles_come_back_to_their_recipients_and_an_unwritable_folder_is_one_clear_error(tmp_path: Path) -> None:
+    from quorumfl.errors import StateError
+    from quorumfl.server.ckks import SpooledBundles
+
+    rng = np.random.default_rng(0)
+    sent = {(s, r): rng.bytes(int(rng.integers(0, 3000))) for s in range(5) for r in range(5) if s != r}
+    with SpooledBundles(tmp_path / "spool") as spool:
+        for (s, r), bundle in sent.items():
+            spool.put(s, r, bundle)
+        spool.put(1, 0, b"again")  # a sender's later bundle for a recipient replaces its earlier one
+        sent[(1, 0)] = b"again"
+        assert list((tmp_path / "spool").iterdir()) == []  # no name on disk, even while open
+        for r in range(5):
+            assert spool.inbox(r) == {s: b for (s, rr), b in sent.items() if rr == r}
+            assert spool.size(r) == sum(len(b) for (s, rr), b in sent.items() if rr == r)
+        assert spool.inbox(9) == {} and spool.size(9) == 0
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    with pytest.raises(StateError, match="cannot make the key ceremony's bundle file in .*set model-dir"):
+        SpooledBundles(blocked)
