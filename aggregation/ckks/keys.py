@@ -375,7 +375,7 @@ class CeremonyCoordinator:
         self.announcement = announcement
         self.bundles: BundleStore = bundles if bundles is not None else MemoryBundles()
         self.commitments: dict[int, Commitment] = {}
-        self.reveals: dict[int, Reveal] = {}  # each without its bundles (they are in ``bundles``)
+        self.public_shares: dict[int, U64] = {}  # each accepted revealer's b (its bundles are in ``bundles``)
         self.confirmed: list[int] = []
         self.public_key: bytes | None = None
 
@@ -404,28 +404,27 @@ class CeremonyCoordinator:
             raise SecureAggregationError(f"node {reveal.node} did not send a share to every committed member")
         for recipient, bundle in reveal.bundles.items():
             self.bundles.put(reveal.node, recipient, bundle)
-        self.reveals[reveal.node] = Reveal(reveal.node, reveal.b, {})
+        self.public_shares[reveal.node] = reveal.b
 
     def finish_request(self) -> tuple[dict[int, U64], Mapping[int, dict[int, bytes]]]:
         """For stage 3: every revealer's b, and per revealer the bundles addressed to it from the
         other revealers (read from the store as each is asked for). Fixes pk."""
         ann = self.announcement
-        if len(self.reveals) < ann.threshold:
-            raise SecureAggregationError(f"only {len(self.reveals)} members revealed; the key needs {ann.threshold}")
+        if len(self.public_shares) < ann.threshold:
+            raise SecureAggregationError(f"only {len(self.public_shares)} members revealed; the key needs {ann.threshold}")
         seal = Seal.of(ann.params)
         total = np.zeros((len(seal.primes), ann.params.poly_degree), dtype=np.uint64)
-        for reveal in self.reveals.values():
-            total = add_mod(total, reveal.b, seal.primes)
+        for b in self.public_shares.values():
+            total = add_mod(total, b, seal.primes)
         self.public_key = seal.public_key(total, expand_uniform(ann.seed, seal.primes, ann.params.poly_degree))
-        reveals = {node: r.b for node, r in self.reveals.items()}
-        return reveals, _Inbox(self.bundles, sorted(self.reveals))
+        return dict(self.public_shares), _Inbox(self.bundles, sorted(self.public_shares))
 
     def confirm(self, node: int, key_id: str) -> None:
         if self.public_key is None:
             raise SecureAggregationError("confirmation before the public key was fixed")
         if not hmac.compare_digest(key_id, public_key_id(self.public_key)):
             raise SecureAggregationError(f"node {node} computed a different public key")
-        if node in self.reveals and node not in self.confirmed:
+        if node in self.public_shares and node not in self.confirmed:
             self.confirmed.append(node)
 
     @property
