@@ -117,7 +117,10 @@ def test_ifca_with_masking_equals_plaintext_ifca(tmp_path: Path, planted: tuple[
     assert repo.get_run(run_id).status == RunStatus.COMPLETED
     # Round 1: the masked per-cluster means equal the plaintext ones up to the fixed-point error.
     # Round 2 trains five epochs on top of that error, which grows it, so only a looser match holds.
-    _assert_same_clusters_and_models(repo, plain_run, run_id, ((1, 1e-5), (2, 1e-3)))
+    # The fixed-point rounding is stochastic (the node's own entropy, fixedpoint.encode), so round 1's
+    # error and what five epochs make of it vary from run to run: one CI run saw 2.1e-3 on one of 64
+    # values where the bound was 1e-3.
+    _assert_same_clusters_and_models(repo, plain_run, run_id, ((1, 1e-5), (2, 5e-3)))
     # The server saw cluster choices and masked vectors, never a plaintext update.
     kinds = [m.metadata.message_type for m in grid.sent]
     assert kinds.count(IFCA_PICK) == 12
