@@ -254,8 +254,17 @@ def confirm(msg: Message, context: Context) -> RecordDict:
 
 def unmask(msg: Message, context: Context) -> RecordDict:
     """Stage 4: the shares this node may reveal for the round's survivors and dropped nodes; in a
-    signed epoch only for the view it confirmed, with enough valid confirmations from its peers."""
+    signed epoch only for the view it confirmed, with enough valid confirmations from its peers, or
+    for a view with no dropped node without a consistency stage (``NodeEpoch.unmask``)."""
     state = _load(context)
-    reply = state.unmask(decode_unmask_request(_record(msg)), roster=identity(context).roster)
+    request = decode_unmask_request(_record(msg))
+    reply = state.unmask(request, roster=identity(context).roster)
+    if state.signature:  # signed epoch: the ledger learns that this slot's input may now be unmasked (the
+        # consistency stage told it already unless this request skipped it), and refuses a released slot
+        from quorumfl.client.personal_store import node_state_dir
+        from quorumfl.privacy.contributions import ContributionLedger, slot_key
+
+        ContributionLedger(node_state_dir(context.node_config, int(context.node_id))).confirm(
+            slot_key(request.epoch, request.slot))
     _store(context, state)  # what was revealed is recorded before it leaves
     return RecordDict({SECAGG: encode_unmask_reply(reply)})

@@ -11,11 +11,13 @@ with the same set, anything else is refused with the reason. The entry is on dis
 starts, so a crash can only make the node refuse more.
 
 One exception keeps a federation live after a round that failed before anything was revealed (too
-few masked inputs, say): in a signed masking epoch nothing is unmasked before the survivors confirm
-the round's view, and a node records here (``confirm``) that it confirms a slot before its signature
-leaves. A contribution whose slot this node never confirmed is *released* when the node is asked to
-train from the same model with another set: the old slot goes on the entry's ``released`` list and
-``confirm`` refuses it from then on, so this node never consents to that input being unmasked.
+few masked inputs, say): in a signed masking epoch nothing is unmasked before the survivors consent,
+by confirming the round's view or, in a round with no dropout (no consistency stage), by answering
+its unmask request, and a node records here (``confirm``) that it consents to a slot before its
+signature or its shares leave. A contribution whose slot this node never consented to is *released*
+when the node is asked to train from the same model with another set: the old slot goes on the
+entry's ``released`` list and ``confirm`` refuses it from then on, so this node never consents to
+that input being unmasked.
 CKKS contributions and unsigned masking epochs (no consistency stage) keep the strict rule.
 
 Fresh local entropy (``client.steps``) makes two contributions from the same model and set differ

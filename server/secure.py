@@ -5,8 +5,9 @@ advertise, share) only when it must: first round, slots used up, a selected node
 epoch's cohort (or too few of it left for its threshold), or a node that lost its keys (a restarted
 SuperNode says so in its error reply). A round is then the train round trip,
 whose replies carry masked vectors added into a running sum, plus one unmask round trip (and, in a
-signed epoch, one consistency round trip before it: every survivor signs the same view of who
-survived, and nodes unmask only for a view enough of them signed). Each stage
+signed epoch where a node dropped, one consistency round trip before it: every survivor signs the
+same view of who survived, and nodes unmask only for a view enough of them signed; a round without
+dropouts on the complete graph skips it, since its view reveals no slot key). Each stage
 has its own deadline; a node that misses one is recorded as a round failure at that stage. Fewer
 than t survivors: the unmask request is never sent and the round fails with nothing revealed.
 """
@@ -275,7 +276,11 @@ class MaskingSession:
         start = self.clock()
         request, _ = rnd.unmask_request()  # raises (and reveals nothing) when no group has its quorum
         survivors = [n for alive, _ in request.groups for n in alive]
-        signed = any(ad.signature for ad in epoch.ads.values())  # signed epoch: a consistency stage first
+        # A signed epoch has a consistency stage before the unmask stage, unless nobody dropped: a view
+        # with no dropped node reveals no slot key, and with the complete graph the nodes answer it
+        # unsigned (``NodeEpoch.unmask``), which saves a round trip in every round without dropouts.
+        signed = any(ad.signature for ad in epoch.ads.values())
+        consistency = signed and not (epoch.complete and not any(gone for _, gone in request.groups))
         # With the complete graph any t survivors hold every needed share, and a node checks t
         # signatures over the view: ask t + spare of them (rotating with the slot) to confirm and then
         # to unmask, and the rest only if too few answer. Every survivor gets the same view and the
@@ -310,7 +315,7 @@ class MaskingSession:
             ask = [n for n in ask if n not in asked_to_unmask]
             if not ask or rnd.can_unmask():
                 break
-            if signed:  # only a node that signed the view may unmask, and only with t signatures in hand
+            if consistency:  # only a node that signed the view may unmask, and only with t signatures in hand
                 confirm([n for n in ask if n not in asked_to_confirm])
                 if len(signatures) < epoch.params.threshold:
                     more = [n for n in survivors if n not in asked_to_confirm]
@@ -328,7 +333,7 @@ class MaskingSession:
                 except SecureAggregationError as exc:
                     failures[node] = ("secagg-unmask", str(exc))
         outcomes = rnd.result()
-        if signed:
+        if consistency:
             timings["secagg-confirm"] = confirm_s
         timings["secagg-unmask"] = self.clock() - start - confirm_s
         fp = epoch.params.fixed_point(len(epoch.members))

@@ -15,12 +15,16 @@ Key epoch (two message round trips, once per R rounds):
      neighbour its shares encrypted with ChaCha20-Poly1305 under HKDF(X25519(c_u, c_v)).
   In a signed epoch every advertisement is signed with the department's registered node key and
   every node checks its peers' against the admin's roster before sharing (``identity``).
-Round on slot j (the train round trip, a consistency round trip in signed epochs, one unmask):
+Round on slot j (the train round trip, a consistency round trip in signed epochs when a node dropped
+or the graph is sparse, one unmask):
   3. mask (in the train reply): y_u = enc(x_u) + PRG(b_uj) + Σ_{v ∈ N(u)∩G} ±PRG(KDF(X25519(s_uj, S_vj)))
      mod 2^32 (or 2^64), + when u < v, − otherwise, where G is u's group this round.
   3½. consistency (signed epochs): the server shows each survivor the view (A, D) below; each signs
      it, once per slot; the unmask request carries the signatures, and a node reveals only for a
      view it signed and that enough of its share holders signed (Bonawitz et al., active variant).
+     Skipped when D is empty on the complete graph: such a view asks for seed shares only, and a node
+     answers it unsigned unless it signed another view of the slot, after which it signs no other
+     (``NodeEpoch.unmask`` has the argument: the split-view bound below is unchanged).
   4. unmask: the server names the survivors A and the dropped D; each survivor returns its shares of
      b_vj for v ∈ A and of s_vj for v ∈ D. The server rebuilds those, removes PRG(b_vj) for v ∈ A and
      the pairwise masks between D and A; the pairwise masks inside A cancel in the sum.

@@ -364,13 +364,18 @@ class NodeEpoch:
 
     # ---- per round: consistency (signed epochs) -------------------------------------------------
     def confirm(self, request: UnmaskRequest, signer: Callable[[bytes], bytes]) -> bytes:
-        """Sign the round's survivor/dropped view; a node signs one view per slot and no other."""
-        self._check_view(request, "consistency")
+        """Sign the round's survivor/dropped view; a node signs one view per slot and no other, and
+        none other than the view it already unmasked for without a consistency stage."""
+        survivors, dropped = self._check_view(request, "consistency")
         view = request.view()
         seen = _view_digest(view)
         previous = self.confirmed.get(request.slot)
         if previous is not None and previous != seen:
             raise self._fail(f"slot {request.slot}: the server already showed this node other survivors; "
+                             "refusing to sign a second view")
+        answered = self.revealed.get(request.slot)
+        if answered is not None and answered != _digest([survivors, dropped]):
+            raise self._fail(f"slot {request.slot}: this node already revealed shares for other survivors; "
                              "refusing to sign a second view")
         self.confirmed[request.slot] = seen
         return signer(view_message(binding=self.binding, epoch=self.epoch, slot=request.slot, view=view))
@@ -400,13 +405,33 @@ class NodeEpoch:
                              f"{needed} needed; the server may be showing nodes different views; nothing revealed")
 
     # ---- per round: unmask ----------------------------------------------------------------------
+    def no_dropouts(self, request: UnmaskRequest) -> bool:
+        """Whether ``request`` may be answered without a consistency stage: it names no dropped node in
+        any group, so this node reveals only self-mask seed shares and no slot key share, and the epoch
+        has the complete graph (the split-view bound below is the complete graph's)."""
+        return (not any(gone for _, gone in request.groups)
+                and len(self.neighbours()) == len(self.members) - 1)
+
     def unmask(self, request: UnmaskRequest, *, roster: Roster | None = None) -> UnmaskReply:
         """The shares this node may reveal; in a signed epoch (``roster``) only for a view it confirmed
-        and enough of its share holders confirmed with valid signatures."""
+        and enough of its share holders confirmed with valid signatures, or, without a consistency
+        stage, for a view that names no dropped node (``no_dropouts``) when this node has signed no
+        other view of the slot.
+
+        Why the no-dropout view needs no signatures: the server can only unmask one node's input v by
+        rebuilding both its seed b_v (from t holders shown v alive) and its slot key s_v (from t holders
+        shown v dropped, each of whom checks t signatures over that view). An honest node takes one
+        view per slot: once it has answered a no-dropout view it signs no other (``confirm``), and once
+        it has signed a view it answers no other. So the honest nodes revealing b_v and the honest
+        signers of a view dropping v are disjoint sets, each needing t minus the colluders: the same
+        2t − n colluders bound as when every view is signed. A no-dropout view reveals no key share,
+        so a node answering it needs no proof that others saw the same view."""
         survivors, dropped = self._check_view(request, "unmask")
         slot = request.slot
         if roster is not None:
-            self._check_confirmations(request, roster, survivors)
+            signed = self.confirmed.get(slot)
+            if not self.no_dropouts(request) or (signed is not None and signed != _view_digest(request.view())):
+                self._check_confirmations(request, roster, survivors)
         answer = _digest([survivors, dropped])
         previous = self.revealed.get(slot)
         if previous is not None and previous != answer:

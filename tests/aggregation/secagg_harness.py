@@ -85,10 +85,13 @@ class Federation:
         seed: int = 0,
         view_of: Callable[[int, UnmaskRequest], UnmaskRequest] | None = None,
         tamper_unmask: Callable[[UnmaskReply], UnmaskReply] | None = None,
+        consistency: bool | None = None,
     ) -> list[GroupOutcome]:
         """``view_of``: what the server shows each node in the consistency and unmask stages (an
         honest server shows everyone the same request); ``tamper_unmask``: a node rewriting its
-        unmask reply (the coordinator's refusals are then kept in ``refused``)."""
+        unmask reply (the coordinator's refusals are then kept in ``refused``); ``consistency``:
+        whether a signed epoch runs the consistency stage (None: as the server decides, only when a
+        node dropped or the graph is sparse)."""
         drop = drop or Dropouts()
         length = next(iter(values.values())).shape[0]
         rnd = self.coordinator.start_round(groups, length)
@@ -104,7 +107,9 @@ class Federation:
                 self.masked_log.append((node, rnd.slot))
                 rnd.add_masked(node, masked)
         request, _ = rnd.unmask_request()
-        if self.signers is not None:  # the consistency stage: every survivor signs the view it is shown
+        if consistency is None:
+            consistency = not (self.coordinator.complete and not any(gone for _, gone in request.groups))
+        if self.signers is not None and consistency:  # every survivor signs the view it is shown
             signatures = {}
             for alive, _gone in request.groups:
                 for node in alive:

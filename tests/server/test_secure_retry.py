@@ -2,9 +2,10 @@
 
 Signed federation of six in-process nodes (registered keys, the run's roster), t = 4. A node admits
 a second contribution from the same global model with another participant set only when it never
-confirmed the view of the slot its first input went into: nothing of that input can have been
-unmasked, and the node releases the slot for good. Once it has confirmed, the retry is refused
-(the server could hold the first sum and subtract the second).
+consented to unmasking the slot its first input went into (by signing its view in a consistency
+stage, or by answering its unmask request when nobody dropped and there was none): nothing of that
+input can have been unmasked, and the node releases the slot for good. Once it has consented, the
+retry is refused (the server could hold the first sum and subtract the second).
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ def test_a_round_that_failed_before_confirmation_is_retried_with_another_set(tmp
     assert first.status == RoundStatus.FAILED and "quorum" in (first.error or "")
     # Round 2 trains from the same model with five of the six: every node admits it.
     assert second.status == RoundStatus.COMPLETED and sorted(second.participants) == ids[:5]
-    assert [m.metadata.message_type for m in grid.sent].count(CONFIRM) == 5  # round 2 only
+    kinds = [m.metadata.message_type for m in grid.sent]
+    # Round 1 never reached a consistency stage, and round 2 had no dropout, so it needed none.
+    assert kinds.count(CONFIRM) == 0 and kinds.count(UNMASK) == 5
 
     # The slot of round 1 is released on the nodes whose input went into it: never confirmed from now
     # on, by the ledger and by the node's protocol state alike.
@@ -85,8 +88,8 @@ def test_a_retry_after_the_node_confirmed_is_refused(tmp_path: Path) -> None:
     contexts, roster = signed_nodes(tmp_path, names=NAMES)
     ids = list(contexts)
     grid = LoopbackGrid(dict(contexts))
-    # Round 1: every node confirms the view, then every unmask reply is lost: the round fails after the
-    # point where the server could have had the sum.
+    # Round 1: nobody dropped, so there is no consistency stage; every node answers the unmask request,
+    # then every reply is lost: the round fails after the point where the server could have had the sum.
     _first_round_then_one_node_leaves(grid, UNMASK, set(ids), ids[5])
     federation, repo = _federation(tmp_path, grid, **{**MASKING, "roster": roster})
     with pytest.raises(FederationError, match="none of the 2 round"):
