@@ -29,8 +29,9 @@ overhead_goal_met: Flower's overhead is positive and ours is at most a fifth of 
 make zero or negative); masked_secure_stages_s: the masking-only round trips measured inside the masked
 rounds (unmask + consistency, medians), and overhead_ratio_stages = (flower − plain) / that; flower_secaggplus_eager_round_s and
 overhead_ratio_eager for run 4; masked_setup_s, masked_unmask_s, masked_confirm_s (the consistency
-round trip of a signed epoch: local federations run with node keys, so it is on), signed_bytes
-(what signing adds per node), per-round lists, peak RSS.
+round trip of a signed epoch, which local federations are since they run with node keys; a round
+with no dropout on the complete graph skips it, so this is 0 unless a node dropped), signed_bytes
+(what signing adds per node when the consistency stage runs), per-round lists, peak RSS.
 """
 
 from __future__ import annotations

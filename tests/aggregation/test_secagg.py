@@ -473,3 +473,39 @@ def test_a_node_refuses_shares_whose_relayed_commitments_were_changed() -> None:
     state = NodeEpoch.from_bytes(fed.states[nodes[0]])
     with pytest.raises(SecureAggregationError, match="commitments relayed with node .* do not match"):
         state.mask(dataclasses.replace(request, incoming=forged), np.ones(3), np.random.default_rng(0))
+
+
+def _plain_encode(fp: FixedPoint, values: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, int]:
+    """The encoding written plainly: clip, scale, round up with probability of the fraction, mod M."""
+    v = np.asarray(values, dtype=np.float64)
+    clipped = int(np.count_nonzero(np.abs(v) > fp.clip))
+    scaled = np.clip(v, -fp.clip, fp.clip) * fp.scale
+    low = np.floor(scaled)
+    q = low.astype(np.int64) + (rng.random(v.shape) < (scaled - low)).astype(np.int64)
+    return (q % (1 << fp.modulus_bits) if fp.modulus_bits == 32 else q.view(np.uint64)).astype(fp.dtype), clipped
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    bits=st.sampled_from([32, 64]),
+    n=st.integers(1, 1000),
+    clip=st.floats(0.01, 100.0),
+    spread=st.floats(0.0, 3.0),
+    length=st.integers(0, 300),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_encoder_equals_the_plain_form_draw_for_draw(bits: int, n: int, clip: float, spread: float, length: int,
+                                                          seed: int) -> None:
+    fp = FixedPoint(bits, clip, n)
+    values = np.random.default_rng(seed).uniform(-spread * clip, spread * clip, length)  # above 1: some clipped
+    got, clipped = fp.encode(values, np.random.default_rng(seed + 1))
+    want, want_clipped = _plain_encode(fp, values, np.random.default_rng(seed + 1))
+    assert got.dtype == fp.dtype and np.array_equal(got, want) and clipped == want_clipped
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_the_encoder_refuses_non_finite_values(bad: float) -> None:
+    values = np.zeros(5)
+    values[3] = bad
+    with pytest.raises(ConfigError, match="NaN or infinite"):
+        FixedPoint(32, 8.0, 10).encode(values, np.random.default_rng(0))
