@@ -22,14 +22,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from quorumfl.aggregation.secagg import FixedPoint, MaskingParams, NodeEpoch, UnmaskRequest
 from quorumfl.aggregation.secagg.identity import Roster, sign, view_message
 from quorumfl.aggregation.secagg.shamir import SHARE_BYTES, reconstruct_secret, share_from_bytes
-from quorumfl.aggregation.secagg.streams import (
-    KEY_BYTES,
-    add_keystream,
-    load_private,
-    pairwise_mask_key,
-    public_key,
-    self_mask_key,
-)
+from quorumfl.aggregation.secagg import streams
 from quorumfl.errors import SecureAggregationError
 
 from .secagg_harness import Dropouts, Federation
@@ -144,11 +137,11 @@ def _victims_input(fed: Federation, victim: int, slot: int, masked: np.ndarray, 
     """What the server computes from a victim's masked vector once it holds its seed and its slot key."""
     coord = fed.coordinator
     total = masked.copy()
-    add_keystream(total, self_mask_key(seed, epoch=coord.epoch, slot=slot), subtract=True)
-    private = load_private(key)
+    streams.add_keystream(total, streams.self_mask_key(seed, epoch=coord.epoch, slot=slot), subtract=True)
+    private = streams.load_private(key)
     for peer in coord.neighbours(victim):
-        stream = pairwise_mask_key(private, coord.ads[peer].mask_keys[slot], epoch=coord.epoch, slot=slot)
-        add_keystream(total, stream, subtract=victim < peer)
+        stream = streams.pairwise_mask_key(private, coord.ads[peer].mask_keys[slot], epoch=coord.epoch, slot=slot)
+        streams.add_keystream(total, stream, subtract=victim < peer)
     return FixedPoint(32, coord.params.clip, len(coord.members)).decode(total)
 
 
@@ -210,9 +203,9 @@ def _split_view_attack(colluders: int, shown_dropped: int) -> np.ndarray | None:
                 seed_shares[position[node] + 1] = answer.seed_shares[victim]  # type: ignore[attr-defined]
     if len(seed_shares) < T or len(key_shares) < T:
         return None
-    seed = reconstruct_secret(seed_shares, threshold=T, length=KEY_BYTES)
-    key = reconstruct_secret(key_shares, threshold=T, length=KEY_BYTES)
-    assert public_key(key) == fed.coordinator.ads[victim].mask_keys[slot]
+    seed = reconstruct_secret(seed_shares, threshold=T, length=streams.KEY_BYTES)
+    key = reconstruct_secret(key_shares, threshold=T, length=streams.KEY_BYTES)
+    assert streams.public_key(key) == fed.coordinator.ads[victim].mask_keys[slot]
     recovered = _victims_input(fed, victim, slot, masked[victim], seed, key)
     assert np.allclose(recovered, values[victim], atol=1e-6)
     return recovered
