@@ -19,10 +19,9 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from quorumfl.aggregation.secagg import FixedPoint, MaskingParams, NodeEpoch, UnmaskRequest
+from quorumfl.aggregation.secagg import FixedPoint, MaskingParams, NodeEpoch, UnmaskRequest, streams
 from quorumfl.aggregation.secagg.identity import Roster, sign, view_message
 from quorumfl.aggregation.secagg.shamir import SHARE_BYTES, reconstruct_secret, share_from_bytes
-from quorumfl.aggregation.secagg import streams
 from quorumfl.errors import SecureAggregationError
 
 from .secagg_harness import Dropouts, Federation
@@ -129,7 +128,7 @@ def test_a_sparse_epoch_keeps_the_consistency_stage_even_without_dropouts() -> N
     assert not any(gone for _, gone in request.groups)
     with pytest.raises(SecureAggregationError, match="did not confirm these survivors"):
         _as(fed, nodes[0], "unmask", request)
-    (outcome,) = Federation.round(fed, [fed.coordinator.ready], {u: np.full(LENGTH, 0.25) for u in nodes}, Dropouts())
+    (outcome,) = fed.round([fed.coordinator.ready], {u: np.full(LENGTH, 0.25) for u in nodes}, Dropouts())  # signed
     assert outcome.total is not None and np.allclose(outcome.total, 0.25 * len(nodes), atol=1e-3)
 
 

@@ -60,7 +60,7 @@ def _lose_train_reply(grid: LoopbackGrid, node: int, then: Callable[[list[Messag
     grid.drop = drop
 
 
-def test_with_a_dropout_t_plus_spare_survivors_confirm_and_unmask_and_the_seventh_is_never_asked(
+def test_with_a_dropout_t_plus_spare_survivors_confirm_and_unmask_and_the_sixth_survivor_is_never_asked(
     tmp_path: Path,
 ) -> None:
     contexts, roster = signed_nodes(tmp_path, names=NAMES)
