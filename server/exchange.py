@@ -39,7 +39,7 @@ from quorumfl.server.state.repository import Repository
 __all__ = ["REPLY_POLL_SECONDS", "Exchange", "requests"]
 
 log = logging.getLogger(__name__)
-REPLY_POLL_SECONDS = 0.1  # how often the ServerApp asks the SuperLink for replies
+REPLY_POLL_SECONDS = 0.1  # how often the ServerApp asks the SuperLink for replies (at most)
 Arrays = dict[str, NDArray[np.generic]]
 
 
@@ -215,7 +215,7 @@ class Exchange:
                     return good
                 if not waiting or self.clock() >= deadline:
                     break
-                time.sleep(REPLY_POLL_SECONDS)
+                puller.wait(REPLY_POLL_SECONDS)  # woken early when a reply's pull finishes
         for node in expected:
             if train and self.round_deadline:
                 failures[node] = ("deadline", f"no reply within the round deadline ({timeout:.0f}s)")

@@ -14,6 +14,14 @@ runs on a worker thread, at most ``workers`` at once: a reply still uploading oc
 the others keep arriving, and the caller stops waiting at its deadline. A pull abandoned at the
 deadline finishes on its thread and is dropped (its node was already recorded late).
 
+Between polls the caller waits with ``wait``, which returns as soon as a pull in flight hands back a
+reply: a listed reply is handed over right after its objects arrive instead of at the next poll
+(with a fixed sleep, every reply waited one poll to be listed and another to be collected). An A/B
+on ten SuperNodes, three interleaved pairs of 4-round masked runs: the unmask stage took 0.78, 0.87
+and 0.70 s against 0.83, 0.91 and 1.06 s with the fixed 0.1 s sleep. Polling every 0.05 s instead
+(with the fixed sleep, five pairs) gave 0.68–0.77 s against 0.75–0.86 s, at twice the requests to
+the SuperLink; the poll stays at 0.1 s.
+
 Why not one ``grid.pull_messages([id])`` per waiting id on each poll, as this module did before:
 with ten replies outstanding and a poll every 0.1 s that is up to 80 requests a second on the
 SuperLink while a stage waits, each paying TLS, the middleware and a thread; a masking round waits
@@ -66,10 +74,12 @@ class ReplyPuller:
         self._listed: deque[tuple[str, Callable[[], list[Message]]]] = deque()  # listed, no worker yet
         self._claimed: set[str] = set()  # ids listed by the SuperLink (handed out once) or being pulled
         self._inflight: dict[str, Future[list[Message]]] = {}
+        self._finished = threading.Event()  # set by a worker when its pull ends
 
     def poll(self, message_ids: Iterable[str]) -> list[Message]:
         """Ask for the replies to ``message_ids`` not yet on their way; return the replies whose
         pulls finished. A failed request or pull raises here, as a direct call would."""
+        self._finished.clear()  # before collecting: a pull ending after this wakes the next ``wait``
         waiting = [m for m in message_ids if m not in self._claimed]
         if self._listing:
             if waiting:
@@ -83,7 +93,8 @@ class ReplyPuller:
         while self._listed and len(self._inflight) < self.workers:
             mid, pull = self._listed.popleft()
             future: Future[list[Message]] = Future()
-            threading.Thread(target=_run, args=(pull, future), daemon=True, name="quorumfl-pull").start()
+            threading.Thread(target=_run, args=(pull, future, self._finished), daemon=True,
+                             name="quorumfl-pull").start()
             self._inflight[mid] = future
         replies: list[Message] = []
         for mid in [m for m, f in self._inflight.items() if f.done()]:
@@ -92,6 +103,11 @@ class ReplyPuller:
                 self._claimed.discard(mid)  # its reply has not arrived: ask for it again on the next poll
             replies.extend(got)
         return replies
+
+    def wait(self, seconds: float) -> None:
+        """Sleep up to ``seconds`` before the next ``poll``, ending early when a pull in flight finishes
+        (its reply is then ready to hand over)."""
+        self._finished.wait(seconds)
 
     def _list(self, message_ids: list[str]) -> list[tuple[str, Callable[[], list[Message]]]]:
         """One ``PullMessages`` request: the replies that have arrived, each with the pull of its objects."""
@@ -108,11 +124,19 @@ class ReplyPuller:
         self._listed.clear()
 
 
-def _run(pull: Callable[[], list[Message]], future: Future[list[Message]]) -> None:
+def _run(pull: Callable[[], list[Message]], future: Future[list[Message]], finished: threading.Event) -> None:
+    """Run one pull into ``future``; wake the caller's ``wait`` when it has something to hand over (a
+    reply or an error: a grid pulled one id per call answers an empty list for a reply not yet there,
+    and waking on that would turn the caller's wait into a busy loop)."""
     try:
-        future.set_result(pull())
+        got = pull()
     except BaseException as exc:  # handed to the caller by ``poll``
         future.set_exception(exc)
+        finished.set()
+        return
+    future.set_result(got)
+    if got:
+        finished.set()
 
 
 def _pull_one(grid: Grid, message_id: str) -> list[Message]:

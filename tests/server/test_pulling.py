@@ -197,3 +197,34 @@ def test_flowers_http_grid_is_asked_once_per_poll_and_a_slow_upload_holds_up_not
         np.testing.assert_array_equal(pulled.content["arrays"].to_numpy_ndarrays()[0],
                                       reply.content["arrays"].to_numpy_ndarrays()[0])
     assert sorted(runtime.confirmed) == sorted(r.metadata.message_id for r in replies)
+
+
+def test_wait_ends_when_a_pull_has_a_reply_and_not_for_an_empty_one() -> None:
+    """The caller's wait between polls ends as soon as a pull in flight hands back a reply (so the
+    reply is collected then, not a whole poll interval later); a pull that finds nothing yet (a grid
+    pulled one id per call) does not end it, so polling never becomes a busy loop."""
+    grid = BlockingGrid()
+    with ReplyPuller(grid, workers=2) as puller:  # type: ignore[arg-type]
+        assert puller.poll(["slow"]) == []  # type: ignore[arg-type]
+        threading.Timer(0.2, grid.release.set).start()
+        started = time.monotonic()
+        puller.wait(30.0)
+        assert time.monotonic() - started < 10  # woken by the pull, not after 30 s
+        assert puller.poll([]) == ["reply-slow"]  # type: ignore[arg-type]
+
+    class NothingYet:
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def pull_messages(self, _ids: list[str]) -> list[str]:
+            self.calls += 1
+            return []
+
+    empty = NothingYet()
+    with ReplyPuller(empty, workers=2) as puller:  # type: ignore[arg-type]
+        assert puller.poll(["a"]) == []  # type: ignore[arg-type]
+        time.sleep(0.1)  # its pull has come back empty by now
+        started = time.monotonic()
+        puller.wait(0.5)
+        assert time.monotonic() - started >= 0.45  # not woken by an empty pull
+        assert empty.calls == 1
