@@ -74,7 +74,7 @@ class ReplyPuller:
         self._listed: deque[tuple[str, Callable[[], list[Message]]]] = deque()  # listed, no worker yet
         self._claimed: set[str] = set()  # ids listed by the SuperLink (handed out once) or being pulled
         self._inflight: dict[str, Future[list[Message]]] = {}
-        self._finished = threading.Event()  # set by a worker when its pull ends
+        self._finished = threading.Event()  # set by a worker whose pull handed back a reply or failed
 
     def poll(self, message_ids: Iterable[str]) -> list[Message]:
         """Ask for the replies to ``message_ids`` not yet on their way; return the replies whose
@@ -105,8 +105,8 @@ class ReplyPuller:
         return replies
 
     def wait(self, seconds: float) -> None:
-        """Sleep up to ``seconds`` before the next ``poll``, ending early when a pull in flight finishes
-        (its reply is then ready to hand over)."""
+        """Sleep up to ``seconds`` before the next ``poll``, ending early when a pull in flight hands back
+        a reply (or fails): the next ``poll`` then hands it over."""
         self._finished.wait(seconds)
 
     def _list(self, message_ids: list[str]) -> list[tuple[str, Callable[[], list[Message]]]]:
