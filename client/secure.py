@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from numpy.typing import NDArray
 
-from quorumfl.aggregation.secagg import NodeEpoch, flatten, weighted_payload
+from quorumfl.aggregation.secagg import NodeEpoch, UnmaskRequest, flatten, weighted_payload
 from quorumfl.aggregation.secagg.identity import Roster, department_message, load_signing_key, sign
 from quorumfl.client.virtual import record_payload
 from quorumfl.errors import SecureAggregationError
@@ -240,16 +240,22 @@ def confirm(msg: Message, context: Context) -> RecordDict:
     state = _load(context)
     request = decode_unmask_request(_record(msg))
     signature = state.confirm(request, signer)
-    from quorumfl.client.personal_store import node_state_dir
-    from quorumfl.privacy.contributions import ContributionLedger, slot_key
-
     # The contribution ledger learns that this slot's input may now be unmasked (and refuses a slot
     # released by a later contribution from the same model), and the node its confirmed view, both
     # before the signature leaves.
-    ContributionLedger(node_state_dir(context.node_config, int(context.node_id))).confirm(
-        slot_key(request.epoch, request.slot))
+    _consent(context, request)
     _store(context, state)
     return RecordDict({SECAGG: encode_confirmation(signature)})
+
+
+def _consent(context: Context, request: UnmaskRequest) -> None:
+    """Record in the node's contribution ledger that its input in ``request``'s slot may be unmasked;
+    refuses a slot released by a later contribution from the same model (signed epochs)."""
+    from quorumfl.client.personal_store import node_state_dir
+    from quorumfl.privacy.contributions import ContributionLedger, slot_key
+
+    ContributionLedger(node_state_dir(context.node_config, int(context.node_id))).confirm(
+        slot_key(request.epoch, request.slot))
 
 
 def unmask(msg: Message, context: Context) -> RecordDict:
@@ -258,13 +264,9 @@ def unmask(msg: Message, context: Context) -> RecordDict:
     for a view with no dropped node without a consistency stage (``NodeEpoch.unmask``)."""
     state = _load(context)
     request = decode_unmask_request(_record(msg))
+    confirmed = request.slot in state.confirmed  # the consistency stage already told the ledger
     reply = state.unmask(request, roster=identity(context).roster)
-    if state.signature:  # signed epoch: the ledger learns that this slot's input may now be unmasked (the
-        # consistency stage told it already unless this request skipped it), and refuses a released slot
-        from quorumfl.client.personal_store import node_state_dir
-        from quorumfl.privacy.contributions import ContributionLedger, slot_key
-
-        ContributionLedger(node_state_dir(context.node_config, int(context.node_id))).confirm(
-            slot_key(request.epoch, request.slot))
+    if state.signature and not confirmed:  # signed epoch, no consistency stage: consent before the shares leave
+        _consent(context, request)
     _store(context, state)  # what was revealed is recorded before it leaves
     return RecordDict({SECAGG: encode_unmask_reply(reply)})

@@ -280,7 +280,7 @@ class MaskingSession:
         # with no dropped node reveals no slot key, and with the complete graph the nodes answer it
         # unsigned (``NodeEpoch.unmask``), which saves a round trip in every round without dropouts.
         signed = any(ad.signature for ad in epoch.ads.values())
-        consistency = signed and not (epoch.complete and not any(gone for _, gone in request.groups))
+        consistency = signed and request.needs_confirmations(complete=epoch.complete)
         # With the complete graph any t survivors hold every needed share, and a node checks t
         # signatures over the view: ask t + spare of them (rotating with the slot) to confirm and then
         # to unmask, and the rest only if too few answer. Every survivor gets the same view and the

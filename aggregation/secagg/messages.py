@@ -236,6 +236,13 @@ class UnmaskRequest:
         """The survivor/dropped sets in one canonical order (what a node signs)."""
         return tuple(sorted((tuple(sorted(a)), tuple(sorted(d))) for a, d in self.groups))
 
+    def needs_confirmations(self, *, complete: bool) -> bool:
+        """Whether, in a signed epoch, this view is unmasked only with the survivors' signatures (a
+        consistency stage first): when it names a dropped node (it then asks for slot-key shares) or
+        the epoch's graph is not complete. The one rule the server, the nodes and the tests apply;
+        ``NodeEpoch.unmask`` has why a no-dropout view on the complete graph needs none."""
+        return not complete or any(gone for _, gone in self.groups)
+
 
 @dataclass(frozen=True)
 class UnmaskReply:

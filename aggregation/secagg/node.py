@@ -405,18 +405,11 @@ class NodeEpoch:
                              f"{needed} needed; the server may be showing nodes different views; nothing revealed")
 
     # ---- per round: unmask ----------------------------------------------------------------------
-    def no_dropouts(self, request: UnmaskRequest) -> bool:
-        """Whether ``request`` may be answered without a consistency stage: it names no dropped node in
-        any group, so this node reveals only self-mask seed shares and no slot key share, and the epoch
-        has the complete graph (the split-view bound below is the complete graph's)."""
-        return (not any(gone for _, gone in request.groups)
-                and len(self.neighbours()) == len(self.members) - 1)
-
     def unmask(self, request: UnmaskRequest, *, roster: Roster | None = None) -> UnmaskReply:
         """The shares this node may reveal; in a signed epoch (``roster``) only for a view it confirmed
         and enough of its share holders confirmed with valid signatures, or, without a consistency
-        stage, for a view that names no dropped node (``no_dropouts``) when this node has signed no
-        other view of the slot.
+        stage, for a view that names no dropped node on the complete graph
+        (``UnmaskRequest.needs_confirmations``) when this node has signed no other view of the slot.
 
         Why the no-dropout view needs no signatures: the server can only unmask one node's input v by
         rebuilding both its seed b_v (from t holders shown v alive) and its slot key s_v (from t holders
@@ -430,7 +423,9 @@ class NodeEpoch:
         slot = request.slot
         if roster is not None:
             signed = self.confirmed.get(slot)
-            if not self.no_dropouts(request) or (signed is not None and signed != _view_digest(request.view())):
+            complete = len(self.neighbours()) == len(self.members) - 1
+            if request.needs_confirmations(complete=complete) or (signed is not None
+                                                                  and signed != _view_digest(request.view())):
                 self._check_confirmations(request, roster, survivors)
         answer = _digest([survivors, dropped])
         previous = self.revealed.get(slot)

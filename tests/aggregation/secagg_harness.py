@@ -108,7 +108,7 @@ class Federation:
                 rnd.add_masked(node, masked)
         request, _ = rnd.unmask_request()
         if consistency is None:
-            consistency = not (self.coordinator.complete and not any(gone for _, gone in request.groups))
+            consistency = request.needs_confirmations(complete=self.coordinator.complete)
         if self.signers is not None and consistency:  # every survivor signs the view it is shown
             signatures = {}
             for alive, _gone in request.groups:
