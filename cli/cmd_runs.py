@@ -40,7 +40,7 @@ from quorumfl.server.services import (
     run_view,
 )
 from quorumfl.server.state.orm import Round, Run
-from quorumfl.server.state.repository import Repository, RunStatus
+from quorumfl.server.state.repository import STOPPED_BY_ADMIN, Repository, RunStatus
 
 runs_app = typer.Typer(help="Start, follow, inspect and stop federated training runs.", no_args_is_help=True)
 rounds_app = typer.Typer(help="Inspect the rounds of a run.", no_args_is_help=True)
@@ -286,11 +286,13 @@ def stop(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (Qu
         return
     if record.flower_run_id is None:
         raise ConfigError(f"run {record.id} has no Flower run id to stop")
+    failed_since = repo.unfinished_from(record.id)
     settings(ctx).control(superlink, insecure=insecure, ca_cert=ca_cert).stop_run(record.flower_run_id)
-    # Stopped first: a ServerApp still between rounds then starts no new one (RunStoppedError), and
-    # the sweep after it catches a round it started before.
+    # Stopped first: a ServerApp still between rounds then starts no new one (RunStoppedError), a round
+    # it ends from now on as failed is recorded aborted, and the sweep after it catches a round it
+    # started before or one the stop made fail before the run was recorded as stopped.
     repo.finish_run(record.id, RunStatus.STOPPED, error="stopped by the admin")
-    repo.abort_running_rounds(record.id, "run stopped by the admin")
+    repo.abort_running_rounds(record.id, STOPPED_BY_ADMIN, failed_since=failed_since)
     console.print(f"run {record.id} stopped")
 
 

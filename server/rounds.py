@@ -57,7 +57,13 @@ from quorumfl.server.replies import (
 )
 from quorumfl.server.resuming import resume_point, take_up
 from quorumfl.server.run_task import federated_metric, run_task
-from quorumfl.server.state.repository import INTERRUPTED, Repository, RoundStatus, RunStatus
+from quorumfl.server.state.repository import (
+    INTERRUPTED,
+    STOPPED_BY_ADMIN,
+    Repository,
+    RoundStatus,
+    RunStatus,
+)
 from quorumfl.server.strategies import Strategy, build_strategy
 from quorumfl.training.local import evaluate
 
@@ -251,7 +257,7 @@ class Federation:
         except RunStoppedError as exc:
             # An admin's 'runs stop' was recorded while this ServerApp was between rounds (Flower ends
             # it soon after): the run stays stopped, and no round is left running.
-            self.repo.abort_running_rounds(run.id, "run stopped by the admin")
+            self.repo.abort_running_rounds(run.id, STOPPED_BY_ADMIN)
             log.warning("run %s: %s", run.id, exc)
             return run.id
         except (SystemExit, KeyboardInterrupt):

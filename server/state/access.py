@@ -23,6 +23,8 @@ T = TypeVar("T")
 
 # Why a round that was running when its server stopped is recorded as aborted.
 INTERRUPTED = "interrupted: the server stopped during this round; redone after resume"
+# Why a round of a run an admin stopped ('quorumfl runs stop') is recorded as aborted.
+STOPPED_BY_ADMIN = "run stopped by the admin"
 
 
 class RunStatus(StrEnum):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from quorumfl.server.state.access import (
     INTERRUPTED,
+    STOPPED_BY_ADMIN,
     CeremonyStatus,
     RoundStatus,
     RunStatus,
@@ -25,7 +26,9 @@ from quorumfl.server.state.selection import SelectionRecords
 from quorumfl.server.state.totals import TotalRecords
 from quorumfl.server.state.versions import ModelRecords
 
-__all__ = ["INTERRUPTED", "CeremonyStatus", "Repository", "RoundStatus", "RunStatus", "read", "utcnow", "write"]
+__all__ = [
+    "INTERRUPTED", "STOPPED_BY_ADMIN", "CeremonyStatus", "Repository", "RoundStatus", "RunStatus", "read", "utcnow", "write",
+]
 
 
 class Repository(RoundRecords, KeyRecords, NodeRecords, MetricRecords, ModelRecords, SelectionRecords, TotalRecords):

@@ -7,11 +7,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from quorumfl.errors import NotFoundError, RunStoppedError
 from quorumfl.server.state.access import (
+    STOPPED_BY_ADMIN,
     RoundStatus,
     RunStatus,
     utcnow,
@@ -69,14 +70,21 @@ class RoundRecords(RunRecords):
         timings: Mapping[str, float],
         error: str | None = None,
     ) -> None:
+        """Record how a round ended. A round that fails in a run the admin has stopped is recorded as
+        aborted, its failure kept in the reason: the stop ended its nodes' tasks, so the failure says
+        nothing about the nodes."""
+
         def op(s: Session) -> None:
             rnd = s.get(Round, round_id)
             if rnd is None:
                 raise NotFoundError(f"round {round_id} does not exist")
-            rnd.status = status
+            run = s.get(Run, rnd.run_id)
+            if status == RoundStatus.FAILED and run is not None and run.status == RunStatus.STOPPED:
+                rnd.status, rnd.error = RoundStatus.ABORTED, f"{STOPPED_BY_ADMIN}; it had failed: {error}"
+            else:
+                rnd.status, rnd.error = status, error
             rnd.participants = list(participants)
             rnd.timings = {k: round(float(v), 4) for k, v in timings.items()}
-            rnd.error = error
             rnd.finished_at = utcnow()
 
         self._write(op)
@@ -92,18 +100,36 @@ class RoundRecords(RunRecords):
 
         self._write(op)
 
-    def abort_running_rounds(self, run_id: int, reason: str) -> int:
-        """Mark rounds of ``run_id`` still 'running' as aborted (server stopped or crashed)."""
+    def abort_running_rounds(self, run_id: int, reason: str, *, failed_since: int | None = None) -> int:
+        """Mark rounds of ``run_id`` still 'running' as aborted (server stopped or crashed). With
+        ``failed_since`` (a round id from ``unfinished_from``, read before the run was stopped at the
+        SuperLink), rounds from that id on that have failed meanwhile are aborted too: the stop ended
+        their nodes' tasks before the run was recorded as stopped."""
 
         def op(s: Session) -> int:
             rounds = list(s.scalars(select(Round).where(Round.run_id == run_id, Round.status == RoundStatus.RUNNING)))
+            if failed_since is not None:
+                rounds += s.scalars(select(Round).where(
+                    Round.run_id == run_id, Round.status == RoundStatus.FAILED, Round.id >= failed_since))
             for rnd in rounds:
+                rnd.error = reason if rnd.status == RoundStatus.RUNNING else f"{reason}; it had failed: {rnd.error}"
                 rnd.status = RoundStatus.ABORTED
-                rnd.error = reason
                 rnd.finished_at = utcnow()
             return len(rounds)
 
         return self._write(op)
+
+    def unfinished_from(self, run_id: int) -> int:
+        """The id from which rounds of ``run_id`` are unfinished now: its first running round's, else one
+        past its last round's (round ids only grow)."""
+
+        def op(s: Session) -> int:
+            running = s.scalar(select(func.min(Round.id)).where(Round.run_id == run_id,
+                                                                Round.status == RoundStatus.RUNNING))
+            last = s.scalar(select(func.max(Round.id)).where(Round.run_id == run_id))
+            return int(running) if running is not None else int(last or 0) + 1
+
+        return self._read(op)
 
     def add_failure(self, round_id: int, node_id: int, *, stage: str, reason: str) -> None:
         self._write(

@@ -121,7 +121,8 @@ def test_runs_stop_through_the_cli(deployment: Deployment) -> None:
     run = d.repo.get_run(flower_run_id)
     assert run.status == RunStatus.STOPPED
     assert len([r for r in run.rounds if r.status == RoundStatus.COMPLETED]) < 50
-    assert all(r.status in (RoundStatus.COMPLETED, RoundStatus.ABORTED) for r in run.rounds)
+    assert all(r.status in (RoundStatus.COMPLETED, RoundStatus.ABORTED) for r in run.rounds), [
+        (r.number, r.status, r.error) for r in run.rounds]
     _assert_no_defunct_app_process(d)
 
 

@@ -63,6 +63,49 @@ def test_a_stopped_run_starts_no_new_round(repo: Repository) -> None:
     assert [(r.number, r.status) for r in repo.get_run(run.id).rounds] == [(1, RoundStatus.ABORTED)]
 
 
+@pytest.mark.parametrize("serverapp_first", [True, False])
+def test_a_round_the_stop_made_fail_is_recorded_aborted_in_either_order(repo: Repository, serverapp_first: bool) -> None:
+    """'runs stop' stops the run at the SuperLink, then records it. The ServerApp's round, whose node
+    tasks the stop ended, fails either before that record or after it: both orders leave it aborted
+    (with its failure in the reason), while a round that failed before the stop stays failed."""
+    run = repo.create_run(flower_run_id=None, config={}, strategy="fedavg", num_rounds=5)
+    genuine = repo.start_round(run.id, 1, [1, 2])
+    repo.finish_round(genuine.id, RoundStatus.FAILED, participants=[1], timings={}, error="1 valid update")
+    done = repo.start_round(run.id, 2, [1, 2])
+    repo.finish_round(done.id, RoundStatus.COMPLETED, participants=[1, 2], timings={})
+    open_round = repo.start_round(run.id, 3, [1, 2])
+    failed_since = repo.unfinished_from(run.id)  # 'runs stop' reads this before it stops the run at the SuperLink
+
+    def serverapp_fails() -> None:
+        repo.finish_round(open_round.id, RoundStatus.FAILED, participants=[], timings={}, error="0 valid updates")
+
+    if serverapp_first:
+        serverapp_fails()
+    repo.finish_run(run.id, RunStatus.STOPPED, error="stopped by the admin")
+    repo.abort_running_rounds(run.id, "run stopped by the admin", failed_since=failed_since)
+    if not serverapp_first:
+        serverapp_fails()
+    rounds = repo.get_run(run.id).rounds
+    assert [(r.number, r.status) for r in rounds] == [
+        (1, RoundStatus.FAILED), (2, RoundStatus.COMPLETED), (3, RoundStatus.ABORTED)
+    ]
+    assert rounds[0].error == "1 valid update"
+    assert rounds[2].error == "run stopped by the admin; it had failed: 0 valid updates"
+
+
+def test_unfinished_from_is_past_the_last_round_when_none_is_running(repo: Repository) -> None:
+    run = repo.create_run(flower_run_id=None, config={}, strategy="fedavg", num_rounds=3)
+    assert repo.unfinished_from(run.id) == 1  # no round yet: any round id
+    first = repo.start_round(run.id, 1, [1])
+    assert repo.unfinished_from(run.id) == first.id
+    repo.finish_round(first.id, RoundStatus.FAILED, participants=[], timings={}, error="no quorum")
+    mark = repo.unfinished_from(run.id)
+    assert mark == first.id + 1
+    repo.finish_run(run.id, RunStatus.STOPPED, error="stopped by the admin")
+    assert repo.abort_running_rounds(run.id, "run stopped by the admin", failed_since=mark) == 0
+    assert repo.get_run(run.id).rounds[0].status == RoundStatus.FAILED
+
+
 def test_nodes_registry(repo: Repository) -> None:
     repo.touch_node(BIG_ID, department="tax-office")
     repo.touch_node(5, department="parks")
