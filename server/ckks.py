@@ -240,62 +240,58 @@ class CkksSession:
         ann = Announcement.new(members, threshold, self.params)
         record_id = self.audit.ceremony_started(members, threshold, self.params.to_dict())
         timeout = self.config.secagg_stage_timeout
-        spool: SpooledBundles | None = None
         try:
-            spool = SpooledBundles(self.config.resolved_model_dir())
-            coordinator = CeremonyCoordinator(ann, spool)
-            announce = encode_announcement(ann, run_id=self.run_id)
-            for node, reply in self.exchange([self._message(COMMIT, n, RecordDict({CKKS: announce})) for n in members],
-                                             failures, "ckks-commit", timeout):
-                try:
-                    coordinator.add_commitment(decode_commitment(_reply_config(reply), node=node, ceremony=ann.ceremony))
-                except SecureAggregationError as exc:
-                    failures[node] = ("ckks-commit", str(exc))
-            directory = encode_directory(ann.ceremony, coordinator.directory())
-            committed = sorted(coordinator.commitments)
-
-            def take_reveal(node: int, reply: Message) -> None:
-                """Decode each reveal as it is pulled and spool its bundles; neither the reply nor the
-                decoded bundles are kept."""
-                try:
-                    content = reply.content
-                    if CKKS_ARRAYS not in content.array_records:
-                        raise SecureAggregationError("reveal reply has no arrays")
-                    coordinator.add_reveal(decode_reveal(_reply_config(reply), content.array_records[CKKS_ARRAYS],
-                                                         node=node, ceremony=ann.ceremony))
-                except SecureAggregationError as exc:
-                    failures[node] = ("ckks-reveal", str(exc))
-
-            self.exchange([self._message(REVEAL, n, RecordDict({CKKS: directory})) for n in committed],
-                          failures, "ckks-reveal", timeout, consume=take_reveal)
-            reveals, inbox = coordinator.finish_request()
-            shared = finish_arrays(reveals)  # one record for every member's request
-            deadline = self.clock() + timeout  # the stage's, across its waves
-            for wave in finish_waves(sorted(reveals), spool.size):
-                messages = []
-                for node in wave:
-                    config, arrays = encode_finish(ann.ceremony, reveals, inbox[node], shared)
-                    messages.append(self._message(FINISH, node, RecordDict({CKKS: config, CKKS_ARRAYS: arrays})))
-                replies = self.exchange(messages, failures, "ckks-finish", max(0.0, deadline - self.clock()))
-                del messages  # this wave's inboxes go before the next wave's are read
-                for node, reply in replies:
+            with SpooledBundles(self.config.resolved_model_dir()) as spool:
+                coordinator = CeremonyCoordinator(ann, spool)
+                announce = encode_announcement(ann, run_id=self.run_id)
+                for node, reply in self.exchange([self._message(COMMIT, n, RecordDict({CKKS: announce})) for n in members],
+                                                 failures, "ckks-commit", timeout):
                     try:
-                        key_id = _reply_config(reply).get("key_id")
-                        if not isinstance(key_id, str):
-                            raise SecureAggregationError("finish reply has no key id")
-                        coordinator.confirm(node, key_id)
+                        coordinator.add_commitment(decode_commitment(_reply_config(reply), node=node, ceremony=ann.ceremony))
                     except SecureAggregationError as exc:
-                        failures[node] = ("ckks-finish", str(exc))
-            if len(coordinator.confirmed) < threshold:
-                raise QuorumNotMetError(
-                    f"only {len(coordinator.confirmed)} of {len(members)} nodes hold a key share; t is {threshold}"
-                )
+                        failures[node] = ("ckks-commit", str(exc))
+                directory = encode_directory(ann.ceremony, coordinator.directory())
+                committed = sorted(coordinator.commitments)
+
+                def take_reveal(node: int, reply: Message) -> None:
+                    """Decode each reveal as it is pulled and spool its bundles; neither the reply nor the
+                    decoded bundles are kept."""
+                    try:
+                        content = reply.content
+                        if CKKS_ARRAYS not in content.array_records:
+                            raise SecureAggregationError("reveal reply has no arrays")
+                        coordinator.add_reveal(decode_reveal(_reply_config(reply), content.array_records[CKKS_ARRAYS],
+                                                             node=node, ceremony=ann.ceremony))
+                    except SecureAggregationError as exc:
+                        failures[node] = ("ckks-reveal", str(exc))
+
+                self.exchange([self._message(REVEAL, n, RecordDict({CKKS: directory})) for n in committed],
+                              failures, "ckks-reveal", timeout, consume=take_reveal)
+                reveals, inbox = coordinator.finish_request()
+                shared = finish_arrays(reveals)  # one record for every member's request
+                deadline = self.clock() + timeout  # the stage's, across its waves
+                for wave in finish_waves(sorted(reveals), spool.size):
+                    messages = []
+                    for node in wave:
+                        config, arrays = encode_finish(ann.ceremony, reveals, inbox[node], shared)
+                        messages.append(self._message(FINISH, node, RecordDict({CKKS: config, CKKS_ARRAYS: arrays})))
+                    replies = self.exchange(messages, failures, "ckks-finish", max(0.0, deadline - self.clock()))
+                    del messages  # this wave's inboxes go before the next wave's are read
+                    for node, reply in replies:
+                        try:
+                            key_id = _reply_config(reply).get("key_id")
+                            if not isinstance(key_id, str):
+                                raise SecureAggregationError("finish reply has no key id")
+                            coordinator.confirm(node, key_id)
+                        except SecureAggregationError as exc:
+                            failures[node] = ("ckks-finish", str(exc))
+                if len(coordinator.confirmed) < threshold:
+                    raise QuorumNotMetError(
+                        f"only {len(coordinator.confirmed)} of {len(members)} nodes hold a key share; t is {threshold}"
+                    )
         except QuorumError as exc:
             self.audit.ceremony_finished(record_id, key_id=None, holders=[], error=str(exc))
             raise
-        finally:
-            if spool is not None:
-                spool.close()
         assert coordinator.public_key is not None
         key = CkksKey(coordinator.key_id, coordinator.public_key, threshold, tuple(members),
                       tuple(sorted(coordinator.confirmed)))
