@@ -291,7 +291,7 @@ def stop(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (Qu
     # Stopped first: a ServerApp still between rounds then starts no new one (RunStoppedError), a round
     # it ends from now on as failed is recorded aborted, and the sweep after it catches a round it
     # started before or one the stop made fail before the run was recorded as stopped.
-    repo.finish_run(record.id, RunStatus.STOPPED, error="stopped by the admin")
+    repo.finish_run(record.id, RunStatus.STOPPED, error=STOPPED_BY_ADMIN)
     repo.abort_running_rounds(record.id, STOPPED_BY_ADMIN, failed_since=failed_since)
     console.print(f"run {record.id} stopped")
 

@@ -70,9 +70,9 @@ class RoundRecords(RunRecords):
         timings: Mapping[str, float],
         error: str | None = None,
     ) -> None:
-        """Record how a round ended. A round that fails in a run the admin has stopped is recorded as
-        aborted, its failure kept in the reason: the stop ended its nodes' tasks, so the failure says
-        nothing about the nodes."""
+        """Record how a round ended. A round that fails in a run that was stopped (an admin's ``runs
+        stop``, an interrupted demo) is recorded as aborted, with the run's reason and its failure: the
+        stop ended its nodes' tasks, so the failure says nothing about the nodes."""
 
         def op(s: Session) -> None:
             rnd = s.get(Round, round_id)
@@ -80,7 +80,7 @@ class RoundRecords(RunRecords):
                 raise NotFoundError(f"round {round_id} does not exist")
             run = s.get(Run, rnd.run_id)
             if status == RoundStatus.FAILED and run is not None and run.status == RunStatus.STOPPED:
-                rnd.status, rnd.error = RoundStatus.ABORTED, f"{STOPPED_BY_ADMIN}; it had failed: {error}"
+                rnd.status, rnd.error = RoundStatus.ABORTED, f"{run.error or STOPPED_BY_ADMIN}; the round had failed: {error}"
             else:
                 rnd.status, rnd.error = status, error
             rnd.participants = list(participants)
@@ -112,7 +112,7 @@ class RoundRecords(RunRecords):
                 rounds += s.scalars(select(Round).where(
                     Round.run_id == run_id, Round.status == RoundStatus.FAILED, Round.id >= failed_since))
             for rnd in rounds:
-                rnd.error = reason if rnd.status == RoundStatus.RUNNING else f"{reason}; it had failed: {rnd.error}"
+                rnd.error = reason if rnd.status == RoundStatus.RUNNING else f"{reason}; the round had failed: {rnd.error}"
                 rnd.status = RoundStatus.ABORTED
                 rnd.finished_at = utcnow()
             return len(rounds)

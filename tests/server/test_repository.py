@@ -81,7 +81,7 @@ def test_a_round_the_stop_made_fail_is_recorded_aborted_in_either_order(repo: Re
 
     if serverapp_first:
         serverapp_fails()
-    repo.finish_run(run.id, RunStatus.STOPPED, error="stopped by the admin")
+    repo.finish_run(run.id, RunStatus.STOPPED, error="run stopped by the admin")
     repo.abort_running_rounds(run.id, "run stopped by the admin", failed_since=failed_since)
     if not serverapp_first:
         serverapp_fails()
@@ -90,7 +90,7 @@ def test_a_round_the_stop_made_fail_is_recorded_aborted_in_either_order(repo: Re
         (1, RoundStatus.FAILED), (2, RoundStatus.COMPLETED), (3, RoundStatus.ABORTED)
     ]
     assert rounds[0].error == "1 valid update"
-    assert rounds[2].error == "run stopped by the admin; it had failed: 0 valid updates"
+    assert rounds[2].error == "run stopped by the admin; the round had failed: 0 valid updates"
 
 
 def test_unfinished_from_is_past_the_last_round_when_none_is_running(repo: Repository) -> None:
