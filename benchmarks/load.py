@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -114,8 +115,11 @@ def main() -> None:
             })
             try:
                 run = follow_run(repo, flower_run_id, timeout=3600, alive=lambda: federation.alive(flower_run_id))
-            finally:
-                shutil.copytree(home / "logs", Path(tempfile.gettempdir()) / "quorumfl-load-logs", dirs_exist_ok=True)
+            except BaseException:  # the throw-away home goes with the federation: keep its logs to read
+                kept = Path(tempfile.gettempdir()) / "quorumfl-load-logs"
+                shutil.copytree(home / "logs", kept, dirs_exist_ok=True)
+                print(f"load.py: the federation's logs are in {kept}", file=sys.stderr)
+                raise
             run_s = time.monotonic() - run_started
             logs = federation.logs(40)
         sampler.stop()

@@ -186,7 +186,10 @@ def test_unreadable_checkpoint_fails_with_the_fix(tmp_path: Path) -> None:
 
 
 def _run_job(ckpt: Path, out: Path, workers: int, *, kill_at_checkpoint: bool, kind: str = "image") -> dict[str, int] | None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))}
+    scratch = out.parent / "tmp"  # a SIGKILL leaves the job's temporary folders behind: here, not in /tmp
+    scratch.mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+           "TMPDIR": str(scratch)}
     proc = subprocess.Popen([sys.executable, str(HERE / "engine_job.py"), str(ckpt), str(out), str(workers), kind],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
