@@ -27,6 +27,11 @@ from quorumfl.server.state.runs import RunRecords
 __all__ = ["RoundRecords"]
 
 
+def _cut_short(reason: str, failure: str | None) -> str:
+    """The reason of a round a stop made fail: the stop's reason, then the failure it caused."""
+    return f"{reason}; the round had failed: {failure}"
+
+
 class RoundRecords(RunRecords):
     def start_round(self, run_id: int, number: int, selected: Iterable[int]) -> Round:
         """Record round ``number`` as running; ``RunStoppedError`` (nothing written) when the run is no
@@ -80,7 +85,7 @@ class RoundRecords(RunRecords):
                 raise NotFoundError(f"round {round_id} does not exist")
             run = s.get(Run, rnd.run_id)
             if status == RoundStatus.FAILED and run is not None and run.status == RunStatus.STOPPED:
-                rnd.status, rnd.error = RoundStatus.ABORTED, f"{run.error or STOPPED_BY_ADMIN}; the round had failed: {error}"
+                rnd.status, rnd.error = RoundStatus.ABORTED, _cut_short(run.error or STOPPED_BY_ADMIN, error)
             else:
                 rnd.status, rnd.error = status, error
             rnd.participants = list(participants)
@@ -112,7 +117,7 @@ class RoundRecords(RunRecords):
                 rounds += s.scalars(select(Round).where(
                     Round.run_id == run_id, Round.status == RoundStatus.FAILED, Round.id >= failed_since))
             for rnd in rounds:
-                rnd.error = reason if rnd.status == RoundStatus.RUNNING else f"{reason}; the round had failed: {rnd.error}"
+                rnd.error = reason if rnd.status == RoundStatus.RUNNING else _cut_short(reason, rnd.error)
                 rnd.status = RoundStatus.ABORTED
                 rnd.finished_at = utcnow()
             return len(rounds)
