@@ -1,5 +1,6 @@
 """Arithmetic modulo SEAL's RNS primes with numpy: uniform sampling, small-multiplier products,
-Shamir sharing per prime and coordinate, Lagrange coefficients, flooding noise.
+Shamir sharing per prime and coordinate, Lagrange coefficients, flooding noise, and the exact
+residues of the encoder's float64 integers (``residues_of_integers``).
 
 Values are uint64 arrays shaped ``[prime, coefficient]`` (or with leading batch axes). numpy has
 no 128-bit product, so ``mul_small`` reduces ``a·k mod q`` for ``k < 2^40`` with a float64
@@ -30,6 +31,7 @@ __all__ = [
     "mul_small",
     "random_bytes",
     "reduced",
+    "residues_of_integers",
     "shamir_shares",
     "small_noise",
     "sub_mod",
@@ -249,6 +251,55 @@ def flooding_noise(bits: int, primes: Sequence[int], shape: tuple[int, ...]) -> 
         value += lo if q > 1 << 32 else lo % np.int64(q)
         out[:, j, :] = _reduce_signed(value, q).view(np.uint64).reshape(batch, degree)
     return out
+
+
+_ESTIMATE_BIAS = 2.0**-4  # subtracted from a quotient estimate (whose error is below 2^-6.7) so it never exceeds the quotient
+
+
+def residues_of_integers(values: NDArray[np.float64], primes: Sequence[int], out: U64) -> None:
+    """Exact residues of integer-valued float64 ``values`` (any shape, |v| < 2^104) modulo each prime
+    (2^19 < q < 2^61), into ``out`` shaped ``values.shape[:-1] + (len(primes), values.shape[-1])``.
+
+    v = s·(h·2^63 + l) with s = ±1, h < 2^41 and l < 2^63, where s·h and s·l are exact in float64
+    (|v| and h·2^63 are multiples of |v|'s last bit, so their difference is too) and s·l fits an
+    int64. For each prime q, T = s·h·(2^63 mod q) + s·l ≡ v (mod q) and |T/q| < 2^41 + 2^63/q < 2^44;
+    both terms share a sign, so float64 estimates T/q to within 5·2^−53 relative, under 2^−6.7.
+    Lowered by 2^−4 and floored, that is ⌊T/q⌋ or one less, so T − Q·q lies in [0, 2q): computed
+    modulo 2^64 in int64 arithmetic it is exact, and min(r, r − q) over uint64 (r − q wraps when
+    r < q) brings it into [0, q). Vector passes only: no integer division, no boolean mask.
+    """
+    if len(primes) != out.shape[-2] or out.shape[:-2] != values.shape[:-1] or out.shape[-1] != values.shape[-1]:
+        raise ValueError(f"out of shape {out.shape} does not fit values {values.shape} and {len(primes)} primes")
+    if any(not 1 << 19 < q < 1 << 61 for q in primes):
+        raise ValueError("residues_of_integers takes primes between 2^19 and 2^61")
+    high = np.abs(values)
+    high *= 2.0**-63
+    np.floor(high, out=high)
+    if high.size and float(high.max()) >= 2.0**41:
+        raise SecureAggregationError("values too large to encode at this scale: a coefficient passes 2^104")
+    np.copysign(high, values, out=high)  # s·h
+    low = high * -(2.0**63)
+    low += values  # s·l, exact
+    high_words = high.astype(np.int64)
+    low_words = low.astype(np.int64)
+    estimate = np.empty_like(high)
+    quotient = np.empty(values.shape, dtype=np.int64)
+    value = np.empty(values.shape, dtype=np.int64)
+    for j, q in enumerate(primes):
+        wrap = pow(2, 63, q)
+        np.multiply(high, float(wrap), out=estimate)
+        estimate += low
+        estimate *= 1.0 / float(q)
+        estimate -= _ESTIMATE_BIAS
+        np.floor(estimate, out=estimate)
+        np.copyto(quotient, estimate, casting="unsafe")
+        np.multiply(high_words, np.int64(wrap), out=value)  # int64 products and sums wrap modulo 2^64,
+        value += low_words                                   # and the true T − Q·q is in [0, 2q)
+        quotient *= np.int64(q)
+        value -= quotient
+        reduced_value, less_q = value.view(np.uint64), quotient.view(np.uint64)
+        np.subtract(reduced_value, np.uint64(q), out=less_q)
+        np.minimum(reduced_value, less_q, out=out[..., j, :])
 
 
 def _reduce_signed(value: NDArray[np.int64], q: int) -> NDArray[np.int64]:

@@ -41,6 +41,7 @@ from quorumfl.aggregation.ckks.rns import (
     mul_scalar,
     mul_small,
     reduced,
+    residues_of_integers,
     shamir_shares,
     uniform_mod,
 )
@@ -638,6 +639,50 @@ def test_one_pass_of_ntt_product_and_rescale_equals_the_steps_one_after_the_othe
         steps = seal.rescale(steps)
     fused = seal.ntt_with_product(coeffs, polys, plain, subtract=subtract, rescale=rescale)
     assert fused.shape == steps.shape and np.array_equal(fused, steps)
+
+
+_INTEGER_FLOATS = st.one_of(
+    st.integers(-(2**53), 2**53).map(float),  # small ones, every bit set where a float allows
+    st.builds(lambda m, e: float(m) * 2.0**e, st.integers(-(2**53) + 1, 2**53 - 1), st.integers(0, 50)),
+    st.sampled_from([0.0, -0.0, 2.0**63, -(2.0**63), 2.0**64, -(2.0**64), 2.0**104 - 2.0**51, -(2.0**104 - 2.0**51)]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_INTEGER_FLOATS, min_size=1, max_size=300),
+       st.lists(st.sampled_from([1048573, 8589934609, 35184372088777, 2305843009213693951]), max_size=2))
+def test_residues_of_integers_are_pythons_exact_residues(values: list[float], others: list[int]) -> None:
+    """Each residue against Python's exact integers, for integers anywhere below 2^104 in magnitude
+    (both signs, −0.0, the split points 2^63 and 2^64, the largest), modulo SEAL's 60-bit primes and
+    small and mid-sized ones."""
+    primes = [*Seal.of(PARAMS).primes[:2], *others]
+    v = np.asarray(values, dtype=np.float64).reshape(1, -1)
+    out = np.empty((1, len(primes), v.shape[1]), dtype=np.uint64)
+    residues_of_integers(v, primes, out)
+    for j, q in enumerate(primes):
+        assert [int(r) for r in out[0, j]] == [int(x) % q for x in values]
+
+
+@pytest.mark.parametrize("scale", [2.0**52, 2.0**63, 2.0**80, 2.0**103])
+def test_residues_of_many_integers_are_exact_where_the_quotient_estimate_is_coarsest(scale: float) -> None:
+    """Thousands of integers of one size against Python's residues: a 20-bit prime makes the float
+    quotient largest (its estimate is off by up to 2^−7, so the floor would land one too high
+    without the bias), SEAL's primes and a 45-bit one the common case."""
+    primes = [1048573, 35184372088777, *Seal.of(PARAMS).primes[:2]]
+    v = np.round(np.random.default_rng(7).uniform(-1.0, 1.0, (2, 4096)) * scale)
+    out = np.empty((2, len(primes), 4096), dtype=np.uint64)
+    residues_of_integers(v, primes, out)
+    for j, q in enumerate(primes):
+        assert [[int(r) for r in row] for row in out[:, j]] == [[int(x) % q for x in row] for row in v]
+
+
+def test_residues_of_integers_refuse_what_they_cannot_reduce_exactly() -> None:
+    primes = Seal.of(PARAMS).primes[:2]
+    out = np.empty((1, 2, 2), dtype=np.uint64)
+    with pytest.raises(SecureAggregationError, match="passes 2\\^104"):
+        residues_of_integers(np.array([[1.0, -(2.0**104)]]), primes, out)
+    with pytest.raises(ValueError, match="between 2\\^19 and 2\\^61"):
+        residues_of_integers(np.array([[1.0, 2.0]]), [65521, primes[0]], out)
 
 
 @pytest.mark.parametrize("bits", [33, 50, 67, 81, 94])
