@@ -10,12 +10,11 @@ classifier: the mean of learned embeddings of hashed word and character n-grams,
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
-__all__ = ["HashedBag", "MaskedMeanBag", "Standardize", "find_statistics", "seeded"]
+__all__ = ["HashedBag", "MaskedMeanBag", "Standardize", "find_statistics"]
 
 MIN_VARIANCE = 1e-3  # a feature (nearly) constant across the federation is not blown up by 1/σ
 
@@ -111,13 +110,3 @@ class MaskedMeanBag(nn.Module):
         vectors = nn.functional.embedding(tokens, self.embedding.weight) * mask
         logits: torch.Tensor = self.classifier(vectors.sum(dim=1) / mask.sum(dim=1).clamp(min=1.0))
         return logits
-
-
-def seeded(build: Callable[[], nn.Module], seed: int) -> nn.Module:
-    """``build()`` with torch's generator seeded, restoring the caller's generator afterwards."""
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        return build()
-    finally:
-        torch.random.set_rng_state(state)

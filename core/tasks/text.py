@@ -108,7 +108,8 @@ class TextTask:
         return CLASSIFICATION
 
     def build_model(self, model: str, schema: Schema, *, seed: int) -> nn.Module:
-        from quorumfl.core.tasks.modules import HashedBag, seeded
+        from quorumfl.core.models import seeded
+        from quorumfl.core.tasks.modules import HashedBag
 
         if model != "fasttext":
             raise ConfigError(f"model: the text task has no model '{model}'; choose one of {list(self.model_names())}")
