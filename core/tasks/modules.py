@@ -14,7 +14,11 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["HashedBag", "MaskedMeanBag", "Standardize", "find_statistics"]
+from quorumfl.core.models import (
+    seeded,  # plug-in tasks seed their models with it (examples/city_task)
+)
+
+__all__ = ["HashedBag", "MaskedMeanBag", "Standardize", "find_statistics", "seeded"]
 
 MIN_VARIANCE = 1e-3  # a feature (nearly) constant across the federation is not blown up by 1/σ
 

@@ -201,8 +201,7 @@ class TabularTask:
         import torch
         from torch import nn
 
-        from quorumfl.core.models import seeded
-        from quorumfl.core.tasks.modules import Standardize
+        from quorumfl.core.tasks.modules import Standardize, seeded
 
         features, outputs = _feature_count(schema), self.outputs(schema)
         floor = torch.tensor(_floors(schema), dtype=torch.float32)

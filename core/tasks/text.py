@@ -108,8 +108,7 @@ class TextTask:
         return CLASSIFICATION
 
     def build_model(self, model: str, schema: Schema, *, seed: int) -> nn.Module:
-        from quorumfl.core.models import seeded
-        from quorumfl.core.tasks.modules import HashedBag
+        from quorumfl.core.tasks.modules import HashedBag, seeded
 
         if model != "fasttext":
             raise ConfigError(f"model: the text task has no model '{model}'; choose one of {list(self.model_names())}")

@@ -220,6 +220,7 @@ def test_own_tasks_by_module_attribute_and_clear_errors(tmp_path: Path, monkeypa
         "    def check_schema(self, schema):\n        super().check_schema({**schema, 'task': 'tabular', 'version': '1'})\n"
         "INVOICES = Invoices()\nNOT_A_TASK = object()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "city_tasks", raising=False)  # the examples' package of that name may be imported
     task = get_task("city_tasks:INVOICES")
     assert task.version == "2.1"
     with pytest.raises(ConfigError, match="cannot import 'missing_pkg' for task 'missing_pkg:T'.*install the task's package"):
@@ -232,7 +233,7 @@ def test_own_tasks_by_module_attribute_and_clear_errors(tmp_path: Path, monkeypa
               "target_range": [0, 1], "numeric": [{"name": "a", "low": 0, "high": 1}], "categorical": []}
     with pytest.raises(ConfigError, match="version 2.1 here, the run's schema needs version 2.0"):
         ModelSpec("city_tasks:INVOICES", "mlp", json.dumps(schema)).resolve()
-    sys.modules.pop("city_tasks", None)
+    sys.modules.pop("city_tasks", None)  # this test's module; monkeypatch puts back one imported before
 
 
 @pytest.mark.parametrize("name", [":", "city_tasks:", ":PERMITS", "a..b:X", "city tasks:X", "m:1x"])
