@@ -253,7 +253,7 @@ def flooding_noise(bits: int, primes: Sequence[int], shape: tuple[int, ...]) -> 
     return out
 
 
-_ESTIMATE_BIAS = 2.0**-4  # subtracted from a quotient estimate (whose error is below 2^-6.7) so it never exceeds the quotient
+_ESTIMATE_BIAS = 2.0**-4  # subtracted from a quotient estimate (whose error is below 2^-6.5) so it never exceeds the quotient
 
 
 def residues_of_integers(values: NDArray[np.float64], primes: Sequence[int], out: U64) -> None:
@@ -262,8 +262,8 @@ def residues_of_integers(values: NDArray[np.float64], primes: Sequence[int], out
 
     v = s·(h·2^63 + l) with s = ±1, h < 2^41 and l < 2^63, where s·h and s·l are exact in float64
     (|v| and h·2^63 are multiples of |v|'s last bit, so their difference is too) and s·l fits an
-    int64. For each prime q, T = s·h·(2^63 mod q) + s·l ≡ v (mod q) and |T/q| < 2^41 + 2^63/q < 2^44;
-    both terms share a sign, so float64 estimates T/q to within 5·2^−53 relative, under 2^−6.7.
+    int64. For each prime q, T = s·h·(2^63 mod q) + s·l ≡ v (mod q) and |T/q| < 2^41 + 2^63/q < 2^44.2;
+    both terms share a sign, so float64 estimates T/q to within 5·2^−53 relative, under 2^−6.5.
     Lowered by 2^−4 and floored, that is ⌊T/q⌋ or one less, so T − Q·q lies in [0, 2q): computed
     modulo 2^64 in int64 arithmetic it is exact, and min(r, r − q) over uint64 (r − q wraps when
     r < q) brings it into [0, q). Vector passes only: no integer division, no boolean mask.
