@@ -1,9 +1,11 @@
 """SEAL (through ``tenseal.sealapi``) for one CKKS parameter set: context, levels, encode/decode, encrypt, NTT.
 
-The bindings read and write objects only through file paths, so objects pass through a private
-scratch directory (in /dev/shm when it exists: memory, not disk) and are parsed with
-``streams``; nothing secret is ever written there except during a secret-key round trip, which
-is deleted at once. Everything the protocol computes itself (sums, shares, partial decryptions)
+The bindings read and write objects only through file paths, so each object passes through a
+file of its own (in /dev/shm when it exists: memory, not disk), created private (0600, ``mkstemp``)
+before SEAL writes or reads it, removed as soon as it is read, and parsed with ``streams``; nothing
+secret is ever written there except during a secret-key round trip. No directory is kept per
+process: a ClientApp task ends with ``os._exit``, which runs no finaliser, and every task that built
+a context used to leave its directory behind in /dev/shm. Everything the protocol computes itself (sums, shares, partial decryptions)
 is numpy on the parsed arrays, CKKS encoding included (``encode_coefficients``, SEAL's encoder
 rewritten in numpy and tested against it); SEAL does the NTT, products of NTT polynomials, the
 rescale and decoding.
@@ -11,8 +13,8 @@ rescale and decoding.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
@@ -36,11 +38,12 @@ from quorumfl.aggregation.ckks.streams import (
 )
 from quorumfl.errors import SecureAggregationError
 
-__all__ = ["Seal"]
+__all__ = ["SCRATCH_PREFIX", "Seal"]
 
 U64 = NDArray[np.uint64]
 PACK = 16  # SEAL accepts ciphertexts of up to 16 polynomials (15 of ours and a row of ones per batch)
 ENCODE_BLOCK = 8  # chunks encoded together: 8 × N complex values, 1 MB, per temporary
+SCRATCH_PREFIX = "quorumfl-ckks-"  # then the process id: the name of every file an object passes through
 
 
 def _scratch_root() -> str | None:
@@ -73,9 +76,6 @@ class Seal:
         self.primes: tuple[int, ...] = tuple(m.value() for m in parms.coeff_modulus())
         self.encoder = sealapi.CKKSEncoder(self.context)
         self.evaluator = sealapi.Evaluator(self.context)
-        self._scratch = tempfile.mkdtemp(prefix="quorumfl-ckks-", dir=_scratch_root())
-        os.chmod(self._scratch, 0o700)
-        self._counter = 0
         # parms_id of each data level, keyed by how many primes it keeps; the key level holds all.
         self.levels: dict[int, ParmsId] = {}
         data = self.context.first_context_data()
@@ -95,27 +95,26 @@ class Seal:
             position = position * 3 % (2 * degree)
         self._twist = np.exp(-1j * np.pi * np.arange(degree) / degree) * (2.0**params.scale_bits / degree)
 
-    def __del__(self) -> None:
-        shutil.rmtree(getattr(self, "_scratch", ""), ignore_errors=True)
-
     # ---- bytes <-> SEAL objects -----------------------------------------------------------------
-    def _path(self) -> str:
-        self._counter += 1
-        return os.path.join(self._scratch, f"{os.getpid()}-{threading.get_ident()}-{self._counter}")
+    @staticmethod
+    def _private_file() -> tuple[int, str]:
+        """A new empty file only this user can read (``mkstemp``: 0600, O_EXCL; /dev/shm is sticky,
+        so no other user can swap it before SEAL opens it by name)."""
+        return tempfile.mkstemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=_scratch_root())
 
     def save(self, obj: Any) -> bytes:
-        path = self._path()
+        fd, path = self._private_file()
         try:
-            obj.save(path)
+            os.close(fd)
+            obj.save(path)  # SEAL truncates the file and writes into it: it stays 0600
             with open(path, "rb") as fh:
                 return fh.read()
         finally:
-            if os.path.exists(path):
+            with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
 
     def load(self, kind: type, raw: bytes) -> Any:
-        path = self._path()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd, path = self._private_file()
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(raw)

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import stat
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
@@ -45,7 +46,7 @@ from quorumfl.aggregation.ckks.rns import (
     shamir_shares,
     uniform_mod,
 )
-from quorumfl.aggregation.ckks.seal import Seal
+from quorumfl.aggregation.ckks.seal import SCRATCH_PREFIX, Seal
 from quorumfl.aggregation.ckks.streams import (
     CiphertextData,
     build_ciphertext,
@@ -503,9 +504,55 @@ def test_flooding_noise_is_centred_in_its_bound() -> None:
     assert abs(spread / (2**63 / np.sqrt(3)) - 1) < 0.05
 
 
-def test_seal_scratch_files_are_private() -> None:
+def test_seal_objects_pass_through_private_files_that_do_not_outlive_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    import quorumfl.aggregation.ckks.seal as seal_module
+
     seal = Seal.of(PARAMS)
-    assert stat.S_IMODE(os.stat(seal._scratch).st_mode) == 0o700
+    created: list[str] = []
+    mkstemp = tempfile.mkstemp
+
+    def watched(*args: Any, **kwargs: Any) -> tuple[int, str]:
+        fd, path = mkstemp(*args, **kwargs)
+        assert stat.S_IMODE(os.fstat(fd).st_mode) == 0o600
+        created.append(path)
+        return fd, path
+
+    monkeypatch.setattr(seal_module.tempfile, "mkstemp", watched)
+    secret, residues = seal.new_secret()  # a secret key's round trip: SEAL saves it, we read it
+    seal.secret_from(residues)  # and back: we write it, SEAL loads it
+    assert len(created) >= 2 and not [p for p in created if os.path.exists(p)]
+    assert all(os.path.basename(p).startswith(f"{SCRATCH_PREFIX}{os.getpid()}-") for p in created)
+    fd, path = mkstemp(dir=os.path.dirname(created[0]))  # SEAL writes into the private file it is given
+    os.close(fd)
+    try:
+        secret.save(path)
+        assert os.path.getsize(path) > 0 and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    finally:
+        os.remove(path)
+
+
+def test_a_task_that_ends_with_os_exit_leaves_no_scratch_files() -> None:
+    """A forked ClientApp task ends with ``os._exit`` (no finalisers): a context it built and used
+    must leave nothing in the scratch directory."""
+    import tempfile
+
+    import quorumfl.aggregation.ckks.seal as seal_module
+
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            own = Seal(PARAMS)  # not the parent's cached context: one this process builds
+            own.to_ntt(own.encode_coefficients(np.linspace(-1.0, 1.0, 100), 2))
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    root = seal_module._scratch_root() or tempfile.gettempdir()
+    assert not [n for n in os.listdir(root) if n.startswith(f"{SCRATCH_PREFIX}{child}-")]
 
 
 def test_in_place_modular_addition_equals_the_plain_one() -> None:
