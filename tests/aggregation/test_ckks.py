@@ -6,6 +6,7 @@ import dataclasses
 import os
 import stat
 import struct
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tenseal import sealapi
 
+import quorumfl.aggregation.ckks.seal as seal_module
 from quorumfl.aggregation.ckks import (
     Announcement,
     CeremonyCoordinator,
@@ -505,10 +507,6 @@ def test_flooding_noise_is_centred_in_its_bound() -> None:
 
 
 def test_seal_objects_pass_through_private_files_that_do_not_outlive_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    import tempfile
-
-    import quorumfl.aggregation.ckks.seal as seal_module
-
     seal = Seal.of(PARAMS)
     created: list[str] = []
     mkstemp = tempfile.mkstemp
@@ -536,10 +534,6 @@ def test_seal_objects_pass_through_private_files_that_do_not_outlive_the_call(mo
 def test_a_task_that_ends_with_os_exit_leaves_no_scratch_files() -> None:
     """A forked ClientApp task ends with ``os._exit`` (no finalisers): a context it built and used
     must leave nothing in the scratch directory."""
-    import tempfile
-
-    import quorumfl.aggregation.ckks.seal as seal_module
-
     child = os.fork()
     if child == 0:
         code = 1
