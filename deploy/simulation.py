@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -213,8 +214,12 @@ def _run(values: Mapping[str, Any], settings: SimulationSettings, repo: Reposito
     from quorumfl.client.app import app as client_app
 
     cpus = settings.cpus or os.cpu_count() or 1
+    # Ray keeps its session (logs, sockets) under a temporary root, /tmp/ray unless told: each run gets
+    # its own, removed afterwards. Short, as Ray puts Unix sockets (at most 107 bytes) under it.
+    ray_root = tempfile.mkdtemp(prefix="quorumfl-ray-", dir=os.environ.get("RAY_TMPDIR") or "/tmp")
     backend: BackendConfig = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-               "init_args": {"num_cpus": cpus, "include_dashboard": False, "log_to_driver": settings.verbose}}
+               "init_args": {"num_cpus": cpus, "include_dashboard": False, "log_to_driver": settings.verbose,
+                             "_temp_dir": ray_root}}
     seen: list[int] = []
     flower_log = logging.getLogger("flwr")
     level = flower_log.level
@@ -235,6 +240,7 @@ def _run(values: Mapping[str, Any], settings: SimulationSettings, repo: Reposito
         raise FederationError(f"the simulation stopped: {exc}") from exc
     finally:
         flower_log.setLevel(level)
+        shutil.rmtree(ray_root, ignore_errors=True)
     if not seen:
         raise FederationError("the simulation ended before its ServerApp started; rerun with --verbose to see why")
     run = repo.get_run(seen[0])

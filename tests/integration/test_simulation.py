@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,10 +57,16 @@ def test_quorumfl_simulate_gives_the_deployed_runs_models(tmp_path: Path) -> Non
 
     toml = tmp_path / "run.toml"
     toml.write_text("[run]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in config.items()))
-    done = subprocess.run([sys.executable, "-m", "quorumfl.cli", "--home", str(home), "simulate", str(toml),
-                           "--departments", "4", "--data", str(tmp_path / "parts"), "--reproducible"],
-                          capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
+    ray_tmp = Path(tempfile.mkdtemp(prefix="qr-", dir="/tmp"))  # short: Ray's sockets go below it
+    try:
+        done = subprocess.run([sys.executable, "-m", "quorumfl.cli", "--home", str(home), "simulate", str(toml),
+                               "--departments", "4", "--data", str(tmp_path / "parts"), "--reproducible"],
+                              capture_output=True, text=True, timeout=600, check=False,
+                              env={**os.environ, "RAY_TMPDIR": str(ray_tmp)})
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert list(ray_tmp.iterdir()) == []  # Ray's session (logs, sockets) went with the run
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     [simulated] = [r for r in repo.list_runs() if r.id != deployed.id]
     assert f"Run {simulated.id} (simulated)" in done.stdout and "transit" in done.stdout, done.stdout
     assert list((home / "simulations").iterdir()) == []  # the simulation folder went with the run
