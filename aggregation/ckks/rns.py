@@ -67,7 +67,12 @@ def uniform_below(q: int, count: int, draw: Callable[[int], bytes]) -> U64:
     out = np.empty(count, dtype=np.uint64)
     have = 0
     while have < count:
-        words = np.frombuffer(draw(8 * (count - have + 64)), dtype="<u8") & mask
+        words = np.frombuffer(draw(8 * (count - have + 64)), dtype="<u8")
+        head = out[have:]
+        np.bitwise_and(words[: head.size], mask, out=head)
+        if int(head.max()) < q:  # the usual case: no word among the first ones needed is rejected
+            break
+        words = words & mask
         keep = words[words < np.uint64(q)][: count - have]
         out[have: have + keep.size] = keep
         have += keep.size
@@ -217,11 +222,19 @@ def small_noise(primes: Sequence[int], shape: tuple[int, ...]) -> U64:
     count = int(np.prod(shape)) // len(primes)
     words = np.frombuffer(random_bytes(8 * count), dtype=np.uint64)
     mask = np.uint64((1 << CBD_ETA) - 1)
-    value = np.bitwise_count(words & mask).astype(np.int64)
-    value -= np.bitwise_count((words >> np.uint64(32)) & mask)
-    value = value.reshape(*shape[:-2], 1, shape[-1])
-    q = np.asarray(primes, dtype=np.int64).reshape(-1, 1)
-    return np.ascontiguousarray(np.where(value < 0, value + q, value).astype(np.uint64))
+    # both popcounts are at most 21, so their difference is exact in int8: one byte per coefficient
+    # until each prime's residues are written
+    value = np.bitwise_count(words & mask).view(np.int8)
+    value -= np.bitwise_count((words >> np.uint64(32)) & mask).view(np.int8)
+    value = value.reshape(*shape[:-2], shape[-1])
+    out = np.empty(shape, dtype=np.uint64)
+    wrapped = np.empty(value.shape, dtype=np.uint64)
+    for j, q in enumerate(primes):
+        residues = out[..., j, :]
+        np.copyto(residues, value, casting="unsafe")  # e, or 2^64 + e when e < 0
+        np.add(residues, np.uint64(q), out=wrapped)  # e + q, or q + e (wrapped) when e < 0
+        np.minimum(residues, wrapped, out=residues)  # e mod q either way
+    return out
 
 
 def flooding_noise(bits: int, primes: Sequence[int], shape: tuple[int, ...]) -> U64:

@@ -100,15 +100,15 @@ def common_c1(key_id: str, *, round_number: int, group: int, nonce: bytes, prime
     label = b"quorumfl/ckks/common-c1" + field_bytes(key_id.encode()) + round_number.to_bytes(8, "big", signed=True) \
         + group.to_bytes(4, "big", signed=True) + nonce
     key = hashlib.sha256(label).digest()
-    rows = []
+    out = np.empty((chunks, len(primes), degree), dtype=np.uint64)
     for j, q in enumerate(primes):
         keystream = Cipher(algorithms.AES(key), modes.CTR(j.to_bytes(16, "big"))).encryptor()
 
         def draw(n: int, ks: CipherContext = keystream) -> bytes:
             return ks.update(bytes(n))
 
-        rows.append(uniform_below(q, chunks * degree, draw))
-    return np.ascontiguousarray(np.stack(rows).reshape(len(primes), chunks, degree).transpose(1, 0, 2))
+        out[:, j, :] = uniform_below(q, chunks * degree, draw).reshape(chunks, degree)
+    return out
 
 
 def contribution_message(*, binding: bytes, key_id: str, round_number: int, group: int, nonce: bytes, node: int,

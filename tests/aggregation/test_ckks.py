@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import stat
 import struct
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import zstandard
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tenseal import sealapi
@@ -46,6 +49,8 @@ from quorumfl.aggregation.ckks.rns import (
     reduced,
     residues_of_integers,
     shamir_shares,
+    small_noise,
+    uniform_below,
     uniform_mod,
 )
 from quorumfl.aggregation.ckks.seal import SCRATCH_PREFIX, Seal
@@ -57,6 +62,7 @@ from quorumfl.aggregation.ckks.streams import (
     parse_plaintext,
 )
 from quorumfl.aggregation.ckks.threshold import NONCE_BYTES, _unflooded, common_c1
+from quorumfl.aggregation.secagg.identity import field_bytes
 from quorumfl.errors import ConfigError, QuorumNotMetError, SecureAggregationError
 
 PARAMS = CkksParams()
@@ -749,3 +755,76 @@ def test_flooding_noise_residues_are_those_of_the_integers_its_bytes_spell(
         assert -(2**bits) <= value < 2**bits
         for j, q in enumerate(primes):
             assert int(noise[i // (count // 2), j, i % (count // 2)]) == value % q
+
+
+def test_small_noise_residues_are_those_of_the_centred_binomials_its_bytes_spell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each residue against Python's integers: e = popcount(low 21 bits) − popcount(bits 32..52) of
+    each drawn word, reduced modulo SEAL's 60-bit primes and a 20-bit one; the extremes ±21 drawn."""
+    import quorumfl.aggregation.ckks.rns as rns
+
+    count = 4096
+    raw = bytearray(os.urandom(8 * count))
+    raw[0:8] = ((1 << 21) - 1).to_bytes(8, "little")  # e = 21
+    raw[8:16] = (((1 << 21) - 1) << 32).to_bytes(8, "little")  # e = −21
+    raw[16:24] = bytes(8)  # e = 0
+    monkeypatch.setattr(rns, "random_bytes", lambda n: bytes(raw[:n]))
+    primes = [*Seal.of(PARAMS).primes[:2], 1048573]
+    noise = small_noise(primes, (2, len(primes), count // 2))
+    assert noise.dtype == np.uint64 and noise.flags.c_contiguous
+    seen = set()
+    for i in range(count):
+        word = int.from_bytes(raw[8 * i: 8 * i + 8], "little")
+        e = bin(word & (2**21 - 1)).count("1") - bin((word >> 32) & (2**21 - 1)).count("1")
+        seen.add(e)
+        for j, q in enumerate(primes):
+            assert int(noise[i // (count // 2), j, i % (count // 2)]) == e % q
+    assert {21, -21, 0} <= seen
+
+
+def _rejection_reference(q: int, count: int, draw: Callable[[int], bytes]) -> list[int]:
+    """The rejection sampler word by word, in Python: masked words below q, in stream order, from
+    draws of 8·(still needed + 64) bytes."""
+    mask, out = (1 << q.bit_length()) - 1, []
+    while len(out) < count:
+        raw = draw(8 * (count - len(out) + 64))
+        words = [int.from_bytes(raw[i: i + 8], "little") & mask for i in range(0, len(raw), 8)]
+        out += [w for w in words if w < q][: count - len(out)]
+    return out
+
+
+def _stream(seed: bytes) -> Callable[[int], bytes]:
+    state = {"at": 0}
+
+    def draw(n: int) -> bytes:
+        out = b"".join(hashlib.sha256(seed + i.to_bytes(8, "big")).digest()
+                       for i in range(state["at"] // 32, (state["at"] + n + 31) // 32 + 1))
+        skip = state["at"] % 32
+        state["at"] += n
+        return out[skip: skip + n]
+    return draw
+
+
+@settings(max_examples=40, deadline=None)
+@given(count=st.integers(0, 300), seed=st.binary(min_size=1, max_size=8),
+       q=st.sampled_from([(1 << 20) + 7, (1 << 33) + 9, (1 << 61) - 1, 1152921504606748673]))
+def test_uniform_residues_are_the_rejection_samplers_word_for_word(count: int, seed: bytes, q: int) -> None:
+    """Every party derives the round's c1 from one stream: the sampler must keep exactly the words the
+    plain rejection loop keeps, whether none is rejected (a 60-bit SEAL prime) or about half (2^20 + 7)."""
+    got = uniform_below(q, count, _stream(seed))
+    assert got.dtype == np.uint64 and got.shape == (count,)
+    assert [int(v) for v in got] == _rejection_reference(q, count, _stream(seed))
+
+
+def test_the_common_c1_is_each_primes_stream_laid_out_chunk_by_chunk() -> None:
+    """c1[c, j] is chunk c of prime j's own AES-CTR stream (the layout every party must share)."""
+    primes, chunks, degree, nonce = Seal.of(PARAMS).primes[:2], 3, 64, bytes(range(NONCE_BYTES))
+    c1 = common_c1("k" * 32, round_number=4, group=1, nonce=nonce, primes=primes, chunks=chunks, degree=degree)
+    label = b"quorumfl/ckks/common-c1" + field_bytes(("k" * 32).encode()) + (4).to_bytes(8, "big", signed=True) \
+        + (1).to_bytes(4, "big", signed=True) + nonce
+    key = hashlib.sha256(label).digest()
+    assert c1.shape == (chunks, len(primes), degree) and c1.flags.c_contiguous
+    for j, q in enumerate(primes):
+        keystream = Cipher(algorithms.AES(key), modes.CTR(j.to_bytes(16, "big"))).encryptor()
+        row = _rejection_reference(q, chunks * degree, lambda n, ks=keystream: ks.update(bytes(n)))
+        assert [int(v) for v in c1[:, j, :].ravel()] == row
+
