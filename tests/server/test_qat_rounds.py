@@ -82,7 +82,7 @@ def test_masked_qat_rounds_give_the_plaintext_model_and_ranges(tmp_path: Path, t
     (``FixedPoint.error_bound``, ~1e-8 here). Round 1 starts both runs from the same model with the same
     repeatable training, so its masked model is the plaintext run's. Round 2 (fake quantisation) starts
     from round 1's masked model, which differs by that encoding error: a fake-quantised activation can then
-    round the other way and the departments' training diverges (by up to 2e-3 per weight in repeated runs),
+    round the other way and the departments' training diverges (1e-5 to 1.7e-3 per weight in repeated runs),
     so round 2 is checked against what the departments of the masked run fed the secure sum."""
     fed: dict[int, list[tuple[dict[str, np.ndarray], np.ndarray]]] = {}
     original = secure.record_payload
@@ -114,9 +114,9 @@ def test_masked_qat_rounds_give_the_plaintext_model_and_ranges(tmp_path: Path, t
     mean = flatten(received) + total[HEADER:] / total[0]  # the weighted mean of w·δ over Σw
     for key, value in unflatten(mean, received).items():
         np.testing.assert_allclose(last[key], value, rtol=0, atol=atol, err_msg=key)
-    for key, value in last.items():  # the ranges the observers saw are the plaintext run's
+    for key, value in last.items():  # the ranges the observers saw are the plaintext run's, up to that divergence
         if key.startswith(QAT_PREFIX):
-            np.testing.assert_allclose(value, plain_last[key], rtol=0, atol=1e-5, err_msg=key)
+            np.testing.assert_allclose(value, plain_last[key], rtol=0, atol=1e-3, err_msg=key)
 
 
 def test_qat_rounds_refuse_what_they_do_not_combine_with() -> None:
