@@ -253,16 +253,31 @@ def flooding_noise(bits: int, primes: Sequence[int], shape: tuple[int, ...]) -> 
     lo = np.frombuffer(raw, dtype=np.uint32, offset=8 * count).astype(np.int64)
     batch, _, degree = shape
     out = np.empty(shape, dtype=np.uint64)
+    estimate = np.empty(count, dtype=np.float64)
+    quotient = np.empty(count, dtype=np.int64)
+    value = np.empty(count, dtype=np.uint64)
+    spare = np.empty(count, dtype=np.uint64)
     for j, q in enumerate(primes):
         # h·2^32 mod q from the quotient's float64 estimate, off by at most one while it stays below 2^50
         # (h itself when bits − log2 q allows, else h mod q first), so the remainder computed modulo
-        # 2^64 lies in (−q, 2q); l (reduced when q is small) adds less than q
+        # 2^64 lies in (−q, 2q); l (reduced when q is small) adds less than q, and q more makes it
+        # (0, 4q): below 2^63, so two uint64 minimums (r − 2q, then r − q, wrap when r is smaller)
+        # bring it into [0, q)
         h = hi if bits - (int(q).bit_length() - 1) <= 50 else np.mod(hi, np.int64(q))
-        quotient = np.floor(h.astype(np.float64) * (2.0**32 / float(q))).astype(np.int64)
+        np.multiply(h, 2.0**32 / float(q), out=estimate)
+        np.floor(estimate, out=estimate)
+        np.copyto(quotient, estimate, casting="unsafe")
+        modulus = np.uint64(q)
         with np.errstate(over="ignore"):  # wraps modulo 2^64 to the true remainder
-            value = ((h.view(np.uint64) << np.uint64(32)) - quotient.view(np.uint64) * np.uint64(q)).view(np.int64)
-        value += lo if q > 1 << 32 else lo % np.int64(q)
-        out[:, j, :] = _reduce_signed(value, q).view(np.uint64).reshape(batch, degree)
+            np.left_shift(h.view(np.uint64), np.uint64(32), out=value)
+            np.multiply(quotient.view(np.uint64), modulus, out=spare)
+            value -= spare
+            value += lo.view(np.uint64) if q > 1 << 32 else (lo % np.int64(q)).view(np.uint64)
+            value += modulus
+            for multiple in (np.uint64(2 * q), modulus):
+                np.subtract(value, multiple, out=spare)
+                np.minimum(value, spare, out=value)
+        out[:, j, :] = value.reshape(batch, degree)
     return out
 
 
@@ -315,11 +330,3 @@ def residues_of_integers(values: NDArray[np.float64], primes: Sequence[int], out
         np.minimum(reduced_value, less_q, out=out[..., j, :])
 
 
-def _reduce_signed(value: NDArray[np.int64], q: int) -> NDArray[np.int64]:
-    """``value`` in (−q, 3q) reduced to [0, q) in place, with sign masks instead of boolean indexing."""
-    modulus = np.int64(q)
-    value += modulus & (value >> np.int64(63))
-    for _ in range(2):
-        value -= modulus
-        value += modulus & (value >> np.int64(63))
-    return value
