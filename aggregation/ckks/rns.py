@@ -51,6 +51,14 @@ def _q(primes: Sequence[int], a: U64) -> U64:
     return np.asarray(primes, dtype=np.uint64).reshape(-1, 1)
 
 
+def _fold(value: U64, modulus: U64 | np.uint64, spare: U64, out: U64 | None = None) -> None:
+    """value − modulus where value ≥ modulus, else value, into ``out`` (``value`` itself by default),
+    for uint64 values below 2^63 + modulus: the difference of a smaller value wraps around 2^64 and
+    loses the minimum, so two vector passes and no boolean mask. ``spare``: a buffer of value's shape."""
+    np.subtract(value, modulus, out=spare)
+    np.minimum(value, spare, out=value if out is None else out)
+
+
 _BLOCK_WORDS = 1 << 16  # 512 KiB of uint64 per step of add_mod_into: the block stays in cache
 
 
@@ -116,8 +124,7 @@ def add_mod_into(acc: U64, b: U64, primes: Sequence[int]) -> None:
         a = rows_a[start: start + step]
         s = scratch[: a.shape[0]]
         np.add(a, rows_b[start: start + step], out=a)
-        np.subtract(a, q, out=s)
-        np.minimum(a, s, out=a)
+        _fold(a, q, s)
 
 
 def sub_mod_into(acc: U64, b: U64, primes: Sequence[int]) -> None:
@@ -274,9 +281,8 @@ def flooding_noise(bits: int, primes: Sequence[int], shape: tuple[int, ...]) -> 
             value -= spare
             value += lo.view(np.uint64) if q > 1 << 32 else (lo % np.int64(q)).view(np.uint64)
             value += modulus
-            for multiple in (np.uint64(2 * q), modulus):
-                np.subtract(value, multiple, out=spare)
-                np.minimum(value, spare, out=value)
+            _fold(value, np.uint64(2 * q), spare)
+            _fold(value, modulus, spare)
         out[:, j, :] = value.reshape(batch, degree)
     return out
 
@@ -325,8 +331,6 @@ def residues_of_integers(values: NDArray[np.float64], primes: Sequence[int], out
         value += low_words                                   # and the true T − Q·q is in [0, 2q)
         quotient *= np.int64(q)
         value -= quotient
-        reduced_value, less_q = value.view(np.uint64), quotient.view(np.uint64)
-        np.subtract(reduced_value, np.uint64(q), out=less_q)
-        np.minimum(reduced_value, less_q, out=out[..., j, :])
+        _fold(value.view(np.uint64), np.uint64(q), quotient.view(np.uint64), out=out[..., j, :])
 
 
