@@ -1,16 +1,21 @@
 """SEAL (through ``tenseal.sealapi``) for one CKKS parameter set: context, levels, encode/decode, encrypt, NTT.
 
-The bindings read and write objects only through file paths, so each object passes through a
-file of its own (in /dev/shm when it exists: memory, not disk), created private (0600, ``mkstemp``)
-before SEAL writes or reads it, removed as soon as it is read, and parsed with ``streams``; nothing
-secret is ever written there except during a secret-key round trip. No directory is kept per
-process: a ClientApp task ends with ``os._exit``, which runs no finaliser, and every task that built
-a context used to leave its directory behind in /dev/shm. Everything the protocol computes itself (sums, shares, partial decryptions)
-is numpy on the parsed arrays, CKKS encoding included (``encode_coefficients``, SEAL's encoder
+The bindings read and write objects only through file paths. On Linux each process and thread keeps
+two anonymous in-memory files (``memfd_create``; SEAL opens them as ``/proc/self/fd/N``): one we
+write each object into for SEAL to load, overwritten in place (SEAL reads the length its stream
+header gives, so a shorter object needs no truncation), and one SEAL saves into. They have no name
+in any directory, so no other process can open them by name, and the kernel frees them when the
+process exits, ``os._exit`` included (a ClientApp task ends that way and runs no finaliser). After
+a secret key passes through one, it is truncated to nothing. A process that forks gets new ones
+(the inherited descriptors share their file with the parent). This replaced a private file per
+object in /dev/shm (create, write, load, remove): 2.3 ms against 5.7 ms per 2 MB batch round trip.
+Where ``memfd_create`` does not exist each object still passes through a private file of its own
+(``mkstemp``: 0600, in /dev/shm when it exists), removed as soon as it is read. Objects are parsed
+with ``streams``. Everything the protocol computes itself (sums, shares, partial decryptions) is
+numpy on the parsed arrays, CKKS encoding included (``encode_coefficients``, SEAL's encoder
 rewritten in numpy and tested against it); SEAL does the NTT, products of NTT polynomials, the
 rescale and decoding.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -18,6 +23,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,6 +55,82 @@ SCRATCH_PREFIX = "quorumfl-ckks-"  # then the process id: the name of every file
 def _scratch_root() -> str | None:
     shm = "/dev/shm"
     return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+
+
+@dataclass(frozen=True)
+class _Channel:
+    """The two anonymous files one process and thread hands SEAL (module docstring)."""
+
+    pid: int
+    load_fd: int
+    save_fd: int
+
+    @property
+    def load_path(self) -> str:
+        return f"/proc/self/fd/{self.load_fd}"
+
+    @property
+    def save_path(self) -> str:
+        return f"/proc/self/fd/{self.save_fd}"
+
+
+_local = threading.local()
+
+
+def _memfd_works() -> bool:
+    """memfd exists and SEAL can reach one through /proc/self/fd (checked once per process)."""
+    if not hasattr(os, "memfd_create"):
+        return False
+    try:
+        fd = os.memfd_create("quorumfl-ckks-probe", os.MFD_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        with open(f"/proc/self/fd/{fd}", "wb"):
+            return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+_MEMFD = _memfd_works()
+
+
+def _channel() -> _Channel | None:
+    """This thread's channel, made on first use and again in a forked child; None without memfd."""
+    if not _MEMFD:
+        return None
+    channel: _Channel | None = getattr(_local, "channel", None)
+    if channel is None or channel.pid != os.getpid():
+        # In a forked child the inherited descriptors still point at the parent's files: they are left
+        # to the parent (closed here only in this process) and this process makes its own.
+        if channel is not None:
+            for fd in (channel.load_fd, channel.save_fd):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        channel = _Channel(os.getpid(), os.memfd_create("quorumfl-ckks-load", os.MFD_CLOEXEC),
+                           os.memfd_create("quorumfl-ckks-save", os.MFD_CLOEXEC))
+        _local.channel = channel
+    return channel
+
+
+def _write_all(fd: int, raw: bytes) -> None:
+    view, offset = memoryview(raw), 0
+    while offset < len(view):
+        offset += os.pwrite(fd, view[offset:], offset)
+
+
+def _read_all(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    parts, offset = [], 0
+    while offset < size:
+        part = os.pread(fd, size - offset, offset)
+        if not part:
+            break
+        parts.append(part)
+        offset += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 class Seal:
@@ -99,10 +181,19 @@ class Seal:
     @staticmethod
     def _private_file() -> tuple[int, str]:
         """A new empty file only this user can read (``mkstemp``: 0600, O_EXCL; /dev/shm is sticky,
-        so no other user can swap it before SEAL opens it by name)."""
+        so no other user can swap it before SEAL opens it by name). Only where memfd does not exist."""
         return tempfile.mkstemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=_scratch_root())
 
-    def save(self, obj: Any) -> bytes:
+    def save(self, obj: Any, *, secret: bool = False) -> bytes:
+        """SEAL's stream of ``obj`` (``secret``: the channel is emptied once it is read)."""
+        channel = _channel()
+        if channel is not None:
+            obj.save(channel.save_path)  # SEAL truncates the file and writes into it
+            try:
+                return _read_all(channel.save_fd)
+            finally:
+                if secret:
+                    os.ftruncate(channel.save_fd, 0)
         fd, path = self._private_file()
         try:
             os.close(fd)
@@ -113,19 +204,31 @@ class Seal:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
 
-    def load(self, kind: type, raw: bytes) -> Any:
+    def load(self, kind: type, raw: bytes, *, secret: bool = False) -> Any:
+        """A SEAL object of ``kind`` from its stream ``raw``; SEAL's refusal as ``SecureAggregationError``."""
+        channel = _channel()
+        if channel is not None:
+            try:
+                _write_all(channel.load_fd, raw)
+                return self._load_from(kind, channel.load_path)
+            finally:
+                if secret:
+                    os.ftruncate(channel.load_fd, 0)
         fd, path = self._private_file()
         try:
             with os.fdopen(fd, "wb") as fh:
                 fh.write(raw)
-            obj = kind()
-            try:
-                obj.load(self.context, path)
-            except (RuntimeError, ValueError) as exc:
-                raise SecureAggregationError(f"SEAL refused a {kind.__name__}: {exc}") from exc
-            return obj
+            return self._load_from(kind, path)
         finally:
             os.remove(path)
+
+    def _load_from(self, kind: type, path: str) -> Any:
+        obj = kind()
+        try:
+            obj.load(self.context, path)
+        except (RuntimeError, ValueError) as exc:
+            raise SecureAggregationError(f"SEAL refused a {kind.__name__}: {exc}") from exc
+        return obj
 
     def primes_at(self, count: int) -> tuple[int, ...]:
         return self.primes[:count]
@@ -134,12 +237,12 @@ class Seal:
     def new_secret(self) -> tuple[Any, U64]:
         """A fresh SEAL secret key and its key-level NTT residues ``[prime, coeff]``."""
         secret = sealapi.KeyGenerator(self.context).secret_key()
-        return secret, parse_plaintext(self.save(secret), degree=self.params.poly_degree).coeffs
+        return secret, parse_plaintext(self.save(secret, secret=True), degree=self.params.poly_degree).coeffs
 
     def secret_from(self, coeffs: U64) -> Any:
         """A SEAL SecretKey holding the given key-level residues (for reference decryption in tests)."""
         raw = build_plaintext(PlaintextData(self.key_level, 1.0, coeffs), version=self.version)
-        return self.load(sealapi.SecretKey, raw)
+        return self.load(sealapi.SecretKey, raw, secret=True)
 
     def zero_encryption(self, secret: Any) -> CiphertextData:
         """Symmetric encryption of zero at the key level: c0 + c1·s = −e with SEAL's error distribution."""

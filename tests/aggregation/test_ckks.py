@@ -8,6 +8,7 @@ import os
 import stat
 import struct
 import tempfile
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -512,7 +513,65 @@ def test_flooding_noise_is_centred_in_its_bound() -> None:
     assert abs(spread / (2**63 / np.sqrt(3)) - 1) < 0.05
 
 
-def test_seal_objects_pass_through_private_files_that_do_not_outlive_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+def _scratch_names(pid: int) -> list[str]:
+    root = seal_module._scratch_root() or tempfile.gettempdir()
+    return [n for n in os.listdir(root) if n.startswith(f"{SCRATCH_PREFIX}{pid}-")]
+
+
+@pytest.mark.skipif(not seal_module._MEMFD, reason="memfd_create is Linux-only")
+def test_seal_objects_pass_through_anonymous_files_emptied_after_a_secret() -> None:
+    seal = Seal.of(PARAMS)
+    secret, residues = seal.new_secret()  # a secret key's round trip: SEAL saves it, we read it
+    channel = seal_module._channel()
+    assert channel is not None
+    for fd in (channel.load_fd, channel.save_fd):  # anonymous: no name in any directory
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:quorumfl-ckks-")
+    assert os.fstat(channel.save_fd).st_size == 0  # the secret's stream is gone once read
+    seal.to_ntt(seal.encode_coefficients(np.linspace(-1.0, 1.0, 100), 2))  # a ciphertext stays until overwritten
+    assert os.fstat(channel.load_fd).st_size > 0
+    again = seal.secret_from(residues)  # and back: we write it, SEAL loads it
+    assert os.fstat(channel.load_fd).st_size == 0
+    assert seal.save(again, secret=True) == seal.save(secret, secret=True)
+    assert not _scratch_names(os.getpid())
+
+
+@pytest.mark.skipif(not seal_module._MEMFD, reason="memfd_create is Linux-only")
+def test_a_forked_process_and_another_thread_get_their_own_anonymous_files() -> None:
+    """A forked ClientApp task inherits its parent's descriptors: writing through them would change
+    the parent's file under it. The child and every thread make their own."""
+    seal = Seal.of(PARAMS)
+    values = np.linspace(-1.0, 1.0, 100)
+    expected = seal.to_ntt(seal.encode_coefficients(values, 2))
+    parent = seal_module._channel()
+    assert parent is not None
+    before = os.pread(parent.load_fd, os.fstat(parent.load_fd).st_size, 0)
+    files = {os.fstat(fd).st_ino for fd in (parent.load_fd, parent.save_fd)}
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            seal.to_ntt(seal.encode_coefficients(np.linspace(-5.0, 5.0, 3 * PARAMS.poly_degree), 2))
+            mine = seal_module._channel()
+            own = mine is not None and mine.pid == os.getpid() and not files & {
+                os.fstat(mine.load_fd).st_ino, os.fstat(mine.save_fd).st_ino}
+            code = 0 if own else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert os.pread(parent.load_fd, os.fstat(parent.load_fd).st_size, 0) == before
+    assert np.array_equal(seal.to_ntt(seal.encode_coefficients(values, 2)), expected)
+    seen: list[seal_module._Channel | None] = []
+    thread = threading.Thread(target=lambda: seen.append(seal_module._channel()))
+    thread.start()
+    thread.join()
+    assert seen[0] is not None and not files & {os.fstat(seen[0].load_fd).st_ino, os.fstat(seen[0].save_fd).st_ino}
+
+
+def test_without_memfd_objects_pass_through_private_files_that_do_not_outlive_the_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(seal_module, "_MEMFD", False)
     seal = Seal.of(PARAMS)
     created: list[str] = []
     mkstemp = tempfile.mkstemp
@@ -551,8 +610,7 @@ def test_a_task_that_ends_with_os_exit_leaves_no_scratch_files() -> None:
             os._exit(code)
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    root = seal_module._scratch_root() or tempfile.gettempdir()
-    assert not [n for n in os.listdir(root) if n.startswith(f"{SCRATCH_PREFIX}{child}-")]
+    assert not _scratch_names(child)
 
 
 def test_in_place_modular_addition_equals_the_plain_one() -> None:
