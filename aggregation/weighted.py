@@ -21,7 +21,10 @@ element is, unless the squares overflow; only then does the element-wise check r
 each update. ``extend``, which the server's FedAvg step uses, checks the block instead, once per
 ``BLOCK`` updates, since a NaN or ±inf in any term stays non-finite in the block; when the block is not
 finite it is cleared and its updates redone one by one through ``add``, so a rejected update still
-never touches the sums (a float32 add cannot be undone exactly, so nothing is subtracted). Measured
+never touches the sums (a float32 add cannot be undone exactly, so nothing is subtracted). A new
+float32 tensor costs page faults on first touch (~1 ms per 4 MB, as much as adding ten updates), so
+``result`` divides into the spare block and hands it to the caller, and a dropped mean's blocks go to
+a small pool (``POOL_BYTES``) that the next mean (the next round's) takes them from. Measured
 figures are in benchmarks/README.md (``aggregate_throughput.py``).
 Error bound of that summation: every coordinate of the result is within
 (BLOCK + BLOCKS + 2)·2⁻²⁴·Σ|wᵢxᵢ|/Σwᵢ of the exact weighted mean. Each term wᵢxᵢ is rounded once in
@@ -41,6 +44,8 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +64,7 @@ LARGE = 1 << 14  # float32 tensors with at least this many elements take the BLA
 BLOCK = 16  # float32 terms per block before it is added into the float32 partial sum
 BLOCKS = 16  # blocks per float32 partial sum before it is added into the float64 sums
 UNIT_ROUNDOFF = 2.0**-24  # float32
+POOL_BYTES = 256 << 20  # float32 blocks kept between aggregations (two per large tensor of a 32M-parameter model)
 
 
 def error_bound(weights: Iterable[float], magnitudes: NDArray[np.float64]) -> NDArray[np.float64]:
@@ -93,6 +99,39 @@ def _all_finite(arr: NDArray[np.generic]) -> bool:
         if math.isfinite(float(flat.dot(flat))):
             return True  # a NaN or ±inf anywhere makes the dot product non-finite
     return bool(np.isfinite(arr).all())  # small tensors, other dtypes, or squares that overflowed
+
+
+class _BlockPool:
+    """float32 blocks a finished ``WeightedMean`` leaves for the next one (the server makes one per
+    round): a new 4 MB tensor costs ~1 ms of page faults on first touch, as much as adding ten updates.
+    Holds at most ``limit`` bytes; what does not fit is freed."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._free: dict[int, list[Any]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, numel: int) -> Any:
+        with self._lock:
+            free = self._free.get(numel)
+            if free:
+                self._bytes -= 4 * numel
+                return free.pop()
+        return _torch().empty(numel, dtype=_torch().float32)
+
+    def give(self, *owners: dict[str, Any]) -> None:
+        with self._lock:
+            for owner in owners:
+                for tensor in owner.values():
+                    size = 4 * tensor.numel()
+                    if self._bytes + size <= self._limit:
+                        self._free.setdefault(tensor.numel(), []).append(tensor)
+                        self._bytes += size
+                owner.clear()
+
+
+_POOL = _BlockPool(POOL_BYTES)
 
 
 @dataclass(frozen=True)
@@ -144,6 +183,8 @@ class WeightedMean:
         self._total = 0.0
         self._nodes: list[str] = []
         self._seen: set[str] = set()  # the same nodes, for the duplicate check
+        # the blocks go back to the pool when this mean is dropped (never the one ``result`` handed out)
+        weakref.finalize(self, _POOL.give, self._blocks, self._partials)
 
     @property
     def nodes(self) -> list[str]:
@@ -268,7 +309,7 @@ class WeightedMean:
                 torch = _torch()
                 block = self._blocks.get(name)
                 if block is None:  # torch's allocation is 64-byte aligned; numpy's is not always
-                    block = self._blocks[name] = torch.empty(arr.size, dtype=torch.float32)
+                    block = self._blocks[name] = _POOL.take(arr.size)
                 term = torch.from_numpy(np.ascontiguousarray(arr).reshape(-1))
                 if name in self._in_blocks:
                     block.add_(term, alpha=weight)
@@ -304,12 +345,11 @@ class WeightedMean:
         """Add the float32 blocks into the float32 partial sums and start new blocks; every ``BLOCKS``
         blocks, add the partial sums into the float64 sums."""
         if self._in_block:
-            torch = _torch()
             for name in self._in_blocks:
                 block, partial = self._blocks[name], self._partials.get(name)
                 if name not in self._in_partials:  # the block becomes the partial sum: no copy
                     self._partials[name] = block
-                    self._blocks[name] = partial if partial is not None else torch.empty_like(block)
+                    self._blocks[name] = partial if partial is not None else _POOL.take(block.numel())
                     self._in_partials.add(name)
                 else:
                     self._partials[name].add_(block)
@@ -339,9 +379,12 @@ class WeightedMean:
             acc = self._sums.get(name)
             if partial is None:  # everything is in the float64 sums
                 result[name] = (self._wide(name) / self._total).astype(self._dtypes[name], copy=False)
-            elif acc is None:  # everything is in the float32 partial sum: divide there
-                mean = (partial / self._total).numpy().reshape(self._shapes[name])
-                result[name] = mean.astype(self._dtypes[name], copy=False)
+            elif acc is None:  # everything is in the float32 partial sum: divide there, into the spare
+                # block (its pages are mapped already: a new 4 MB tensor costs ~1 ms of page faults);
+                # the caller keeps it, so a later ``add`` starts a new block
+                spare = self._blocks.pop(name, None)
+                out = _torch().div(partial, self._total, out=spare) if spare is not None else partial / self._total
+                result[name] = out.numpy().reshape(self._shapes[name]).astype(self._dtypes[name], copy=False)
             else:  # both: a widened partial sum or a term of another dtype went into the float64 sums
                 wide = _torch().from_numpy(acc.reshape(-1)) + partial
                 result[name] = (wide / self._total).numpy().astype(self._dtypes[name]).reshape(self._shapes[name])

@@ -300,3 +300,32 @@ def test_a_result_is_never_changed_by_later_terms_or_by_later_means() -> None:
     for key, value in _reference(other).items():
         np.testing.assert_allclose(later[key], value, rtol=1e-5, atol=1e-6)
     assert not np.shares_memory(early["w"], both["w"]) and not np.shares_memory(both["w"], later["w"])
+
+
+def test_a_dropped_means_blocks_serve_the_next_mean_and_the_pool_keeps_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dropped mean's float32 blocks go to the pool (up to its limit) and the next mean takes them
+    instead of new memory; the block ``result`` handed out never goes there."""
+    import gc
+
+    from quorumfl.aggregation import weighted
+
+    pool = weighted._BlockPool(4 * LARGE)  # room for one block
+    monkeypatch.setattr(weighted, "_POOL", pool)
+    rng = np.random.default_rng(3)
+    updates = _updates(rng, BLOCK + 1, {"w": (LARGE,)})  # two flushes: a block and a partial sum
+    mean = WeightedMean(updates[0].arrays)
+    assert not mean.extend(updates)
+    first = mean.result()  # divided into the spare block, which the caller now holds
+    kept = first["w"].copy()
+    del mean
+    gc.collect()
+    assert pool._bytes == 4 * LARGE and len(pool._free[LARGE]) == 1  # the partial sum; the result is not there
+    pooled = pool._free[LARGE][0]
+    again = WeightedMean(updates[0].arrays)
+    again.add(updates[1])
+    assert pool._bytes == 0 and again._blocks["w"] is pooled
+    np.testing.assert_array_equal(first["w"], kept)
+    np.testing.assert_allclose(again.result()["w"], updates[1].arrays["w"], rtol=1e-6)
+    big = weighted._BlockPool(0)  # a pool with no room frees what it is given
+    big.give({"w": pooled})
+    assert not big._free and big._bytes == 0
