@@ -111,6 +111,7 @@ class Exchange:
         consume: Callable[[int, Message], None] | None = None,
         retries: int = 0,
         retried: dict[int, int] | None = None,
+        enough: Callable[[], bool] | None = None,
     ) -> list[tuple[int, Message]]:
         """Send, wait up to ``timeout`` seconds, and record error replies and missing nodes.
 
@@ -123,6 +124,11 @@ class Exchange:
         sent the same request again, up to ``retries`` times while the deadline allows; the same
         job resumes from the node's training checkpoint. ``retried`` counts the re-sends per node.
         Other errors (the app raised, the node is gone) are final: asking again would fail again.
+
+        With ``enough`` (asked after each batch of pulled replies) the stage stops waiting as soon as
+        it holds: a stage that asks spare nodes (the unmask stage asks t + spare) then ends with the
+        first replies that suffice instead of the slowest one, or the deadline when a spare hangs. The
+        nodes still waiting are not failures: their answers were not needed.
         """
         if self.round_number is not None:  # SuperNodes log "[RUN r, ROUND n]" with each message
             for m in messages:
@@ -198,6 +204,8 @@ class Exchange:
                         take(reply)
                 if pulled:
                     report()
+                    if enough is not None and enough():
+                        return good
                 if again:
                     copies = [Message(content=request[n].content, dst_node_id=n,
                                       message_type=request[n].metadata.message_type,

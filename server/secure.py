@@ -78,11 +78,13 @@ Failures = dict[int, tuple[str, str]]
 class Exchange(Protocol):
     """``server.exchange.Exchange``: send, wait up to ``timeout`` s, fill ``failures``; the good replies
     are returned, or handed to ``consume`` one by one as they are pulled and not kept. A node whose
-    ClientApp crashed is asked again up to ``retries`` times (``retried`` counts them)."""
+    ClientApp crashed is asked again up to ``retries`` times (``retried`` counts them). With
+    ``enough``, the wait ends as soon as it holds."""
 
     def __call__(self, messages: list[Message], failures: Failures, stage: str, timeout: float,
                  consume: Callable[[int, Message], None] | None = None, *, retries: int = 0,
-                 retried: dict[int, int] | None = None) -> list[tuple[int, Message]]: ...
+                 retried: dict[int, int] | None = None,
+                 enough: Callable[[], bool] | None = None) -> list[tuple[int, Message]]: ...
 
 
 def _with_noise_share(config: TrainConfig, quorum: int) -> TrainConfig:
@@ -325,13 +327,17 @@ class MaskingSession:
                 ask = [n for n in ask if n in signatures]  # the others refuse to unmask
             asked_to_unmask.update(ask)
             record = encode_unmask_request(request)
-            replies = self.exchange([self._message(UNMASK, n, record) for n in ask], failures, "secagg-unmask",
-                                    config.secagg_stage_timeout)
-            for node, reply in replies:
-                try:
+
+            def unmask(node: int, reply: Message) -> None:
+                try:  # each share is checked against its commitment as it arrives (``add_unmask``)
                     rnd.add_unmask(decode_unmask_reply(_secagg(reply), node=node))
                 except SecureAggregationError as exc:
                     failures[node] = ("secagg-unmask", str(exc))
+
+            # The stage ends once every needed secret has t checked shares: the spare's reply, or a
+            # slow node's, is not waited for (asking it revealed nothing the others did not).
+            self.exchange([self._message(UNMASK, n, record) for n in ask], failures, "secagg-unmask",
+                          config.secagg_stage_timeout, consume=unmask, enough=rnd.can_unmask)
         outcomes = rnd.result()
         if consistency:
             timings["secagg-confirm"] = confirm_s
