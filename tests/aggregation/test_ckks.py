@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import os
 import stat
@@ -561,11 +562,26 @@ def test_a_forked_process_and_another_thread_get_their_own_anonymous_files() -> 
     assert os.waitstatus_to_exitcode(status) == 0
     assert os.pread(parent.load_fd, os.fstat(parent.load_fd).st_size, 0) == before
     assert np.array_equal(seal.to_ntt(seal.encode_coefficients(values, 2)), expected)
-    seen: list[seal_module._Channel | None] = []
-    thread = threading.Thread(target=lambda: seen.append(seal_module._channel()))
+    def anonymous() -> set[int]:
+        names = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in map(int, os.listdir("/proc/self/fd"))
+                 if os.path.exists(f"/proc/self/fd/{fd}")}
+        return {os.fstat(fd).st_ino for fd, name in names.items() if name.startswith("/memfd:quorumfl-ckks-")}
+
+    before_thread = anonymous()
+    seen: list[set[int]] = []
+
+    def use() -> None:
+        channel = seal_module._channel()
+        assert channel is not None
+        seal.to_ntt(seal.encode_coefficients(values, 2))
+        seen.append({os.fstat(channel.load_fd).st_ino, os.fstat(channel.save_fd).st_ino})
+
+    thread = threading.Thread(target=use)
     thread.start()
     thread.join()
-    assert seen[0] is not None and not files & {os.fstat(seen[0].load_fd).st_ino, os.fstat(seen[0].save_fd).st_ino}
+    assert len(seen) == 1 and len(seen[0]) == 2 and not files & seen[0]  # the thread had its own
+    gc.collect()
+    assert anonymous() == before_thread  # and they were closed when it ended
 
 
 def test_without_memfd_objects_pass_through_private_files_that_do_not_outlive_the_call(
