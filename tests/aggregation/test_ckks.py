@@ -562,6 +562,7 @@ def test_a_forked_process_and_another_thread_get_their_own_anonymous_files() -> 
     assert os.waitstatus_to_exitcode(status) == 0
     assert os.pread(parent.load_fd, os.fstat(parent.load_fd).st_size, 0) == before
     assert np.array_equal(seal.to_ntt(seal.encode_coefficients(values, 2)), expected)
+
     def anonymous() -> set[int]:
         names = {fd: os.readlink(f"/proc/self/fd/{fd}") for fd in map(int, os.listdir("/proc/self/fd"))
                  if os.path.exists(f"/proc/self/fd/{fd}")}

@@ -326,6 +326,6 @@ def test_a_dropped_means_blocks_serve_the_next_mean_and_the_pool_keeps_its_limit
     assert pool._bytes == 0 and again._blocks["w"] is pooled
     np.testing.assert_array_equal(first["w"], kept)
     np.testing.assert_allclose(again.result()["w"], updates[1].arrays["w"], rtol=1e-6)
-    big = weighted._BlockPool(0)  # a pool with no room frees what it is given
-    big.give({"w": pooled})
-    assert not big._free and big._bytes == 0
+    full = weighted._BlockPool(0)  # a pool with no room frees what it is given
+    full.give({"w": pooled})
+    assert not full._free and full._bytes == 0
