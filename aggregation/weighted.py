@@ -259,23 +259,26 @@ class WeightedMean:
         ``BLOCK`` updates are held meanwhile (references; the caller's arrays are not copied)."""
         rejected: dict[str, str] = {}
         pending: list[tuple[NodeUpdate, float]] = []
+        held: set[str] = set()  # the nodes in ``pending``
         self._flush()  # the block holds only unchecked terms of this batch, so clearing it loses nothing
         for update in updates:
-            if any(update.node == u.node for u, _ in pending):  # settled first: was the earlier one accepted?
+            node = update.node
+            if node in held:  # settled first: was the earlier one accepted?
                 rejected.update(self._settle(pending))
-                pending = []
+                pending, held = [], set()
             try:
-                if update.node in self._seen:
-                    raise AggregationError("a second update from the same node in one aggregation", node=update.node)
+                if node in self._seen:
+                    raise AggregationError("a second update from the same node in one aggregation", node=node)
                 weight = self.check(update, large_finite=False)
             except AggregationError as exc:
-                rejected[update.node] = str(exc)
+                rejected[node] = str(exc)
                 continue
             self._accumulate_large(update, weight)
             pending.append((update, weight))
+            held.add(node)
             if len(pending) >= BLOCK:
                 rejected.update(self._settle(pending))
-                pending = []
+                pending, held = [], set()
         rejected.update(self._settle(pending))
         return rejected
 
@@ -306,25 +309,27 @@ class WeightedMean:
     def _accumulate_large(self, update: NodeUpdate, weight: float) -> None:
         """w·x into the float32 blocks, for the large float32 tensors. A block's first term is written
         (``mul`` into it) rather than added to zeros, so no pass over memory clears a block."""
+        torch, blocks, in_blocks = _torch(), self._blocks, self._in_blocks
         for name, array in update.arrays.items():
             arr = np.asarray(array)
-            if _blas_path(arr):
-                torch = _torch()
-                block = self._blocks.get(name)
-                if block is None:  # torch's allocation is 64-byte aligned; numpy's is not always
-                    block = self._blocks[name] = _POOL.take(arr.size)
-                term = torch.from_numpy(np.ascontiguousarray(arr).reshape(-1))
-                if name in self._in_blocks:
-                    block.add_(term, alpha=weight)
+            if arr.dtype == np.float32 and arr.size >= LARGE:  # _blas_path, inline: once per tensor and update
+                if arr.ndim != 1 or not arr.flags.c_contiguous:
+                    arr = np.ascontiguousarray(arr).reshape(-1)
+                term = torch.from_numpy(arr)
+                if name in in_blocks:
+                    blocks[name].add_(term, alpha=weight)
                 else:
+                    block = blocks.get(name)
+                    if block is None:  # torch's allocation is 64-byte aligned; numpy's is not always
+                        block = blocks[name] = _POOL.take(arr.size)
                     torch.mul(term, weight, out=block)
-                    self._in_blocks.add(name)
+                    in_blocks.add(name)
 
     def _accumulate_small(self, update: NodeUpdate, weight: float) -> None:
         """w·x into the float64 sums, for the other tensors."""
         for name, array in update.arrays.items():
             arr = np.asarray(array)
-            if _blas_path(arr):
+            if arr.dtype == np.float32 and arr.size >= LARGE:  # _blas_path, inline
                 continue
             # w·x in the update's own float precision (one rounding per term) into a reused buffer,
             # then added into the float64 sums: no allocation per update, and half the memory
