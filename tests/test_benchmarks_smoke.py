@@ -26,7 +26,8 @@ def _run(script: str) -> dict[str, object]:
 
 def test_aggregate_throughput_smoke() -> None:
     figures = _run("aggregate_throughput.py")
-    keys = {"mean_s", "copy_s", "fraction_of_copy_bandwidth", "masked_sum_s", "masked_fraction_of_copy_bandwidth",
+    keys = {"mean_s", "copy_s", "fraction_of_copy_bandwidth", "read_s", "read_fraction_of_copy_bandwidth",
+            "masked_sum_s", "masked_fraction_of_copy_bandwidth",
             "ckks_sum_s", "ckks_fraction_of_copy_bandwidth", "ckks_unpack_s", "max_error_over_bound", "peak_rss_mb"}
     assert keys <= set(figures)
     assert all(float(figures[k]) > 0 for k in keys - {"max_error_over_bound"})  # type: ignore[arg-type]
