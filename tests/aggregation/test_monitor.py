@@ -13,6 +13,8 @@ from scipy.stats import trim_mean
 
 from quorumfl.aggregation.monitor import (
     MIN_NODES,
+    SKETCH,
+    ChangeSketch,
     RobustRule,
     monitor_updates,
     robust_combine,
@@ -140,3 +142,34 @@ def test_histogram_flags_count_nodes_two_buckets_above_the_median() -> None:
     count, reasons = histogram_flags(calm, hist(b6=4, b9=2), edges=edges)
     assert count == 2 and "train loss" in reasons[0]
     assert histogram_flags(hist(b6=2, b12=1), hist(b6=3), edges=edges)[0] == 0  # fewer than MIN_NODES
+
+
+def test_a_change_sketch_matches_a_plain_numpy_countsketch_over_several_tensors_and_dtypes() -> None:
+    rng = np.random.default_rng(3)
+    reference = {"b.weight": rng.standard_normal((300, 40)).astype(np.float32), "a.bias": rng.standard_normal(40),
+                 "c.steps": np.array([7], dtype=np.int64)}
+    sketch = ChangeSketch(reference, seed=5)
+    names = sorted(reference)  # the coordinates in name order, each tensor flattened
+    size = sum(reference[k].size for k in names)
+    assert size > SKETCH
+    draws = np.random.default_rng(5)  # the documented draws: a bucket, then a sign, per coordinate
+    buckets, signs = draws.integers(0, SKETCH, size), draws.choice(np.array([-1.0, 1.0]), size)
+    for _ in range(3):  # the change buffer is reused from one update to the next
+        update = {k: (v + rng.standard_normal(v.shape)).astype(v.dtype) for k, v in reference.items()}
+        change = np.concatenate([(np.asarray(update[k], np.float64) - np.asarray(reference[k], np.float64)).ravel()
+                                 for k in names])
+        norm, sketched = sketch.measure(update)
+        assert norm == pytest.approx(float(np.linalg.norm(change)), rel=1e-12)
+        expected = np.bincount(buckets, weights=signs * change, minlength=SKETCH)
+        np.testing.assert_allclose(sketched, expected, rtol=1e-12, atol=1e-12 * float(np.abs(change).sum()))
+
+
+def test_a_change_sketch_refuses_an_update_it_cannot_measure() -> None:
+    reference = {"w": np.zeros(SKETCH + 1, dtype=np.float32)}
+    sketch = ChangeSketch(reference)
+    with pytest.raises(ValueError, match="another shape"):
+        sketch.measure({"w": np.zeros(SKETCH, dtype=np.float32)})
+    with pytest.raises(ValueError, match="not real-valued"):
+        sketch.measure({"w": np.zeros(SKETCH + 1, dtype=np.complex64)})
+    with pytest.raises(KeyError):
+        sketch.measure({"v": np.zeros(SKETCH + 1, dtype=np.float32)})
