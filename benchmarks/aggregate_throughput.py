@@ -6,7 +6,7 @@ once (``np.copyto``, one thread). ``fraction_of_copy_bandwidth`` = copy_s / sum_
 a memcpy of the inputs; above 1 it is faster, which BLAS's threads and a cache-resident accumulator
 allow). The weighted mean's ceiling on the machine is what its cores can read: ``read_s`` sums every
 update on torch's threads (nothing written), ``read_fraction_of_copy_bandwidth`` = copy_s / read_s. On
-a VM that figure moves with the neighbours (1.4 to 2.3 within minutes on the 2-core CI machine), so
+a VM that figure moves with the neighbours (1.5 to 2.5 within minutes on a 2-core development VM), so
 the mean, the copy and the read are timed in turns, repeat after repeat, and each keeps its best:
 all three see the same machine.
 
