@@ -147,10 +147,10 @@ class ChangeSketch:
         for name, value in self.reference.items():
             self._slices[name] = slice(start, start + int(np.size(value)))
             start += int(np.size(value))
-        self._flat = np.empty(start, dtype=np.float64)  # the reference, then each update's change
+        self._reference_flat = np.empty(start, dtype=np.float64)
         for name, value in self.reference.items():
-            self._flat[self._slices[name]] = np.asarray(value, np.float64).ravel()
-        self._reference_flat = self._flat.copy()
+            self._reference_flat[self._slices[name]] = np.asarray(value, np.float64).ravel()
+        self._flat = self._reference_flat.copy()  # each update's change, in turn; its pages mapped now, not per update
         self._index: NDArray[np.intp] | None = None
         if start > SKETCH:
             rng = np.random.default_rng(seed)

@@ -312,7 +312,7 @@ class WeightedMean:
         torch, blocks, in_blocks = _torch(), self._blocks, self._in_blocks
         for name, array in update.arrays.items():
             arr = np.asarray(array)
-            if arr.dtype == np.float32 and arr.size >= LARGE:  # _blas_path, inline: once per tensor and update
+            if _blas_path(arr):
                 if arr.ndim != 1 or not arr.flags.c_contiguous:
                     arr = np.ascontiguousarray(arr).reshape(-1)
                 term = torch.from_numpy(arr)
@@ -329,7 +329,7 @@ class WeightedMean:
         """w·x into the float64 sums, for the other tensors."""
         for name, array in update.arrays.items():
             arr = np.asarray(array)
-            if arr.dtype == np.float32 and arr.size >= LARGE:  # _blas_path, inline
+            if _blas_path(arr):
                 continue
             # w·x in the update's own float precision (one rounding per term) into a reused buffer,
             # then added into the float64 sums: no allocation per update, and half the memory
