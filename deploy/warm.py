@@ -27,6 +27,20 @@ fork server that does:
   server was started with the admin key). A task's crash ends only that child; its memory is the
   child's and is returned when it exits, as before.
 
+Each task also sets glibc's allocator thresholds (``tune_malloc``, in the child only: the server
+keeps glibc's defaults). By default a fresh process serves blocks from 128 KB up with a new ``mmap``
+and gives freed memory back to the kernel, so nearly every temporary of a task's one big
+computation (a CKKS encryption or partial decryption: dozens of 1-18 MB arrays) is zero-filled
+page by page again. An encryption of 1.1M values in a fresh interpreter took 46,985 page faults
+and 390 ms the first time, 9,808 faults with the thresholds set (32 MB below which blocks come from
+the heap, which is not trimmed). In ten-node CKKS runs (three rounds, tasks timed from inside,
+two runs each way taken in turns, the setting then made by the server before forking, which its
+children inherit), a partial decryption's task section went from a median of 0.400 to 0.337 CPU-s
+(30,240 to 14,755 page faults) and an encryption's from 0.505 to 0.486 (20,585 to 10,503). Whole
+runs (four plaintext and four CKKS rounds, two each way in turns) differed by less than their
+noise: the tasks' CPU 41.9-49.2 s with the setting, 42.2-45.8 s without. Blocks of 32 MB and more
+still get their own ``mmap`` (and numpy's huge pages).
+
 Trust: the socket lives in a 0700 directory of the node's home and the server answers only its own
 user (``SO_PEERCRED``); the admin-signature check is decided by the server's own environment, never
 by a request, and a request whose admin key setting differs from the server's is refused (that
@@ -43,6 +57,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import ctypes
 import fcntl
 import json
 import os
@@ -76,6 +91,9 @@ _HEADER = struct.Struct("!I")
 _PID = struct.Struct("!q")
 _CODE = struct.Struct("!i")
 _SUN_PATH = 108  # bytes of sockaddr_un.sun_path on Linux, the terminating NUL included
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
+MMAP_THRESHOLD = 32 << 20  # blocks below this come from the heap, not a fresh mmap (glibc's own dynamic ceiling)
+TRIM_THRESHOLD = 1 << 30  # freed heap memory stays mapped for the task's next allocation
 START_WAIT_S = 10.0  # a server not answering within this: the cold path (inside Flower's 30 s claim window)
 
 
@@ -343,6 +361,7 @@ def install_warm_launch() -> bool:
 
 def _entry(own_env: Mapping[str, str]) -> int:
     """The task's entry point, as the cold path would run it; the guard decided by ``own_env``."""
+    tune_malloc()
     try:
         if own_env.get(ADMIN_KEYS_ENV):
             os.environ[ADMIN_KEYS_ENV] = own_env[ADMIN_KEYS_ENV]
@@ -440,6 +459,19 @@ def _preload() -> None:
     from quorumfl.protocol.pull_backoff import shorten_pull_backoff
 
     shorten_pull_backoff()  # every forked task inherits the shorter object-pull backoff
+
+
+def tune_malloc() -> bool:
+    """Serve blocks under ``MMAP_THRESHOLD`` from the heap and keep freed heap memory mapped for reuse
+    (glibc ``mallopt``; module docstring); False where the C library has no ``mallopt`` or refuses the
+    values. For a task's own process only: it holds memory it freed until it exits."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
 def serve(path: str, watch_pid: int) -> int:

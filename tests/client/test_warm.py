@@ -1,7 +1,8 @@
 """Warm ClientApps and the SuperNode's poll: a task forked from the warm server runs Flower's real
 ``flwr-clientapp`` with the requester's argv and streams and returns its exit code; without a warm
 server the gate falls back to the cold path; the admin-signature guard is the server's to decide,
-not the request's; the SuperNode's waits are shortened only where Flower sleeps."""
+not the request's; the SuperNode's waits are shortened only where Flower sleeps; a task keeps the
+memory it frees for its next allocation."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from types import ModuleType
 
 import pytest
 
+from quorumfl.deploy import warm
 from quorumfl.deploy.launch_gate import ADMIN_KEYS_ENV, GATE_REAL_ENV, WARM_ENV
 from quorumfl.deploy.processes import _process_table
 from quorumfl.deploy.supernode import (
@@ -145,6 +147,45 @@ def test_flowers_supernode_loop_is_what_the_patch_expects() -> None:
     assert start_client_internal.time is time  # Flower 1.42: `import time` and `time.sleep(3)` when idle
     source = Path(start_client_internal.__file__).read_text()
     assert "time.sleep(3)" in source
+
+
+# A fresh interpreter fills an 8 MB block, frees it, and counts the page faults of filling a second one.
+_REFILL_FAULTS = """
+import resource, sys
+from quorumfl.deploy.warm import tune_malloc
+if sys.argv[1] == "tuned" and not tune_malloc():
+    sys.exit("mallopt refused")
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+first = bytearray(8 << 20)  # zero-filled: every page touched
+del first
+before = faults()
+second = bytearray(8 << 20)
+print(faults() - before)
+"""
+
+
+def _refill_faults(mode: str) -> int:
+    result = subprocess.run([sys.executable, "-c", _REFILL_FAULTS, mode], capture_output=True, text=True, timeout=60,
+                            check=False)
+    assert result.returncode == 0, result.stderr
+    return int(result.stdout)
+
+
+def test_a_tuned_task_refills_memory_it_freed_without_new_page_faults() -> None:
+    pages = (8 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert _refill_faults("default") >= pages // 2  # glibc's defaults give the block back and fault it in again
+    assert _refill_faults("tuned") < pages // 16  # the heap keeps it for the second block
+
+
+def test_a_warm_task_tunes_its_allocator_before_flower_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    import flwr.supernode.cli
+
+    calls: list[str] = []
+    monkeypatch.setattr(warm, "tune_malloc", lambda: calls.append("tune") or True)
+    monkeypatch.setattr(flwr.supernode.cli, "flwr_clientapp", lambda: calls.append("clientapp"))
+    assert warm._entry({}) == 0
+    assert calls == ["tune", "clientapp"]
 
 
 def test_poll_interval_is_checked() -> None:
