@@ -80,8 +80,10 @@ def main() -> None:
     from flwr.supernode.cli import flwr_clientapp
 
     from quorumfl.protocol.pull_backoff import shorten_pull_backoff
+    from quorumfl.protocol.reply_push import retry_reply_push
 
     shorten_pull_backoff()
+    retry_reply_push()
     runner: Any = importlib.import_module("flwr.supernode.runtime.run_clientapp")
 
     pull, install = runner.pull_task_input, runner.install_from_fab

@@ -15,8 +15,9 @@ a reply checks every 0.05 s (no network); its pulls of a message's objects retry
 instead of 1 s (``pull_backoff``); and once a message from the SuperLink is stored, it wakes the
 SuperExec it started (``task_wake``), which otherwise asks for new tasks only every second. With
 warm ClientApps (``launch_gate.WARM_ENV`` set) it starts the warm server as it starts
-(``warm.prestart``), so a run's first tasks do not all start cold together. Nothing else of
-Flower's behaviour changes.
+(``warm.prestart``), so a run's first tasks do not all start cold together. A reply whose push to
+the SuperLink failed on a repeated object push is pushed again (``reply_push.retry_link_push``)
+instead of dropped. Nothing else of Flower's behaviour changes.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from quorumfl.deploy.held_pulls import HOLD_ENV, env_seconds, hold_seconds
 from quorumfl.deploy.launch_gate import WARM_ENV
 from quorumfl.deploy.task_wake import WAKE_ENV, Waker, new_wake_name
 from quorumfl.protocol.pull_backoff import shorten_pull_backoff
+from quorumfl.protocol.reply_push import retry_link_push
 
 __all__ = ["POLL_ENV", "main", "patch_waits", "poll_interval", "wake_after_store"]
 
@@ -116,6 +118,7 @@ def main() -> None:
 
     waits = patch_waits(start_client_internal, poll)
     shorten_pull_backoff()
+    retry_link_push(start_client_internal)
     if os.environ.get(WARM_ENV):  # this node's ClientApps are warm: have the server ready before the first task
         from quorumfl.deploy.warm import prestart
 

@@ -457,8 +457,10 @@ def _preload() -> None:
 
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # any first-use set-up, once
     from quorumfl.protocol.pull_backoff import shorten_pull_backoff
+    from quorumfl.protocol.reply_push import retry_reply_push
 
     shorten_pull_backoff()  # every forked task inherits the shorter object-pull backoff
+    retry_reply_push()  # and the reply push that survives a repeated object push
 
 
 def tune_malloc() -> bool:
