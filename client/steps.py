@@ -56,13 +56,14 @@ def _fitting(context: Context, config: TrainConfig) -> tuple[Partition, str]:
 
 
 def apply_thread_budget(node_config: Mapping[str, object]) -> int:
-    """The node's ``torch-threads`` (1 unless set) for torch's intra-op pool and numpy's BLAS pool alike.
+    """The node's ``torch-threads`` (1 unless set) for torch's intra-op pool and numpy's BLAS pool alike;
+    read, like every engine key, by ``EngineSettings``, so a bad value in the node config fails the
+    training or evaluation request (``ConfigError`` naming the key) rather than being taken as 1.
 
     Several nodes often share one machine. numpy's OpenBLAS starts a thread per core, and after one
     large ``np.dot`` (a secure payload's norm) that thread spins ~0.1 s of CPU waiting for more work,
     which ten nodes on one machine take from each other's training."""
-    threads = node_config.get("torch-threads", 1)
-    budget = threads if isinstance(threads, int) and not isinstance(threads, bool) and threads > 0 else 1
+    budget = EngineSettings.from_node_config(node_config).threads_per_worker
     torch.set_num_threads(budget)
     threadpool_limits(limits=budget, user_api="blas")
     return budget

@@ -10,6 +10,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+from quorumfl.client.steps import apply_thread_budget
+from quorumfl.errors import ConfigError
+
 _PROBE = """
 import json, sys
 import numpy, torch
@@ -23,9 +28,8 @@ for config in json.loads(sys.argv[1]):
 print(json.dumps(seen))
 """
 
-# node config → the budget; a value that is not a positive whole number counts as unset (1)
-CASES = [({}, 1), ({"torch-threads": 2}, 2), ({"torch-threads": 1}, 1), ({"torch-threads": 0}, 1),
-         ({"torch-threads": "4"}, 1), ({"torch-threads": True}, 1)]
+# node config → the budget
+CASES = [({}, 1), ({"torch-threads": 2}, 2), ({"torch-threads": 1}, 1)]
 
 
 def test_the_budget_sets_torch_and_numpys_blas_pools() -> None:
@@ -35,3 +39,12 @@ def test_the_budget_sets_torch_and_numpys_blas_pools() -> None:
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen == [{"budget": budget, "torch": budget, "blas": [budget]} for _, budget in CASES]
+
+
+@pytest.mark.parametrize(("value", "says"), [(0, "torch-threads must be >= 1, got 0"),
+                                             ("4", "node config 'torch-threads' must be int, got '4'"),
+                                             (True, "node config 'torch-threads' must be int, got True")])
+def test_a_bad_budget_is_refused_naming_the_key(value: object, says: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        apply_thread_budget({"torch-threads": value})
+    assert says in str(err.value)
