@@ -9,6 +9,13 @@ activation observers' ranges as plain numbers, read from a prepared graph and wr
 that departments can fine-tune with fake quantisation on their own data and the federation can combine
 what their observers saw (``qat-rounds``, README "Edge devices").
 
+torchao rewrites conv-bn, dropout and batch-norm patterns by exporting each pattern graph anew on every
+call (30 ``torch.export`` calls, ~7 s of a ~10 s promotion of a digits MLP). None of the tasks' models
+holds batch norm or dropout, so for a graph without them ``prepare`` leaves the XNNPACK quantizer's
+conv-bn patterns out and ``fine_tune``/``convert`` skip the train/eval rewrites (``_set_mode``),
+which could match nothing; the INT8 graph is the same (tests/edge/test_federated_qat.py), and a graph
+with either op takes torchao's full path.
+
 What travels in a federated QAT round, beside the model's own arrays, is one array per activation
 observer under ``QAT_PREFIX`` (``encode_ranges``): its (min, max) as asinh(v)/16. The federation's
 weighted mean of these arrays (plain, masked or CKKS, like any array) is then a weighted mean of the
@@ -53,6 +60,10 @@ MAX_BATCH = 4096
 
 # Layers that run as table lookups: no INT8 kernel exists for them in XNNPACK or onnxruntime.
 _LOOKUPS: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
+
+# Ops whose train and eval forms differ in an exported graph: torchao rewrites them between the two
+# modes with pattern graphs it exports anew on every call (~0.2 s each).
+_MODE_OPS = ("dropout", "batch_norm")
 
 RANGE_DIVISOR = 16.0  # asinh(v)/16: |v| ≤ 4.4e6 maps into [−1, 1] (module docstring)
 _OBSERVER = "activation_post_process_"
@@ -121,10 +132,30 @@ def prepare(model: nn.Module, example: torch.Tensor) -> torch.fx.GraphModule:
                 get_symmetric_quantization_config(is_per_channel=True, is_qat=True, weight_qmin=-WEIGHT_QMAX,
                                                   weight_qmax=WEIGHT_QMAX)
             )
+            if not _has_op(captured, "batch_norm"):  # conv-bn patterns cannot match: skip exporting them
+                quantizer.SUPPORTED_PATTERNS = [p for p in quantizer.SUPPORTED_PATTERNS if "_bn" not in p.name]
             prepared: torch.fx.GraphModule = prepare_qat_pt2e(captured, quantizer)
     except Exception as exc:  # torch.export / torchao raise many types; name the step
         raise EdgeError(f"cannot prepare the model for quantisation-aware training: {exc}") from exc
     return prepared
+
+
+def _has_op(graph: torch.fx.GraphModule, *names: str) -> bool:
+    """Whether ``graph`` calls an op whose name contains one of ``names`` (``batch_norm``, ``dropout``)."""
+    return any(node.op == "call_function" and any(name in str(node.target) for name in names)
+               for node in graph.graph.nodes)
+
+
+def _set_mode(graph: torch.fx.GraphModule, *, train: bool) -> None:
+    """torchao's ``move_exported_model_to_train`` (or ``..._to_eval``), for a graph with dropout or
+    batch norm (the ops they rewrite); any other graph runs the same in both modes and is left as it is."""
+    if _has_op(graph, *_MODE_OPS):
+        from torchao.quantization.pt2e import (
+            move_exported_model_to_eval,
+            move_exported_model_to_train,
+        )
+
+        (move_exported_model_to_train if train else move_exported_model_to_eval)(graph)
 
 
 def _observers(prepared: torch.fx.GraphModule) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -200,12 +231,10 @@ def fine_tune(prepared: torch.fx.GraphModule, features: torch.Tensor, labels: to
     """SGD with fake quantisation in the loop under the task's objective; the mean loss of the last
     epoch. ``keep_zeros``: weights that are exactly zero (pruned) are re-zeroed after every step.
     With ``epochs`` = 0 the observers see the data once (calibration only)."""
-    from torchao.quantization.pt2e import move_exported_model_to_eval, move_exported_model_to_train
-
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.SGD(prepared.parameters(), lr=learning_rate, momentum=momentum)
     masks = [(p, p != 0) for p in prepared.parameters() if p.dim() >= 2] if keep_zeros else []
-    move_exported_model_to_train(prepared)
+    _set_mode(prepared, train=True)
     losses: list[float] = []
     for _ in range(epochs):
         losses = []
@@ -227,7 +256,7 @@ def fine_tune(prepared: torch.fx.GraphModule, features: torch.Tensor, labels: to
             order = torch.randperm(len(features), generator=generator)
             for start in range(0, len(features), batch_size):
                 prepared(features[order[start: start + batch_size]])
-    move_exported_model_to_eval(prepared)
+    _set_mode(prepared, train=False)
     return float(np.mean(losses)) if losses else math.nan
 
 
@@ -244,15 +273,14 @@ def load_trained(prepared: torch.fx.GraphModule, model: nn.Module) -> None:
 
 def convert(prepared: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """The INT8 graph of a prepared model, in eval mode."""
-    from torchao.quantization.pt2e import move_exported_model_to_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e
 
-    move_exported_model_to_eval(prepared)
+    _set_mode(prepared, train=False)
     try:
         converted: torch.fx.GraphModule = convert_pt2e(prepared)
     except Exception as exc:
         raise EdgeError(f"cannot convert the QAT model to INT8: {exc}") from exc
-    move_exported_model_to_eval(converted)
+    _set_mode(converted, train=False)
     return converted
 
 

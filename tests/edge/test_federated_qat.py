@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from quorumfl.core.models import QAT_PREFIX, build_model
+from quorumfl.core.tasks import CLASSIFICATION
 from quorumfl.errors import ConfigError, EdgeError
 from quorumfl.training import qat
 
@@ -156,3 +157,55 @@ def test_a_version_from_federated_qat_is_promoted_with_its_ranges_and_the_artifa
     got = np.asarray(runner(test.x)).argmax(1)
     assert float((got == expected).mean()) >= 0.99
     assert float((got == test.y).mean()) >= fp32_acc - 0.03
+
+
+def _fine_tuned_int8(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.fx.GraphModule:
+    prepared = qat.prepare(model, x[:4])
+    qat.fine_tune(prepared, x, y, CLASSIFICATION, epochs=1, batch_size=16, learning_rate=0.05, momentum=0.9, seed=2)
+    return qat.convert(prepared)
+
+
+def test_a_graph_without_dropout_or_batch_norm_converts_to_the_int8_graph_of_torchaos_full_pass(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The conv-bn patterns and the train/eval rewrites that ``prepare``, ``fine_tune`` and ``convert``
+    skip for such a graph (every model the tasks build) change nothing: the INT8 graph's code and its
+    outputs equal those of torchao's full pass, forced here by making every graph look as if it held
+    both ops."""
+    torch.manual_seed(5)
+    x, y = torch.rand(48, 1, 8, 8), torch.randint(0, 10, (48,))
+    model = build_model("cnn", (1, 8, 8), 10, seed=5)
+    probe = qat.prepare(model, x[:4])
+    assert not qat._has_op(probe, "batch_norm", "dropout")
+    skipped = _fine_tuned_int8(model, x, y)
+    monkeypatch.setattr(qat, "_has_op", lambda _graph, *_names: True)
+    full = _fine_tuned_int8(model, x, y)
+    assert skipped.code == full.code
+    with torch.no_grad():
+        assert torch.equal(skipped(x), full(x))
+
+
+def _training_flags(graph: torch.fx.GraphModule) -> dict[str, bool]:
+    """The ``training`` argument of each dropout and batch-norm call in an exported graph."""
+    return {str(n.target): bool(n.args[2] if "dropout" in str(n.target) else n.args[5]) for n in graph.graph.nodes
+            if n.op == "call_function" and ("dropout" in str(n.target) or "batch_norm" in str(n.target))}
+
+
+@pytest.mark.slow  # torchao's full pass with conv-bn patterns: ~20 s
+def test_dropout_and_batch_norm_still_switch_between_training_and_eval() -> None:
+    """A graph that holds them takes torchao's rewrites: both ops train in ``fine_tune``'s mode and not
+    in eval, batch norm is folded into the INT8 graph's convolution, and that graph is deterministic."""
+    torch.manual_seed(6)
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Dropout(0.5), torch.nn.Linear(4 * 6 * 6, 10))
+    x = torch.rand(48, 1, 8, 8)
+    prepared = qat.prepare(model, x[:4])
+    qat._set_mode(prepared, train=True)
+    assert _training_flags(prepared) == {"aten.batch_norm.default": True, "aten.dropout.default": True}
+    with torch.no_grad():
+        assert not torch.equal(prepared(x), prepared(x))  # dropout drops at random
+    qat._set_mode(prepared, train=False)
+    assert _training_flags(prepared) == {"aten.batch_norm.default": False, "aten.dropout.default": False}
+    graph = qat.convert(prepared)
+    assert _training_flags(graph) == {"aten.dropout.default": False}
+    with torch.no_grad():
+        assert torch.equal(graph(x), graph(x))
