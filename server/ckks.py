@@ -9,7 +9,8 @@ three round trips (commit, reveal, finish), once. A round is then exactly two ro
    carries the node's encrypted ``[w, w·loss, w·Δθ]`` (c0 only), added at once into a running
    sum, and its contribution record signed with its node key over the c0's digest (checked here
    against the roster and the c0 received, so one bad contribution is dropped instead of failing
-   the decryption);
+   the decryption); a node whose ClientApp crashed is sent the same request again
+   (``train-retries``), which is safe because a node encrypts at most once under a round nonce;
 2. decrypt — the server fixes S (t key holders among the contributors, rotating with the round),
    records the manifest (round, contributors, S) in the state DB, and sends S the manifest with
    every contributor's record (no ciphertext: each member derives c1 itself). With every partial
@@ -422,8 +423,14 @@ class CkksSession:
             if self.roster is not None:  # the name its registered key signed, not what the reply says
                 result.departments[node] = tag.department
 
+        # A node whose ClientApp crashed is asked again (``train-retries``): a crashed ClientApp sent no
+        # ciphertext, and a node that did encrypt under this nonce refuses a second time (its ledger),
+        # so a server that claims a crash after the reply gets no second encryption under c1.
+        retried: dict[int, int] = {}
         start = self.clock()
-        self.exchange(messages, failures, "train", config.train_deadline(), add)
+        self.exchange(messages, failures, "train", config.train_deadline(), add, retries=config.train_retries,
+                      retried=retried)
+        result.note_retries(retried)
         timings["train"] = self.clock() - start
 
         start = self.clock()

@@ -198,7 +198,7 @@ class RunConfig:
     node_wait_timeout: float = key(120.0, "seconds to wait for enough nodes to connect", low=0.0, open_low=True)
     train_retries: int = key(
         1, "times a node whose ClientApp crashed mid-training (Flower error 8) is asked again within the round's "
-        "deadline (plaintext and masked rounds); it resumes from its checkpoint", low=0, high=10)
+        "deadline (plaintext, masked and CKKS rounds); it resumes from its checkpoint", low=0, high=10)
     seed: int = key(0, "seed of the initial weights, sampling and the nodes' plaintext training", low=0, node=True)
     qat_rounds: int = key(
         0, "federated quantisation-aware training: the last R rounds fine-tune with fake quantisation on every "

@@ -274,6 +274,20 @@ def crashes(times: int) -> Fault:
     return fault
 
 
+def withheld_as_crashed(replied: list[Message]) -> Fault:
+    """A lying server's view of a node whose ClientApp finished: its first reply is kept (in
+    ``replied``) and reported as Flower's CLIENT_APP_CRASHED, so the server asks again; the replies
+    after it pass, and are kept too."""
+
+    def fault(request: Message, reply: Message) -> Message:
+        replied.append(reply)
+        if len(replied) == 1:
+            return Message(Error(code=8, reason="ClientApp stopped responding."), reply_to=request)
+        return reply
+
+    return fault
+
+
 def _train_sent(grid: LoopbackGrid, node: int) -> int:
     return sum(1 for m in grid.sent if m.metadata.dst_node_id == node and m.metadata.message_type == "train")
 

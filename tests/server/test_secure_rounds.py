@@ -10,9 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, Error, Message, RecordDict
+from flwr.app import Array, ArrayRecord, Message, RecordDict
 
 from quorumfl.errors import FederationError
+from quorumfl.privacy.keystore import KeyStore
+from quorumfl.protocol.ckks_wire import ENCRYPTED
 from quorumfl.protocol.secure_wire import ADVERTISE, MASKED, SHARE, UNMASK
 from quorumfl.protocol.wire import ARRAYS
 from quorumfl.server.model_store import ModelStore
@@ -25,6 +27,7 @@ from .test_rounds import (
     _federation,
     silent,
     task_identity,  # noqa: F401  (an autouse fixture)
+    withheld_as_crashed,
 )
 
 SECURE = {"secure-aggregation": "masking", "secagg-threshold": 0.6}
@@ -261,19 +264,24 @@ def test_the_secure_sum_reveals_norm_and_loss_histograms_and_the_node_bounds_its
                                                  norm_bound=0.2)[HEADER:])) == pytest.approx(norms[0])
 
 
+CKKS_MODE = {"secure-aggregation": "ckks", "secagg-threshold": 0.6}
+
+
 @pytest.mark.parametrize("retries", [1, 0])
-def test_a_node_whose_clientapp_crashed_mid_training_is_asked_again_in_a_masked_round(
-    tmp_path: Path, six_parts: dict[str, Path], retries: int
+@pytest.mark.parametrize(("mode", "atol"), [(SECURE, 1e-5), (CKKS_MODE, 1e-6)], ids=["masking", "ckks"])
+def test_a_node_whose_clientapp_crashed_mid_training_is_asked_again_in_a_secure_round(
+    tmp_path: Path, six_parts: dict[str, Path], retries: int, mode: dict[str, object], atol: float
 ) -> None:
     """As in plaintext rounds, the same request goes to the node again (``train-retries``). The crashed
-    ClientApp never replied, so its slot was never used: the node trains from the same model with
-    the same participant set (its contribution ledger admits that), masks with the slot once, and
-    the sum equals plaintext FedAvg. With no retries the crash is final and the round completes
-    without the node."""
+    ClientApp never replied: in a masked round its slot was never used, so the node trains from the same
+    model with the same participant set (its contribution ledger admits that) and masks with the slot
+    once; in a CKKS round its ledger holds no encryption under the round's nonce, so it encrypts once.
+    The sum equals plaintext FedAvg (within the fixed-point or CKKS error). With no retries the crash is
+    final and the round completes without the node."""
     contexts = _contexts(six_parts, REPRODUCIBLE)
     ids = list(contexts)
     grid = LoopbackGrid(contexts, crashes={ids[2]: 1})
-    federation, repo = _federation(tmp_path, grid, **{**SECURE, "num-rounds": 1, "train-retries": retries})
+    federation, repo = _federation(tmp_path, grid, **{**mode, "num-rounds": 1, "train-retries": retries})
     run_id = federation.run()
     [rnd] = repo.get_run(run_id).rounds
 
@@ -281,42 +289,47 @@ def test_a_node_whose_clientapp_crashed_mid_training_is_asked_again_in_a_masked_
     asked = [m.metadata.dst_node_id for m in grid.sent if m.metadata.message_type == "train"]
     assert asked.count(ids[2]) == 1 + retries and asked.count(ids[0]) == 1
     metric = {m.node_id: m.value for m in repo.metrics(run_id) if m.name == "train-retries"}
+    decryptions = repo.decryptions(run_id)  # CKKS: the one decryption's contributors
+    assert [sorted(d.contributors) for _, d in decryptions] == ([sorted(rnd.participants)] if mode["secure-aggregation"] == "ckks" else [])
     if retries:
         assert sorted(rnd.participants) == ids and rnd.failures == [] and metric == {ids[2]: 1.0}
         plain_fed, plain_repo = _federation(tmp_path / "plain", LoopbackGrid(_contexts(six_parts, REPRODUCIBLE)),
                                             **{"num-rounds": 1})
         [plain] = _models(plain_repo, plain_fed.run())
-        [masked] = _models(repo, run_id)
+        [secure] = _models(repo, run_id)
         for key in plain:
-            np.testing.assert_allclose(masked[key], plain[key], rtol=0, atol=1e-5)
+            np.testing.assert_allclose(secure[key], plain[key], rtol=0, atol=atol)
+        if mode["secure-aggregation"] == "ckks":  # one encryption under the round's nonce
+            [(_, decryption)] = decryptions
+            stored = KeyStore(tmp_path / "home" / "node-keys" / str(ids[2])).load_key(decryption.key_id or "")
+            assert len(stored.encrypted) == 1
     else:
         assert sorted(rnd.participants) == sorted(set(ids) - {ids[2]}) and metric == {}
         assert [(f.node_id, f.stage) for f in rnd.failures] == [(ids[2], "train")]
         assert "node error 8" in rnd.failures[0].reason
 
 
-def test_a_server_that_claims_a_crash_after_the_node_replied_gets_no_second_masked_input(
-    tmp_path: Path, six_parts: dict[str, Path]
+@pytest.mark.parametrize(("mode", "record", "refusal"), [
+    (SECURE, MASKED, "slot 0 was already used; a mask key is never used twice"),
+    (CKKS_MODE, ENCRYPTED, "already encrypted an update under key"),
+], ids=["masking", "ckks"])
+def test_a_server_that_claims_a_crash_after_the_node_replied_gets_no_second_input(
+    tmp_path: Path, six_parts: dict[str, Path], mode: dict[str, object], record: str, refusal: str
 ) -> None:
-    """The attacker: the node's ClientApp finished and its masked input left (its slot is spent), but
-    the server reports Flower's CLIENT_APP_CRASHED for it and asks again, hoping for a second input
-    under the same masks (the difference of the two would be the difference of two of the node's
-    updates). The node refuses: a mask key is never used twice."""
+    """The attacker: the node's ClientApp finished and its input left, but the server reports Flower's
+    CLIENT_APP_CRASHED for it and asks again (``train-retries``), hoping for a second input: under the
+    same masks (masking) or the round's common c1 (CKKS), the difference of the two would be the
+    difference of two of the node's updates. The node refuses: a mask key is never used twice, and a
+    node encrypts at most once under a round nonce."""
     contexts = _contexts(six_parts)
     ids = list(contexts)
-
-    def lie(request: Message, reply: Message) -> Message:
-        lie.replied.append(reply)  # type: ignore[attr-defined]
-        if len(lie.replied) == 1:  # type: ignore[attr-defined]
-            return Message(Error(code=8, reason="ClientApp stopped responding."), reply_to=request)
-        return reply
-
-    lie.replied = []  # type: ignore[attr-defined]
-    grid = LoopbackGrid(contexts, {ids[2]: lie})
-    federation, repo = _federation(tmp_path, grid, **{**SECURE, "num-rounds": 1, "train-retries": 1})
+    replied: list[Message] = []
+    grid = LoopbackGrid(contexts, {ids[2]: withheld_as_crashed(replied)})
+    federation, repo = _federation(tmp_path, grid, **{**mode, "num-rounds": 1, "train-retries": 1})
     [rnd] = repo.get_run(federation.run()).rounds
 
-    first, second = lie.replied  # type: ignore[attr-defined]
-    assert MASKED in first.content.array_records  # what the server withheld as "crashed"
-    assert second.has_error() and "slot 0 was already used; a mask key is never used twice" in second.error.reason
+    first, second = replied
+    assert record in first.content.array_records  # what the server withheld as "crashed"
+    assert second.has_error() and refusal in second.error.reason
     assert rnd.status == RoundStatus.COMPLETED and ids[2] not in rnd.participants
+    assert [(f.node_id, f.stage) for f in rnd.failures] == [(ids[2], "train")]
