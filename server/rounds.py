@@ -204,10 +204,6 @@ class Federation:
             )
         return nodes
 
-
-
-
-
     # ---- the loop ---------------------------------------------------------------------------
     def run(self, *, on_round: Callable[[int, int, dict[str, float]], None] | None = None) -> int:
         """Run all rounds; returns the QuorumFL run id. The run is marked failed on any error.
@@ -416,9 +412,6 @@ class Federation:
         arrays_to_model(model, split_control(arrays)[0])  # SCAFFOLD: not its control variates
         result = evaluate(model, test)
         return result.value, result.loss
-
-
-
 
     def _final_evaluation(self, run_id: int, models: list[Arrays], nodes: Iterable[int]) -> None:
         """Each department evaluates the final model on its own test split (one message round trip):

@@ -98,7 +98,6 @@ def _secagg(reply: Message) -> ConfigRecord:
     return reply.content.config_records[SECAGG]
 
 
-
 class MaskingSession:
     """Masked rounds of one run against a Flower Grid (through the Federation's exchange)."""
 

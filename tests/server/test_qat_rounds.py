@@ -131,7 +131,6 @@ def test_qat_rounds_refuse_what_they_do_not_combine_with() -> None:
             RunConfig.from_mapping({"num-rounds": 3, **overrides})
 
 
-
 @pytest.mark.slow
 def test_ckks_qat_rounds_give_the_plaintext_model_and_ranges(tmp_path: Path, three_parts: dict[str, Path]) -> None:
     from .test_rounds import REPRODUCIBLE
