@@ -68,6 +68,7 @@ def test_threshold_ckks_smoke() -> None:
     assert float(figures["max_abs_error"]) <= 6 * float(figures["predicted_error_std"])  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # ~10 s: the default suite stays under its 8 minutes
 def test_heterogeneity_smoke() -> None:
     figures = _run("heterogeneity.py")
     keys = {"fedavg_mean_acc", "fedprox_mean_acc", "ifca_mean_acc", "fedper_mean_acc", "ditto_mean_acc",
@@ -76,6 +77,7 @@ def test_heterogeneity_smoke() -> None:
     assert all(0.0 <= float(figures[k]) <= 1.0 for k in keys - {"best_minus_fedavg_pts"})  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # ~10 s: the default suite stays under its 8 minutes
 def test_compression_smoke() -> None:
     figures = _run("compression.py")
     keys = {"none_acc", "topk_acc", "sign_acc", "int8_acc", "shared_randk_acc", "topk_byte_reduction",
@@ -98,6 +100,7 @@ def test_gpu_check_smoke() -> None:
     assert figures["ok"] is True
 
 
+@pytest.mark.slow  # ~10 s: the default suite stays under its 8 minutes
 def test_selection_smoke() -> None:
     figures = _run("selection.py")
     keys = {"random_time_to_target", "oort_time_to_target", "rl_time_to_target", "rl_speedup_vs_random",
@@ -142,6 +145,7 @@ def test_tasks_smoke() -> None:
         assert isinstance(figures[f"{dataset}_{skewed}_best_ok"], bool)
 
 
+@pytest.mark.slow  # ~10 s: the default suite stays under its 8 minutes
 def test_robustness_smoke() -> None:
     figures = _run("robustness.py")
     keys = {"clean_acc", "attacked_fedavg_acc", "attacked_norm_bound_acc", "attacked_trimmed_mean_acc",

@@ -79,6 +79,7 @@ def _installed_sha(device: Path) -> str:
     return state.current.manifest.sha256
 
 
+@pytest.mark.slow  # promotions and device syncs (~15-20 s): the default suite stays under its 8 minutes
 def test_devices_follow_two_rotations_and_new_devices_start_at_the_newest_key(home: Published, tmp_path: Path) -> None:
     key0 = _copy_public(home, tmp_path / "key0.pub.pem")
     old, fresh = tmp_path / "old-device", tmp_path / "new-device"
@@ -225,6 +226,7 @@ def test_an_interrupted_rotation_is_finished_by_the_next_call(home: Published, t
     assert os.stat(key).st_mode & 0o777 == 0o600
 
 
+@pytest.mark.slow  # promotions and device syncs (~15-20 s): the default suite stays under its 8 minutes
 def test_rotate_from_the_cli(home: Published, tmp_path: Path) -> None:
     cli = [str(Path(sys.executable).with_name("quorumfl")), "--home", str(home.home), "--db",
            f"sqlite:///{home.home / 'state.db'}", "edge", "keys", "rotate"]

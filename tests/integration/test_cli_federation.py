@@ -12,6 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from quorumfl.deploy.processes import free_port, wait_for_port
@@ -21,6 +22,7 @@ def _cli(home: Path, *args: str) -> list[str]:
     return [sys.executable, "-m", "quorumfl.cli", "--home", str(home), *args]
 
 
+@pytest.mark.slow  # a minute or more: the default suite stays under its 8 minutes
 def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
     home = tmp_path / "home"
     port = free_port()

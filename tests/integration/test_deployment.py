@@ -97,6 +97,7 @@ def test_killed_node_mid_round_is_recorded_and_the_round_completes(deployment: D
     assert run.rounds[1].status == RoundStatus.COMPLETED and len(run.rounds[1].participants) == 2
 
 
+@pytest.mark.slow  # a federation of its own (~25 s): the default suite stays under its 8 minutes
 def test_runs_stop_through_the_cli(deployment: Deployment) -> None:
     d = deployment
     flower_run_id = d.federation.control.start_run(_overrides(d, **{"num-rounds": 50, "local-epochs": 1}))
@@ -126,6 +127,7 @@ def test_runs_stop_through_the_cli(deployment: Deployment) -> None:
     _assert_no_defunct_app_process(d)
 
 
+@pytest.mark.slow  # a federation of its own (~35 s): the default suite stays under its 8 minutes
 def test_flowers_own_flwr_cli_needs_the_admin_token_and_a_signed_app(deployment: Deployment, tmp_path: Path) -> None:
     """`flwr run APP CONNECTION` (Flower's CLI) is refused by the SuperLink without the admin's token;
     after 'certs flwr-login' an unsigned app is accepted there but refused by the nodes; after
