@@ -183,7 +183,8 @@ def node_start(
     host_slots: Annotated[int, typer.Option(help="Nodes sharing this host train at most this many ClientApps at "
                                                  "once (give every such node the same value; 0 = no limit).")] = 0,
     rejoin_wait: Annotated[float | None, typer.Option(
-        help="Seconds to keep trying while the SuperLink refuses this node's key. Default: what is left of "
+        help="Seconds to keep trying, from its first refusal, while the SuperLink refuses this node's key. "
+             "Default: what is left of "
              f"{REJOIN_GRACE_S:.0f} s after this key's node was last connected from this machine (after a crash the "
              "SuperLink still counts it online for a while), else 0: refused at once.",
         show_default=False)] = None,
@@ -308,16 +309,21 @@ def _run_in_foreground(
 ) -> None:
     """Run one Flower process until it exits or we are interrupted; it (and its children) always stop.
 
-    A SuperNode that the SuperLink refuses is started again for up to ``rejoin_wait`` seconds: after
-    a crash, the SuperLink counts the node's previous SuperNode as online until its heartbeats lapse,
-    and refuses the same key until then. ``connected`` is called once the SuperNode got its node id
-    (``silence`` is said if it has not after ``silent_after`` seconds)."""
-    deadline = time.monotonic() + rejoin_wait
+    A SuperNode that the SuperLink refuses is started again for up to ``rejoin_wait`` seconds after
+    the first refusal (counted from then, not from the start: a SuperNode that took longer than the
+    wait to start and be refused is still tried again): after a crash, the SuperLink counts the
+    node's previous SuperNode as online until its heartbeats lapse, and refuses the same key until
+    then. ``connected`` is called once the SuperNode got its node id (``silence`` is said if it has
+    not after ``silent_after`` seconds)."""
+    deadline: float | None = None
     with ProcessGroup(log_dir, env) as group:
         child = group.start(name, cmd)
         on_started(child)
-        while ((code := _wait_reporting(child, connected, silent_after, silence, presence)) != 0 and activation_refused(child)
-               and time.monotonic() < deadline):
+        while (code := _wait_reporting(child, connected, silent_after, silence, presence)) != 0 and activation_refused(child):
+            if deadline is None:
+                deadline = time.monotonic() + rejoin_wait
+            if time.monotonic() >= deadline:
+                break
             console.print(f"[yellow]the SuperLink refused {name} for now[/yellow]: a SuperNode with this key may "
                           f"still count as online there (one that crashed less than "
                           f"{REJOIN_GRACE_S - 30:.0f} s ago); trying again in {REJOIN_RETRY_S:.0f} s")

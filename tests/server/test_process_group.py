@@ -10,7 +10,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from quorumfl.cli import cmd_federation
 from quorumfl.deploy.processes import ProcessGroup
+from quorumfl.errors import CredentialError
 
 # On SIGTERM: start a detached process (new session, survives its parent) that writes its pid, wait
 # until it did, and exit.
@@ -58,10 +62,7 @@ def test_stop_all_ends_a_process_spawned_during_shutdown(tmp_path: Path) -> None
 def test_node_presence_locks_one_node_per_key_and_times_the_rejoin(tmp_path: Path) -> None:
     """`node start`'s record of its key: a second holder is refused naming the first's pid; a refusal
     is worth retrying only within the SuperLink's grace after this key was last connected here."""
-    import pytest
-
     from quorumfl.deploy.processes import REJOIN_GRACE_S, NodePresence
-    from quorumfl.errors import CredentialError
 
     first = NodePresence(tmp_path / "run", b"key-a")
     first.acquire("a node with --department parks")
@@ -80,3 +81,40 @@ def test_node_presence_locks_one_node_per_key_and_times_the_rejoin(tmp_path: Pat
     again = NodePresence(tmp_path / "run", b"key-a")
     again.acquire("a node with --department parks")  # released: free again
     again.release()
+
+
+# A stand-in SuperNode that the SuperLink refuses: it takes ``argv[2]`` seconds to start, logs Flower's
+# refusal and exits with an error; every start appends a line to ``argv[1]``.
+REFUSED_AFTER = """
+import pathlib, sys, time
+with pathlib.Path(sys.argv[1]).open("a") as starts:
+    starts.write("start\\n")
+time.sleep(float(sys.argv[2]))
+print("ERROR :      Failed to activate SuperNode: the key is not known", flush=True)
+sys.exit(1)
+"""
+
+
+def test_a_refused_node_is_tried_again_for_the_wait_counted_from_its_first_refusal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`node start --rejoin-wait 1` where the SuperNode takes longer than the wait to start and be
+    refused (a loaded machine: the CI run where it took over 5 s): it is still started again, and the
+    error's "kept trying" is true. Counted from the start, the first refusal came after the deadline
+    and the node gave up without one retry."""
+    monkeypatch.setattr(cmd_federation, "REJOIN_RETRY_S", 0.1)
+    starts = tmp_path / "starts"
+    with pytest.raises(CredentialError, match=r"refused node-parks's key \(kept trying for 1 s\)"):
+        cmd_federation._run_in_foreground(
+            dict(os.environ), tmp_path / "logs", "node-parks",
+            [sys.executable, "-c", REFUSED_AFTER, str(starts), "1.5"], lambda child: None, rejoin_wait=1.0)
+    assert starts.read_text().count("start") == 2  # refused at 1.5 s, tried again, refused 1.5 s later: past the wait
+    assert "trying again" in capsys.readouterr().out
+
+
+def test_a_refusal_is_final_at_once_without_a_rejoin_wait(tmp_path: Path) -> None:
+    starts = tmp_path / "starts"
+    with pytest.raises(CredentialError, match=r"refused node-parks's key: the key is not registered"):
+        cmd_federation._run_in_foreground(
+            dict(os.environ), tmp_path / "logs", "node-parks",
+            [sys.executable, "-c", REFUSED_AFTER, str(starts), "0"], lambda child: None, rejoin_wait=0.0)
+    assert starts.read_text().count("start") == 1
