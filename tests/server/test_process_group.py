@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from quorumfl.cli import cmd_federation
-from quorumfl.deploy.processes import ProcessGroup
+from quorumfl.deploy.processes import ACTIVATION_REFUSED, ProcessGroup
 from quorumfl.errors import CredentialError
 
 # On SIGTERM: start a detached process (new session, survives its parent) that writes its pid, wait
@@ -85,12 +85,12 @@ def test_node_presence_locks_one_node_per_key_and_times_the_rejoin(tmp_path: Pat
 
 # A stand-in SuperNode that the SuperLink refuses: it takes ``argv[2]`` seconds to start, logs Flower's
 # refusal and exits with an error; every start appends a line to ``argv[1]``.
-REFUSED_AFTER = """
+REFUSED_AFTER = f"""
 import pathlib, sys, time
 with pathlib.Path(sys.argv[1]).open("a") as starts:
     starts.write("start\\n")
 time.sleep(float(sys.argv[2]))
-print("ERROR :      Failed to activate SuperNode: the key is not known", flush=True)
+print("ERROR :      {ACTIVATION_REFUSED}: the key is not known", flush=True)
 sys.exit(1)
 """
 
