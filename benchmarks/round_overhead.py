@@ -2,7 +2,7 @@
 
 One invocation: SuperLinks and N SuperNodes as processes on 127.0.0.1 (TLS, node authentication and
 admin-signed apps on, as ``quorumfl demo`` deploys them), a ~1.1M-parameter MLP (``mlp-wide`` on
-digits, IID split, one local epoch). Five runs one after the other:
+digits, IID split, one local epoch). Six runs one after the other:
 
 1. a bare Flower Message-API app written as Flower's own examples are (``flower_fedavg_app.py``:
    ``flwr.serverapp.strategy.FedAvg`` and ``strategy.start``, torch imported at module level, no
@@ -15,7 +15,12 @@ digits, IID split, one local epoch). Five runs one after the other:
    share these nodes;
 3. QuorumFL, plaintext FedAvg (validation, central evaluation, state DB, model store);
 4. QuorumFL, ``secure-aggregation = "masking"`` (t = 0.6·N; key set-up in round 1);
-5. QuorumFL, ``secure-aggregation = "ckks"`` (t = 0.6·N; key ceremony in round 1).
+5. QuorumFL, ``secure-aggregation = "ckks"`` (t = 0.6·N; key ceremony in round 1);
+6. QuorumFL, plaintext again. The plaintext figures are over the rounds of runs 3 and 6, which
+   bracket the secure runs: a VM whose speed drifts during the invocation (these do, by a third
+   within minutes) then shifts the denominator of ``masked_over_plain`` and ``ckks_over_plain`` by
+   about what it shifted the secure runs, instead of leaving the plaintext run at the start alone.
+   ``plain_before_round_s`` and ``plain_after_round_s`` show the drift.
 
 Per mode: the round time (median over rounds; with ≥ 3 rounds, a round without the set-up), the
 slowest node's local training as each node timed it, and the overhead = round − slowest training.
@@ -26,7 +31,8 @@ QuorumFL's rounds include evaluation and storing; Flower's are configure → agg
 
 Keys: flower_round_s, flower_train_s, flower_overhead_s (stock nodes); flower_warm_round_s,
 flower_warm_train_s, flower_warm_overhead_s (QuorumFL's nodes); plain_round_s, plain_train_s,
-plain_overhead_s; masked_round_s, masked_overhead_s; ckks_round_s, ckks_overhead_s;
+plain_overhead_s (over runs 3 and 6), plain_before_round_s, plain_after_round_s; masked_round_s,
+masked_overhead_s; ckks_round_s, ckks_overhead_s;
 quorumfl_over_flower (plain / Flower round on stock nodes), quorumfl_over_flower_warm (plain / Flower
 round on QuorumFL's nodes), masked_over_plain, ckks_over_plain; plain_aggregate_s, plain_evaluate_s,
 plain_store_s (the server's own steps); per-round lists, and each round's recorded stages
@@ -90,6 +96,7 @@ def main() -> None:
                                                                 "secagg-threshold": 0.6})
         ckks = quorumfl_rounds(bench.federation, bench.repo, {**bench.ours, "secure-aggregation": "ckks",
                                                               "secagg-threshold": 0.6, "secagg-stage-timeout": 900.0})
+        plain_after = quorumfl_rounds(bench.federation, bench.repo, {**bench.ours, "secure-aggregation": "none"})
         rss = [m.value for run in bench.repo.list_runs() for m in bench.repo.metrics(run.id, name="server-peak-rss-mb")]
 
     for name, rounds in (("flower", flower), ("flower_warm", flower_warm)):
@@ -97,7 +104,9 @@ def main() -> None:
         train_s = statistics.median(r["train_s"] for r in rounds)
         figures.update({f"{name}_round_s": round_s, f"{name}_train_s": train_s, f"{name}_overhead_s": round_s - train_s,
                         f"{name}_rounds_s": [round(r["round_s"], 2) for r in rounds]})
-    figures.update(_quorumfl("plain", plain))
+    figures.update(_quorumfl("plain", plain + plain_after))
+    figures.update({"plain_before_round_s": statistics.median(round_seconds(t) for t in plain),
+                    "plain_after_round_s": statistics.median(round_seconds(t) for t in plain_after)})
     figures.update(_quorumfl("masked", masked))
     figures.update(_quorumfl("ckks", ckks))
     figures.update({
