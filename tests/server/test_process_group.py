@@ -1,6 +1,8 @@
 """``ProcessGroup`` stops every process its children started, including one spawned in a session of
 its own while its parent was shutting down (as Flower's SuperNode can do with a ClientApp): such a
-process is reparented to init, so the process tree alone no longer leads to it."""
+process is reparented to init, so the process tree alone no longer leads to it. ``node start``'s
+record of its key, and its retries of a SuperNode the SuperLink refuses (``--rejoin-wait``, counted
+from the first refusal)."""
 
 from __future__ import annotations
 
