@@ -23,6 +23,7 @@ from numpy.typing import NDArray
 
 from quorumfl.aggregation.secagg import NodeEpoch, UnmaskRequest, flatten, weighted_payload
 from quorumfl.aggregation.secagg.identity import Roster, department_message, load_signing_key, sign
+from quorumfl.client.signed_config import check_masking_params
 from quorumfl.client.virtual import record_payload
 from quorumfl.errors import SecureAggregationError
 from quorumfl.protocol.secure_wire import (
@@ -130,9 +131,13 @@ def node_record(context: Context, department: str) -> ConfigRecord:
 
 def advertise(msg: Message, context: Context) -> RecordDict:
     """Stage 1: fresh keys for a new epoch (any older epoch's keys are dropped), signed as the
-    node's roster department."""
+    node's roster department, once the announced parameters are those the admin signed
+    (``check_masking_params``); the signature covers them and the cohort, so peers told otherwise
+    refuse it."""
     me = identity(context)
-    state, ad = NodeEpoch.advertise(decode_announcement(_record(msg)), int(context.node_id), signer=me.signer(),
+    announcement = decode_announcement(_record(msg))
+    check_masking_params(context.run_config, announcement.params, len(announcement.cohort), node=str(context.node_id))
+    state, ad = NodeEpoch.advertise(announcement, int(context.node_id), signer=me.signer(),
                                     department=me.department, binding=_binding(context))
     _store(context, state)
     return RecordDict({SECAGG: encode_advertisement(ad)})

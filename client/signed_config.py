@@ -20,6 +20,11 @@ node refuses a request that:
 
 A key the run config does not hold is not checked (an in-process test federation without a signed
 bundle); a deployed run's signed config holds every key (the app's defaults are written into it).
+
+``check_masking_params`` does the same for a masking epoch's announcement: every parameter the
+node's safety depends on (t over the announced cohort, the minimum group, the sparse graph's
+fractions and complete-graph limit, the fixed-point clip and modulus, the slots) must be the one
+the signed run config gives. A run with a roster (every deployed run) must hold each of those keys.
 """
 
 from __future__ import annotations
@@ -28,10 +33,12 @@ import functools
 import math
 from collections.abc import Mapping
 
-from quorumfl.errors import PrivacyBudgetError, SecureAggregationError
-from quorumfl.protocol.wire import TrainConfig
+from quorumfl.aggregation.secagg import MaskingParams, resolve_threshold
+from quorumfl.aggregation.secagg.graph import COMPLETE_UP_TO
+from quorumfl.errors import ConfigError, PrivacyBudgetError, SecureAggregationError
+from quorumfl.protocol.wire import ROSTER_KEY, TrainConfig
 
-__all__ = ["check_train_request"]
+__all__ = ["check_masking_params", "check_train_request", "signed_number"]
 
 
 @functools.cache
@@ -46,6 +53,59 @@ def _number(run: Mapping[str, object], key: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return float(value)
+
+
+def signed_number(run: Mapping[str, object], key: str, *, node: str) -> float | None:
+    """The signed run config's number ``key``; None where an unsigned (roster-less) run leaves it out.
+    A signed run (it has a roster) without the key, or with a non-number there, is refused."""
+    value = _number(run, key)
+    if value is None and (key in run or run.get(ROSTER_KEY)):
+        raise SecureAggregationError(f"the admin-signed run config has no number for {key} ({run.get(key)!r}), so "
+                                     "this node cannot check what the server announces; refusing", node=node)
+    return value
+
+
+def _signed_masking(run: Mapping[str, object], n: int, *, node: str) -> dict[str, float]:
+    """What the signed run config fixes of a masking epoch over a cohort of ``n`` (only the keys it holds)."""
+    expected: dict[str, float] = {"complete-up-to": COMPLETE_UP_TO}
+    threshold = signed_number(run, "secagg-threshold", node=node)
+    if threshold is not None:
+        try:
+            expected["threshold"] = resolve_threshold(threshold, n)
+        except ConfigError as exc:
+            raise SecureAggregationError(f"the signed secagg-threshold is unusable ({exc})", node=node) from exc
+    for key, field in (("secagg-min-group", "min-group"), ("secagg-clip", "clip"),
+                       ("secagg-modulus-bits", "modulus-bits"), ("secagg-colluding-fraction", "colluding-fraction"),
+                       ("secagg-dropout-fraction", "dropout-fraction")):
+        value = signed_number(run, key, node=node)
+        if value is not None:
+            expected[field] = value
+    return expected
+
+
+def check_masking_params(run: Mapping[str, object], params: MaskingParams, cohort: int, *, node: str) -> None:
+    """Raise unless the announced masking ``params`` for a cohort of ``cohort`` nodes are those the
+    signed run config ``run`` gives (module docstring), naming every parameter that differs."""
+    announced = params.to_dict()
+    wrong = [f"{key} {announced[key]:g} (signed: {value:g})"
+             for key, value in _signed_masking(run, cohort, node=node).items() if float(announced[key]) != float(value)]
+    most = [v for v in (signed_number(run, "secagg-epoch-rounds", node=node),
+                        signed_number(run, "num-rounds", node=node)) if v is not None]
+    if most and params.slots > min(most):  # a slot is one round: more would outlive the signed run
+        wrong.append(f"slots {params.slots} (signed: at most {min(most):g})")
+    roster = run.get(ROSTER_KEY)
+    if isinstance(roster, str) and roster:
+        import json
+
+        try:
+            size = len(json.loads(roster))
+        except (ValueError, TypeError) as exc:
+            raise SecureAggregationError(f"the signed roster is not JSON ({exc})", node=node) from exc
+        if cohort > size:
+            wrong.append(f"a cohort of {cohort} nodes (the signed roster has {size} departments)")
+    if wrong:
+        raise SecureAggregationError(f"the server announced {', '.join(wrong)} for this key epoch, which the "
+                                     "admin-signed run config does not allow; refusing to take part", node=node)
 
 
 def check_train_request(run: Mapping[str, object], config: TrainConfig, *, masked: bool, encrypted: bool,

@@ -9,9 +9,10 @@ admin-signed run config (``quorumfl.deploy.app_guard`` checks that signature bef
 so the server can neither forge an entry nor add one. A department's name is the roster entry whose
 key verifies, never what a node or the server says.
 
-What is signed binds the purpose, the run, the key epoch, the node's Flower id, the department and
+What is signed binds the purpose, the run, the key epoch, the epoch's parameters and cohort as the
+node was told them (``messages.announcement_terms``), the node's Flower id, the department and
 every public key of the advertisement, so a signed advertisement cannot be replayed into another
-epoch or run, or claimed by another node. The consistency stage's signatures bind the run, epoch,
+epoch or run, or claimed by another node, and a peer told other parameters refuses it. The consistency stage's signatures bind the run, epoch,
 slot and the survivor/dropped sets (Bonawitz et al. 2017, the active-server variant). Pure: keys and bytes in, a verdict out (fails closed with
 ``SecureAggregationError``).
 """
@@ -42,10 +43,11 @@ def field_bytes(data: bytes) -> bytes:
     return len(data).to_bytes(4, "big") + data
 
 
-def advertisement_message(*, binding: bytes, epoch: bytes, node: int, department: str, share_key: bytes,
-                          mask_keys: tuple[bytes, ...]) -> bytes:
-    """The bytes a node signs for its key advertisement (length-prefixed fields: unambiguous)."""
-    parts = [_AD_CONTEXT, binding, epoch, node.to_bytes(8, "big"), department.encode(), share_key, *mask_keys]
+def advertisement_message(*, binding: bytes, epoch: bytes, terms: bytes, node: int, department: str,
+                          share_key: bytes, mask_keys: tuple[bytes, ...]) -> bytes:
+    """The bytes a node signs for its key advertisement (length-prefixed fields: unambiguous);
+    ``terms`` is the digest of the epoch's parameters and cohort as this node was told them."""
+    parts = [_AD_CONTEXT, binding, epoch, terms, node.to_bytes(8, "big"), department.encode(), share_key, *mask_keys]
     return b"".join(field_bytes(p) for p in parts)
 
 

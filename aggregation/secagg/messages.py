@@ -6,6 +6,8 @@ sorted member list, and index + 1 is its Shamir x-coordinate.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import struct
 from collections.abc import Mapping, Sequence
@@ -31,6 +33,7 @@ __all__ = [
     "ShareBundle",
     "UnmaskReply",
     "UnmaskRequest",
+    "announcement_terms",
     "pack_ids",
     "resolve_threshold",
     "unpack_ids",
@@ -157,6 +160,16 @@ class EpochAnnouncement:
     params: MaskingParams
 
 
+def announcement_terms(params: MaskingParams, cohort: Sequence[int]) -> bytes:
+    """SHA-256 of an epoch's parameters and cohort in one canonical form. Every node signs it inside
+    its key advertisement, so a peer's signature verifies only if both were announced the same
+    parameters and cohort: a server that tells one node a lower threshold or a smaller group than
+    the others is caught at the share stage."""
+    canonical = json.dumps(params.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(b"quorumfl-secagg-terms-v1" + len(canonical).to_bytes(4, "big") + canonical
+                          + pack_ids(cohort)).digest()
+
+
 @dataclass(frozen=True)
 class KeyAdvertisement:
     """Stage 1, node → server: the node's public keys (one for share encryption, one per slot),
@@ -202,8 +215,6 @@ COMMITMENT_BYTES = 32
 
 def share_commitment(*, epoch: bytes, owner: int, holder: int, slot: int, seed: bool, share: bytes) -> bytes:
     """SHA-256 commitment to one Shamir share (a uniform 66-byte field element, so it hides it)."""
-    import hashlib
-
     label = b"quorumfl-secagg-share-commitment-v1" + (b"seed" if seed else b"key")
     return hashlib.sha256(label + epoch + owner.to_bytes(8, "big") + holder.to_bytes(8, "big")
                           + slot.to_bytes(4, "big") + share).digest()

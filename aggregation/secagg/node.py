@@ -46,6 +46,7 @@ from quorumfl.aggregation.secagg.messages import (
     ShareBundle,
     UnmaskReply,
     UnmaskRequest,
+    announcement_terms,
     pack_ids,
     share_commitment,
     unpack_ids,
@@ -131,8 +132,9 @@ class NodeEpoch:
         return state, state.advertisement()
 
     def _message(self, ad: KeyAdvertisement) -> bytes:
-        return advertisement_message(binding=self.binding, epoch=self.epoch, node=ad.node, department=ad.department,
-                                     share_key=ad.share_key, mask_keys=ad.mask_keys)
+        return advertisement_message(binding=self.binding, epoch=self.epoch,
+                                     terms=announcement_terms(self.params, self.cohort), node=ad.node,
+                                     department=ad.department, share_key=ad.share_key, mask_keys=ad.mask_keys)
 
     def advertisement(self) -> KeyAdvertisement:
         return KeyAdvertisement(

@@ -78,9 +78,12 @@ def _substitute(victim: int, make: object) -> object:
 def _message(ad: KeyAdvertisement, directory: KeyDirectory, *, binding: bytes = b"run:1", epoch: bytes | None = None,
              node: int | None = None) -> bytes:
     from quorumfl.aggregation.secagg.identity import advertisement_message
+    from quorumfl.aggregation.secagg.messages import announcement_terms
 
-    return advertisement_message(binding=binding, epoch=epoch or directory.epoch, node=ad.node if node is None else node,
-                                 department=ad.department, share_key=ad.share_key, mask_keys=ad.mask_keys)
+    return advertisement_message(binding=binding, epoch=epoch or directory.epoch,
+                                 terms=announcement_terms(PARAMS, tuple(sorted(NODES))),
+                                 node=ad.node if node is None else node, department=ad.department,
+                                 share_key=ad.share_key, mask_keys=ad.mask_keys)
 
 
 def test_substituted_keys_without_a_signature_are_refused() -> None:
@@ -152,8 +155,11 @@ def test_signed_advertisements_without_a_roster_to_check_them_are_refused() -> N
 
 # ---- through Flower records, as the ClientApp runs it ---------------------------------------------
 def _context(node: int, name: str, key_path: str, *, department: str | None = None, roster: str = ROSTER_JSON) -> Context:
+    signed = {"secagg-threshold": 0.6, "secagg-min-group": 0, "secagg-clip": 8.0, "secagg-modulus-bits": 32,
+              "secagg-colluding-fraction": 0.2, "secagg-dropout-fraction": 0.1, "secagg-epoch-rounds": 2,
+              "num-rounds": 2}  # = PARAMS
     return Context(run_id=7, node_id=node, node_config={"node-key": key_path, "department": department or name},
-                   state=RecordDict(), run_config={"roster": roster})
+                   state=RecordDict(), run_config={"roster": roster, **signed})
 
 
 def _write_keys(tmp_path: object) -> dict[str, str]:

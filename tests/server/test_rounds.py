@@ -157,6 +157,9 @@ def _contexts(parts: dict[str, Path], extra: dict[str, bool | int | float | str]
 
 def _federation(tmp_path: Path, grid: Grid, **overrides: object) -> tuple[Federation, Repository]:
     config = RunConfig.from_mapping({"num-rounds": 2, "local-epochs": 1, "min-nodes": 2, "start-from": "fresh", **overrides})
+    if isinstance(grid, LoopbackGrid) and any(c.run_config.get("roster") for c in grid.nodes.values()):
+        for context in grid.nodes.values():  # a signed run: the nodes hold every key of it, as a deployed bundle does
+            context.run_config.update(config.resolved())
     repo = Repository(connect(f"sqlite:///{tmp_path / 'state.db'}", migrate=True))
     flower_run_id = 99 + len(repo.list_runs())
     return Federation(grid, config, repo, ModelStore(tmp_path / "models"), flower_run_id=flower_run_id), repo
