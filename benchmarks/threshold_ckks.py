@@ -98,7 +98,8 @@ def _steps(length: int, nodes: int) -> dict[str, float]:
     tags, tag_s = [], []
     for m, polys in zip(members, encrypted, strict=True):
         start = time.perf_counter()
-        tags.append(contribute(shares[m], polys, round_number=1, group=0, nonce=nonce, department=f"department-{m}",
+        tags.append(contribute(shares[m], polys, round_number=1, group=0, nonce=nonce, length=total.length,
+                               primes=total.level, department=f"department-{m}",
                                signer=lambda message: sign(node_key, message)))
         tag_s.append(time.perf_counter() - start)
     tag_bytes = [len(tag.department) + len(tag.digest) + len(tag.signature) + 8 for tag in tags]

@@ -32,6 +32,7 @@ from quorumfl.aggregation.ckks.seal import Seal
 from quorumfl.aggregation.ckks.threshold import answer_checked
 from quorumfl.aggregation.secagg import flatten, weighted_payload
 from quorumfl.client.secure import _binding, identity, node_record
+from quorumfl.client.signed_config import check_ceremony
 from quorumfl.client.virtual import record_payload
 from quorumfl.core.files import default_home
 from quorumfl.errors import NotFoundError, SecureAggregationError
@@ -82,8 +83,11 @@ def _arrays(msg: Message) -> RecordDict:
 
 
 def commit(msg: Message, context: Context) -> RecordDict:
-    """Ceremony stage 1: a fresh secret, its public share, and only a commitment to it."""
+    """Ceremony stage 1: a fresh secret, its public share, and only a commitment to it, once the
+    announced members, t and parameters are those the admin signed (``check_ceremony``); the
+    commitment's signature covers them, so members told otherwise refuse it."""
     announcement, _ = decode_announcement(_config(msg))
+    check_ceremony(context.run_config, announcement, node=str(context.node_id))
     me = identity(context)
     party, commitment = KeyParty.commit(announcement, int(context.node_id), signer=me.signer(),
                                         department=me.department, binding=_binding(context))
@@ -142,7 +146,8 @@ def encrypted_train_reply(msg: Message, context: Context, local: LocalTraining) 
     c0 = encrypt_vector(share, payload, primes=request.primes, round_number=request.round_number,
                         group=request.group, nonce=request.nonce, wire=True)
     tag = contribute(share, c0, round_number=request.round_number, group=request.group, nonce=request.nonce,
-                     signer=me.signer(), department=me.department, binding=_binding(context))
+                     length=len(payload), primes=request.primes, signer=me.signer(), department=me.department,
+                     binding=_binding(context))
     store.record_encrypted(request.key_id, request.nonce)  # on disk before the ciphertext leaves
     arrays, config = encode_encrypted(c0, tag, key_id=request.key_id, round_number=request.round_number)
     return RecordDict({

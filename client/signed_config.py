@@ -21,7 +21,9 @@ node refuses a request that:
 A key the run config does not hold is not checked (an in-process test federation without a signed
 bundle); a deployed run's signed config holds every key (the app's defaults are written into it).
 
-``check_masking_params`` does the same for a masking epoch's announcement: every parameter the
+``check_masking_params`` does the same for a masking epoch's announcement, and ``check_ceremony``
+for a CKKS key ceremony's (t over the announced members, never below the signed minimum group, at
+most the roster's size, the parameter set the signed ring dimension gives): every parameter the
 node's safety depends on (t over the announced cohort, the minimum group, the sparse graph's
 fractions and complete-graph limit, the fixed-point clip and modulus, the slots) must be the one
 the signed run config gives. A run with a roster (every deployed run) must hold each of those keys.
@@ -33,12 +35,13 @@ import functools
 import math
 from collections.abc import Mapping
 
+from quorumfl.aggregation.ckks.keys import Announcement
 from quorumfl.aggregation.secagg import MaskingParams, resolve_threshold
 from quorumfl.aggregation.secagg.graph import COMPLETE_UP_TO
 from quorumfl.errors import ConfigError, PrivacyBudgetError, SecureAggregationError
 from quorumfl.protocol.wire import ROSTER_KEY, TrainConfig
 
-__all__ = ["check_masking_params", "check_train_request", "signed_number"]
+__all__ = ["check_ceremony", "check_masking_params", "check_train_request", "signed_number"]
 
 
 @functools.cache
@@ -93,18 +96,54 @@ def check_masking_params(run: Mapping[str, object], params: MaskingParams, cohor
                         signed_number(run, "num-rounds", node=node)) if v is not None]
     if most and params.slots > min(most):  # a slot is one round: more would outlive the signed run
         wrong.append(f"slots {params.slots} (signed: at most {min(most):g})")
-    roster = run.get(ROSTER_KEY)
-    if isinstance(roster, str) and roster:
-        import json
-
-        try:
-            size = len(json.loads(roster))
-        except (ValueError, TypeError) as exc:
-            raise SecureAggregationError(f"the signed roster is not JSON ({exc})", node=node) from exc
-        if cohort > size:
-            wrong.append(f"a cohort of {cohort} nodes (the signed roster has {size} departments)")
+    wrong += _beyond_roster(run, cohort, node=node)
     if wrong:
         raise SecureAggregationError(f"the server announced {', '.join(wrong)} for this key epoch, which the "
+                                     "admin-signed run config does not allow; refusing to take part", node=node)
+
+
+def _beyond_roster(run: Mapping[str, object], count: int, *, node: str) -> list[str]:
+    """The problem when ``count`` nodes are more than the signed roster's departments (none without a roster)."""
+    roster = run.get(ROSTER_KEY)
+    if not isinstance(roster, str) or not roster:
+        return []
+    import json
+
+    try:
+        size = len(json.loads(roster))
+    except (ValueError, TypeError) as exc:
+        raise SecureAggregationError(f"the signed roster is not JSON ({exc})", node=node) from exc
+    return [f"{count} nodes (the signed roster has {size} departments)"] if count > size else []
+
+
+def check_ceremony(run: Mapping[str, object], announcement: Announcement, *, node: str) -> None:
+    """Raise unless a CKKS key ceremony's members, t and parameters are those the signed run config
+    ``run`` allows (module docstring), naming every one that differs."""
+    from quorumfl.aggregation.ckks import CkksParams
+
+    n, t = len(announcement.members), announcement.threshold
+    wrong = _beyond_roster(run, n, node=node)
+    signed = signed_number(run, "secagg-threshold", node=node)
+    if signed is not None:
+        try:
+            expected = resolve_threshold(signed, n)
+        except ConfigError as exc:
+            raise SecureAggregationError(f"the signed secagg-threshold is unusable ({exc})", node=node) from exc
+        if t != expected:
+            wrong.append(f"threshold {t} (signed: {expected} of {n} members)")
+    floor = signed_number(run, "secagg-min-group", node=node) or 0
+    if t < floor:
+        wrong.append(f"threshold {t} (below the signed secagg-min-group {floor:g})")
+    degree = signed_number(run, "ckks-poly-degree", node=node)
+    if degree is not None:
+        try:
+            fitted = CkksParams(poly_degree=int(degree)).fitted(threshold=t, contributors=n)
+        except ConfigError as exc:
+            raise SecureAggregationError(f"the signed ckks-poly-degree is unusable ({exc})", node=node) from exc
+        if announcement.params != fitted:
+            wrong.append(f"parameters {announcement.params.to_dict()} (signed: {fitted.to_dict()})")
+    if wrong:
+        raise SecureAggregationError(f"the server announced {', '.join(wrong)} for this key ceremony, which the "
                                      "admin-signed run config does not allow; refusing to take part", node=node)
 
 

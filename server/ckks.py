@@ -315,13 +315,14 @@ class CkksSession:
         )
 
     def _check_tag(self, tag: Contribution, c0: NDArray[np.uint64], key_id: str, number: int, group: int,
-                   nonce: bytes) -> None:
+                   nonce: bytes, *, length: int, primes: int) -> None:
         if not hmac.compare_digest(tag.digest, c0_digest(c0)):
             raise SecureAggregationError("the contribution record names another ciphertext than the one sent")
         if self.roster is not None:
             self.roster.check(tag.department, contribution_message(
-                binding=self.binding, key_id=key_id, round_number=number, group=group, nonce=nonce, node=tag.node,
-                department=tag.department, digest=tag.digest), tag.signature, node=tag.node)
+                binding=self.binding, key_id=key_id, round_number=number, group=group, nonce=nonce, length=length,
+                primes=primes, node=tag.node, department=tag.department, digest=tag.digest), tag.signature,
+                node=tag.node)
 
     # ---- one round ----------------------------------------------------------------------------------------
     def round(
@@ -413,7 +414,7 @@ class CkksSession:
                                                                     _reply_config(reply), node=node)
                 if key_id != key.key_id or round_number != number:
                     raise SecureAggregationError(f"ciphertext is for key {key_id} round {round_number}")
-                self._check_tag(tag, polys, key_id, number, group_of[node], nonce)
+                self._check_tag(tag, polys, key_id, number, group_of[node], nonce, length=length, primes=primes)
                 totals[group_of[node]].add(node, polys)
             except SecureAggregationError as exc:
                 failures[node] = ("train", str(exc))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -90,10 +91,13 @@ def _digest(ceremony: bytes, index: int, b: U64) -> bytes:
 _COMMIT_CONTEXT = b"quorumfl-ckks-commitment-v1"
 
 
-def commitment_message(*, binding: bytes, ceremony: bytes, node: int, department: str, digest: bytes,
+def commitment_message(*, binding: bytes, ceremony: bytes, terms: bytes, node: int, department: str, digest: bytes,
                        transport_key: bytes) -> bytes:
-    """The bytes a member signs for its commitment (length-prefixed fields: unambiguous)."""
-    parts = [_COMMIT_CONTEXT, binding, ceremony, node.to_bytes(8, "big"), department.encode(), digest, transport_key]
+    """The bytes a member signs for its commitment (length-prefixed fields: unambiguous); ``terms``
+    is the digest of the ceremony's members, threshold, parameters and seed as this member was told
+    them (``ceremony_terms``), so members told different ones refuse each other's commitments."""
+    parts = [_COMMIT_CONTEXT, binding, ceremony, terms, node.to_bytes(8, "big"), department.encode(), digest,
+             transport_key]
     return b"".join(field_bytes(p) for p in parts)
 
 
@@ -134,6 +138,13 @@ class Announcement:
             raise SecureAggregationError(f"node {node} is not a member of this key ceremony")
         return self.members.index(node) + 1
 
+    def terms(self) -> bytes:
+        """SHA-256 of the members, t, the parameters and the seed of a, in one canonical form."""
+        params = json.dumps(self.params.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+        ids = b"".join(m.to_bytes(8, "big") for m in self.members)
+        return hashlib.sha256(b"".join(field_bytes(p) for p in (
+            b"quorumfl-ckks-ceremony-terms-v1", ids, self.threshold.to_bytes(4, "big"), params, self.seed))).digest()
+
 
 @dataclass(frozen=True)
 class Commitment:
@@ -143,11 +154,13 @@ class Commitment:
     department: str = ""  # roster name the signature is checked under ("" in an unsigned federation)
     signature: bytes = b""
 
-    def verify(self, roster: Roster, *, binding: bytes, ceremony: bytes) -> None:
-        """Raise unless the commitment is signed by its department's registered key."""
+    def verify(self, roster: Roster, *, binding: bytes, announcement: Announcement) -> None:
+        """Raise unless the commitment is signed by its department's registered key, for the
+        ceremony as ``announcement`` states it."""
         roster.check(self.department, commitment_message(
-            binding=binding, ceremony=ceremony, node=self.node, department=self.department, digest=self.digest,
-            transport_key=self.transport_key), self.signature, node=self.node)
+            binding=binding, ceremony=announcement.ceremony, terms=announcement.terms(), node=self.node,
+            department=self.department, digest=self.digest, transport_key=self.transport_key), self.signature,
+            node=self.node)
 
 
 @dataclass(frozen=True)
@@ -224,8 +237,8 @@ class KeyParty:
         party = cls(announcement, node, secret, b, private)
         digest, transport = _digest(announcement.ceremony, index, b), public_key(private)
         signature = b"" if signer is None else signer(commitment_message(
-            binding=binding, ceremony=announcement.ceremony, node=node, department=department, digest=digest,
-            transport_key=transport))
+            binding=binding, ceremony=announcement.ceremony, terms=announcement.terms(), node=node,
+            department=department, digest=digest, transport_key=transport))
         return party, Commitment(node, digest, transport, department, signature)
 
     def reveal(self, commitments: Mapping[int, Commitment], *, roster: Roster | None = None,
@@ -245,7 +258,7 @@ class KeyParty:
             ann.index(node)
         if roster is not None:
             for commitment in commitments.values():
-                commitment.verify(roster, binding=binding, ceremony=ann.ceremony)
+                commitment.verify(roster, binding=binding, announcement=ann)
             departments = [c.department for c in commitments.values()]
             if len(set(departments)) != len(departments):
                 raise SecureAggregationError("two members of the ceremony claim one department; refusing")

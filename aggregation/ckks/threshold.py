@@ -86,7 +86,7 @@ U64 = NDArray[np.uint64]
 MAX_DECRYPTIONS = 1000  # default cap on partial decryptions one key share answers (run key ckks-max-decryptions)
 MAX_VALUES = 1 << 27  # the longest aggregate a member agrees to decrypt (134M values; a is 2 GiB at two primes)
 NONCE_BYTES = 16
-_CONTRIBUTION_CONTEXT = b"quorumfl-ckks-contribution-v2"
+_CONTRIBUTION_CONTEXT = b"quorumfl-ckks-contribution-v3"
 
 
 def common_c1(key_id: str, *, round_number: int, group: int, nonce: bytes, primes: Sequence[int], chunks: int,
@@ -111,11 +111,14 @@ def common_c1(key_id: str, *, round_number: int, group: int, nonce: bytes, prime
     return out
 
 
-def contribution_message(*, binding: bytes, key_id: str, round_number: int, group: int, nonce: bytes, node: int,
-                         department: str, digest: bytes) -> bytes:
-    """The bytes a contributor signs for its encrypted update (length-prefixed fields)."""
+def contribution_message(*, binding: bytes, key_id: str, round_number: int, group: int, nonce: bytes, length: int,
+                         primes: int, node: int, department: str, digest: bytes) -> bytes:
+    """The bytes a contributor signs for its encrypted update (length-prefixed fields): with the
+    vector's ``length`` and ciphertext level ``primes``, so a manifest that states others (a
+    decryptor would expand and multiply as many c1 chunks as the length says) fails the check."""
     parts = [_CONTRIBUTION_CONTEXT, binding, key_id.encode(), round_number.to_bytes(8, "big", signed=True),
-             group.to_bytes(4, "big", signed=True), nonce, node.to_bytes(8, "big"), department.encode(), digest]
+             group.to_bytes(4, "big", signed=True), nonce, length.to_bytes(8, "big"), primes.to_bytes(2, "big"),
+             node.to_bytes(8, "big"), department.encode(), digest]
     return b"".join(field_bytes(p) for p in parts)
 
 
@@ -134,13 +137,14 @@ class Contribution:
     signature: bytes  # b"" in an unsigned federation
 
 
-def contribute(share: KeyShare, c0: U64, *, round_number: int, group: int, nonce: bytes,
+def contribute(share: KeyShare, c0: U64, *, round_number: int, group: int, nonce: bytes, length: int, primes: int,
                signer: Callable[[bytes], bytes] | None = None, department: str = "", binding: bytes = b"") -> Contribution:
-    """A member's signed contribution record for its own ``c0`` in (round, group, nonce)."""
+    """A member's signed contribution record for its own ``c0`` of ``length`` values at ``primes``
+    primes in (round, group, nonce)."""
     digest = c0_digest(c0)
     signature = b"" if signer is None else signer(contribution_message(
-        binding=binding, key_id=share.key_id, round_number=round_number, group=group, nonce=nonce, node=share.node,
-        department=department, digest=digest))
+        binding=binding, key_id=share.key_id, round_number=round_number, group=group, nonce=nonce, length=length,
+        primes=primes, node=share.node, department=department, digest=digest))
     return Contribution(share.node, department, digest, signature)
 
 
@@ -305,7 +309,8 @@ def _check_contributions(share: KeyShare, manifest: Manifest, contributions: Seq
         for c in contributions:
             roster.check(c.department, contribution_message(
                 binding=binding, key_id=share.key_id, round_number=manifest.round, group=manifest.group,
-                nonce=manifest.nonce, node=c.node, department=c.department, digest=c.digest), c.signature, node=c.node)
+                nonce=manifest.nonce, length=manifest.length, primes=manifest.primes, node=c.node,
+                department=c.department, digest=c.digest), c.signature, node=c.node)
         if len({c.department for c in contributions}) != len(contributions):
             raise SecureAggregationError("refusing: two contributions claim one department")
 

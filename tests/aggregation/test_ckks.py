@@ -116,7 +116,8 @@ class Round:
     def tags(self, round_number: int = 1, nodes: tuple[int, ...] | None = None) -> list[Contribution]:
         """What each contributor sends with its ciphertext in ``round_number``."""
         return [contribute(self.shares[n], wire_form(self.total.params, self.ciphertexts[n]), round_number=round_number,
-                           group=0, nonce=self.nonce) for n in (nodes or tuple(self.ciphertexts))]
+                           group=0, nonce=self.nonce, length=self.total.length, primes=self.primes)
+                for n in (nodes or tuple(self.ciphertexts))]
 
     def level_sum(self) -> np.ndarray:
         """Σ c0_i at the level the nodes compute at (before the wire form): the references' input."""

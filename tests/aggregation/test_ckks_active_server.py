@@ -111,7 +111,8 @@ def signed_round(public_key: bytes, shares: dict[int, KeyShare], contributors: t
                                                              round_number=round_number, group=group, nonce=nonce))
         total.add(node, ciphertexts[node])
         tags[node] = contribute(shares[node], ciphertexts[node], round_number=round_number, group=group, nonce=nonce,
-                                signer=_signer(node), department=DEPARTMENT[node], binding=BINDING)
+                                length=LENGTH, primes=2, signer=_signer(node), department=DEPARTMENT[node],
+                                binding=BINDING)
     return SignedRound(values, ciphertexts, total, tags, nonce, group)
 
 
