@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord
@@ -111,9 +112,18 @@ def encode_announcement(a: Announcement, *, run_id: int) -> ConfigRecord:
                          "params": json.dumps(a.params.to_dict()), "seed": a.seed, "run": run_id})
 
 
+def _json(record: ConfigRecord, key: str) -> Any:
+    """A JSON field another party wrote; ``SecureAggregationError`` for anything ``json`` cannot read
+    (nesting deep enough to exhaust the parser included)."""
+    try:
+        return json.loads(_get(record, key, str))
+    except (ValueError, RecursionError) as exc:
+        raise SecureAggregationError(f"threshold-CKKS '{key}' is not readable JSON ({type(exc).__name__})") from None
+
+
 def decode_announcement(record: ConfigRecord) -> tuple[Announcement, int]:
     try:
-        params = CkksParams.from_dict(json.loads(_get(record, "params", str)))
+        params = CkksParams.from_dict(_json(record, "params"))
         ann = Announcement(_get(record, "ceremony", bytes), _read_ids(record, "members"), _get(record, "threshold", int),
                            params, _get(record, "seed", bytes))
     except (ConfigError, ValueError) as exc:
@@ -220,9 +230,15 @@ def encode_train_request(r: TrainRequest) -> ConfigRecord:
 
 def decode_train_request(record: ConfigRecord) -> TrainRequest:
     try:
-        params = CkksParams.from_dict(json.loads(_get(record, "params", str)))
+        params = CkksParams.from_dict(_json(record, "params"))
     except (ConfigError, ValueError) as exc:
         raise SecureAggregationError(f"CKKS parameters in the train request are invalid: {exc}") from exc
+    group = _get(record, "group", int)
+    if not -(2**31) <= group < 2**31:
+        raise SecureAggregationError(f"threshold-CKKS 'group' must fit 32 bits, got {group}")
+    primes = _get(record, "primes", int)
+    if not 1 <= primes <= len(params.data_bits):
+        raise SecureAggregationError(f"threshold-CKKS 'primes' must be between 1 and {len(params.data_bits)}, got {primes}")
     clip, max_weight = _get(record, "clip", float), _get(record, "max_weight", float)
     if not (clip > 0 and max_weight > 0):
         raise SecureAggregationError("clip and max_weight must be positive")
@@ -230,9 +246,9 @@ def decode_train_request(record: ConfigRecord) -> TrainRequest:
     if len(nonce) != NONCE_BYTES:
         raise SecureAggregationError(f"the round nonce must be {NONCE_BYTES} bytes")
     return TrainRequest(key_id=_get(record, "key_id", str), public_key=_get(record, "public_key", bytes), params=params,
-                        primes=_get(record, "primes", int), clip=clip, max_weight=max_weight,
+                        primes=primes, clip=clip, max_weight=max_weight,
                         round_number=_get(record, "round", int), participants=_read_ids(record, "participants"),
-                        nonce=nonce, group=_get(record, "group", int))
+                        nonce=nonce, group=group)
 
 
 def encode_encrypted(c0: U64, contribution: Contribution, *, key_id: str,
@@ -258,10 +274,7 @@ def encode_decrypt_request(manifest: Manifest, contributions: Mapping[int, Contr
 
 
 def decode_decrypt_request(record: ConfigRecord) -> tuple[Manifest, list[Contribution]]:
-    try:
-        data = json.loads(_get(record, "manifest", str))
-    except ValueError as exc:
-        raise SecureAggregationError("decryption manifest is not JSON") from exc
+    data = _json(record, "manifest")
     if not isinstance(data, dict):
         raise SecureAggregationError("decryption manifest must be an object")
     nodes = _read_ids(record, "tag-nodes")

@@ -10,6 +10,7 @@ signed 64-bit). Every decoder checks types and sizes and raises ``SecureAggregat
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,7 +83,19 @@ def _get(record: ConfigRecord, key: str, kind: type) -> Any:
         return value
     if not isinstance(value, kind) or isinstance(value, bool):
         raise SecureAggregationError(f"secure-aggregation '{key}' must be {kind.__name__}, got {type(value).__name__}")
+    if kind is float and not math.isfinite(value):
+        raise SecureAggregationError(f"secure-aggregation '{key}' must be a finite number, got {value!r}")
+    if kind is int and not -(2**63) <= value < 2**63:
+        raise SecureAggregationError(f"secure-aggregation '{key}' must fit 64 bits, got {value!r}")
     return value
+
+
+def _slot(record: ConfigRecord) -> int:
+    """A request's slot: a key epoch has at most 10,000 (``MaskingParams.check``)."""
+    slot = _get(record, "slot", int)
+    if not 0 <= slot < 10_000:
+        raise SecureAggregationError(f"secure-aggregation 'slot' must be in [0, 10000), got {slot}")
+    return int(slot)
 
 
 def _read_ids(record: ConfigRecord, key: str) -> tuple[int, ...]:
@@ -182,7 +195,7 @@ def decode_mask_request(record: ConfigRecord, *, node: int) -> tuple[MaskRequest
     if not len(senders) == len(ciphertexts) == len(commitments):
         raise SecureAggregationError("mask request bundle lists differ in length")
     incoming = tuple(ShareBundle(s, node, c, m) for s, c, m in zip(senders, ciphertexts, commitments, strict=True))
-    request = MaskRequest(_get(record, "epoch", bytes), _get(record, "slot", int), _read_ids(record, "group"), incoming)
+    request = MaskRequest(_get(record, "epoch", bytes), _slot(record), _read_ids(record, "group"), incoming)
     return request, float(_get(record, "max-weight", float))
 
 
@@ -199,7 +212,7 @@ def decode_masked(arrays: ArrayRecord, record: ConfigRecord) -> tuple[NDArray[np
         raise SecureAggregationError(f"masked vector cannot be decoded ({exc})") from exc
     if vector.ndim != 1:
         raise SecureAggregationError(f"masked vector must be one-dimensional, got shape {vector.shape}")
-    return vector, _get(record, "epoch", bytes), _get(record, "slot", int)
+    return vector, _get(record, "epoch", bytes), _slot(record)
 
 
 def encode_unmask_request(r: UnmaskRequest) -> ConfigRecord:
@@ -230,7 +243,7 @@ def decode_unmask_request(record: ConfigRecord) -> UnmaskRequest:
     signatures = _get(record, "signatures", list) if signers else []
     if len(signers) != len(signatures) or len(set(signers)) != len(signers):
         raise SecureAggregationError("unmask request signers and signatures do not match")
-    return UnmaskRequest(_get(record, "epoch", bytes), _get(record, "slot", int), groups,
+    return UnmaskRequest(_get(record, "epoch", bytes), _slot(record), groups,
                          dict(zip(signers, signatures, strict=True)))
 
 

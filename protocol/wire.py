@@ -14,6 +14,7 @@ layers; the personal ones stay on the node.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +117,8 @@ class TrainConfig:
                 value = float(value)
             if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
                 raise ConfigError(f"train config '{key}' must be {kind.__name__}, got {value!r}")
+            if kind is float and not math.isfinite(value):
+                raise ConfigError(f"train config '{key}' must be a finite number, got {value!r}")
             return value
 
         return cls(

@@ -377,3 +377,107 @@ def test_npz_with_pickled_objects_is_refused(tmp_path: Path) -> None:
     path.write_bytes(buffer.getvalue())
     with pytest.raises(ModelStoreError):
         ModelStore(tmp_path).load(path, hashlib.sha256(buffer.getvalue()).hexdigest())
+
+
+# ---- node-side decoders against non-finite and huge numbers ----------------------------------------
+HOSTILE_NUMBERS = [float("inf"), float("-inf"), float("nan"), 1e308, -1e308, 2**63, 2**64, -(2**63) - 1, 10**30,
+                   2**31, -(2**31) - 1, 2**32, -1, 0, 1.5, -0.0, True]
+HOSTILE_JSON = ["1e400", "-1e400", "NaN", "Infinity", str(2**70), "1.5", "-1", "true", "null", "[" * 5000, "{}"]
+
+
+def _node_side_records() -> dict[str, tuple[ConfigRecord, Any]]:
+    """A valid record for each decoder a node runs on what the server sends, and how the node then
+    uses what it decoded (the arithmetic and byte packing a bad number could break)."""
+    from quorumfl.aggregation.ckks import Announcement, CkksParams, Manifest
+    from quorumfl.aggregation.ckks.threshold import NONCE_BYTES, contribution_message
+    from quorumfl.aggregation.secagg import EpochAnnouncement, MaskRequest, UnmaskRequest
+    from quorumfl.aggregation.secagg.identity import view_message
+    from quorumfl.aggregation.secagg.messages import announcement_terms
+
+    ids = (11, 12, 13)
+    masking = EpochAnnouncement(b"e" * 16, ids, MaskingParams(threshold=2, slots=3))
+    ckks_params = CkksParams()
+    manifest = Manifest("k" * 32, 3, 0, b"n" * NONCE_BYTES, ids, ids[:2], 4000, 2)
+    request = ckks_wire.TrainRequest(key_id="k" * 32, public_key=b"p", params=ckks_params, primes=2, clip=8.0,
+                                     max_weight=100.0, round_number=3, participants=ids, nonce=b"n" * NONCE_BYTES)
+
+    def use_announcement(ann: EpochAnnouncement) -> None:
+        ann.params.check(len(ann.cohort))
+        announcement_terms(ann.params, ann.cohort)
+
+    def use_manifest(decoded: tuple[Manifest, list[Any]]) -> None:
+        m = decoded[0]
+        contribution_message(binding=b"run:1", key_id=m.key_id, round_number=m.round, group=m.group, nonce=m.nonce,
+                             length=m.length, primes=m.primes, node=ids[0], department="d", digest=b"x" * 32)
+
+    def use_train_request(r: ckks_wire.TrainRequest) -> None:
+        contribution_message(binding=b"run:1", key_id=r.key_id, round_number=r.round_number, group=r.group,
+                             nonce=r.nonce, length=10, primes=r.primes, node=ids[0], department="d", digest=b"x" * 32)
+
+    from quorumfl.protocol.wire import TrainConfig
+
+    train = TrainConfig(server_round=3, model="mlp", local_epochs=1, batch_size=32, learning_rate=0.05,
+                        proximal_mu=0.1, seed=0)
+    return {
+        "train config": (train.to_record(), TrainConfig.from_record),
+        "masking announcement": (secure_wire.encode_announcement(masking),
+                                 lambda rec: use_announcement(secure_wire.decode_announcement(rec))),
+        "mask request": (secure_wire.encode_mask_request(MaskRequest(b"e" * 16, 1, ids), max_weight=10.0),
+                         lambda rec: secure_wire.decode_mask_request(rec, node=11)),
+        "unmask request": (secure_wire.encode_unmask_request(UnmaskRequest(b"e" * 16, 1, ((ids[:2], ids[2:]),))),
+                           lambda rec: (lambda u: view_message(binding=b"run:1", epoch=u.epoch, slot=u.slot,
+                                                               view=u.view()))(secure_wire.decode_unmask_request(rec))),
+        "ckks announcement": (ckks_wire.encode_announcement(Announcement.new(ids, 2, ckks_params), run_id=1),
+                              lambda rec: ckks_wire.decode_announcement(rec)[0].terms()),
+        "ckks train request": (ckks_wire.encode_train_request(request),
+                               lambda rec: use_train_request(ckks_wire.decode_train_request(rec))),
+        "decrypt request": (ckks_wire.encode_decrypt_request(manifest, {}),
+                            lambda rec: use_manifest(ckks_wire.decode_decrypt_request(rec))),
+    }
+
+
+NODE_SIDE = _node_side_records()
+
+
+@st.composite
+def hostile_number_record(draw: st.DrawFn, name: str) -> ConfigRecord:
+    """``name``'s valid record with one number (a top-level field, or one inside a JSON field) made
+    non-finite, huge, negative or of the wrong kind."""
+    import json
+
+    base = dict(NODE_SIDE[name][0])
+    fields = sorted(k for k, v in base.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+    nested = sorted(k for k, v in base.items() if isinstance(v, str) and v.startswith("{"))
+    key = draw(st.sampled_from(fields + nested))
+    if key in nested:
+        inner = json.loads(base[key])
+        field = draw(st.sampled_from(sorted(inner)))
+        text = json.dumps({**inner, field: "HOSTILE"})
+        literal = draw(st.one_of(st.sampled_from(HOSTILE_JSON), st.floats(allow_nan=True).map(json.dumps),
+                                 st.integers(-(2**80), 2**80).map(str)))
+        base[key] = text.replace('"HOSTILE"', literal)
+    else:
+        base[key] = draw(st.one_of(st.sampled_from(HOSTILE_NUMBERS), st.floats(allow_nan=True),
+                                   st.integers(-(2**70), 2**70)))
+    return ConfigRecord(base)
+
+
+@pytest.mark.parametrize("name", sorted(NODE_SIDE))
+def test_node_side_decoders_refuse_non_finite_and_huge_numbers_cleanly(name: str) -> None:
+    """Every node-side decoder, and the node's first use of what it decoded, on records with one
+    hostile number: it decodes to something usable or raises a QuorumFL error, never another exception."""
+    outcomes = {"refused": 0, "decoded": 0}
+
+    @FUZZ
+    @given(record=hostile_number_record(name))
+    def check(record: ConfigRecord) -> None:
+        try:
+            NODE_SIDE[name][1](record)
+        except QuorumError:
+            outcomes["refused"] += 1
+        else:
+            outcomes["decoded"] += 1
+
+    check()
+    print(f"{name}: {outcomes['refused']} refused, {outcomes['decoded']} decoded, 0 other exceptions")
+    assert outcomes["refused"] > 0  # the hostile numbers do reach the checks

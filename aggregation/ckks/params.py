@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from quorumfl.aggregation.secagg.messages import finite_number, whole_number
 from quorumfl.errors import ConfigError
 
 __all__ = ["CkksParams", "MAX_COEFF_BITS"]
@@ -185,11 +186,11 @@ class CkksParams:
             if not isinstance(bits, list):
                 raise TypeError("coeff_bits must be a list")
             return cls(
-                poly_degree=int(data["poly_degree"]),  # type: ignore[call-overload]
-                coeff_bits=tuple(int(b) for b in bits),
-                scale_bits=int(data["scale_bits"]),  # type: ignore[call-overload]
-                smudging_bits=int(data["smudging_bits"]),  # type: ignore[call-overload]
-                precision=float(data["precision"]),  # type: ignore[arg-type]
+                poly_degree=whole_number(data["poly_degree"], "poly_degree"),
+                coeff_bits=tuple(whole_number(b, "coeff_bits") for b in bits),
+                scale_bits=whole_number(data["scale_bits"], "scale_bits"),
+                smudging_bits=whole_number(data["smudging_bits"], "smudging_bits"),
+                precision=finite_number(data["precision"], "precision"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError([f"CKKS parameters are malformed ({exc})"]) from exc

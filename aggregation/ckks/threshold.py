@@ -63,6 +63,7 @@ from quorumfl.aggregation.ckks.rns import (
 )
 from quorumfl.aggregation.ckks.seal import Seal
 from quorumfl.aggregation.secagg.identity import Roster, field_bytes
+from quorumfl.aggregation.secagg.messages import whole_number
 from quorumfl.errors import QuorumNotMetError, SecureAggregationError
 
 __all__ = [
@@ -211,10 +212,13 @@ class Manifest:
             if not isinstance(contributors, list) or not isinstance(subset, list):
                 raise TypeError("contributors and subset must be lists")
             return cls(
-                key_id=str(data["key_id"]), round=int(data["round"]), group=int(data["group"]),  # type: ignore[call-overload]
+                key_id=str(data["key_id"]), round=whole_number(data["round"], "round"),
+                group=whole_number(data["group"], "group", low=-(2**31), high=2**31 - 1),
                 nonce=bytes.fromhex(str(data["nonce"])),
-                contributors=tuple(int(c) for c in contributors), subset=tuple(int(s) for s in subset),
-                length=int(data["length"]), primes=int(data["primes"]),  # type: ignore[call-overload]
+                contributors=tuple(whole_number(c, "contributors", low=0, high=2**64 - 1) for c in contributors),
+                subset=tuple(whole_number(s, "subset", low=0, high=2**64 - 1) for s in subset),
+                length=whole_number(data["length"], "length", low=0),
+                primes=whole_number(data["primes"], "primes", low=1, high=64),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise SecureAggregationError(f"decryption manifest is malformed ({exc})") from exc

@@ -37,6 +37,9 @@ ModulusBits = int  # 32 or 64
 _DTYPES: dict[int, np.dtype[np.unsignedinteger]] = {32: np.dtype("<u4"), 64: np.dtype("<u8")}
 
 
+MIN_CLIP = 1e-9  # below it the scale overflows a float (a subnormal clip makes it infinite)
+
+
 @dataclass(frozen=True)
 class FixedPoint:
     modulus_bits: int
@@ -47,8 +50,8 @@ class FixedPoint:
         problems: list[str] = []
         if self.modulus_bits not in _DTYPES:
             problems.append(f"modulus bits must be 32 or 64, got {self.modulus_bits}")
-        if not (math.isfinite(self.clip) and self.clip > 0):
-            problems.append(f"clip must be a positive number, got {self.clip}")
+        if not (math.isfinite(self.clip) and self.clip >= MIN_CLIP):
+            problems.append(f"clip must be a number of at least {MIN_CLIP:g}, got {self.clip}")
         if self.max_summands < 1:
             problems.append(f"max summands must be >= 1, got {self.max_summands}")
         if not problems and self.scale < 1:

@@ -34,10 +34,32 @@ __all__ = [
     "UnmaskReply",
     "UnmaskRequest",
     "announcement_terms",
+    "finite_number",
     "pack_ids",
     "resolve_threshold",
     "unpack_ids",
+    "whole_number",
 ]
+
+
+def whole_number(value: object, name: str, *, low: int = -(2**63), high: int = 2**63 - 1) -> int:
+    """A whole number read from a record another party wrote: an int (not a bool), or a float with a
+    whole value, within [low, high]; ``ValueError`` naming ``name`` otherwise (never the
+    ``OverflowError`` that ``int(inf)`` or a later ``to_bytes`` would raise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a whole number, got {type(value).__name__}")
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        raise ValueError(f"{name} must be a finite whole number, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be between {low} and {high}, got {value!r}")
+    return int(value)
+
+
+def finite_number(value: object, name: str) -> float:
+    """A finite number read from a record another party wrote; ``ValueError`` naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
 
 
 def pack_ids(values: Sequence[int]) -> bytes:
@@ -138,14 +160,14 @@ class MaskingParams:
     def from_dict(cls, values: Mapping[str, object]) -> MaskingParams:
         try:
             return cls(
-                threshold=int(values["threshold"]),  # type: ignore[call-overload]
-                slots=int(values["slots"]),  # type: ignore[call-overload]
-                modulus_bits=int(values["modulus-bits"]),  # type: ignore[call-overload]
-                clip=float(values["clip"]),  # type: ignore[arg-type]
-                min_group=int(values["min-group"]),  # type: ignore[call-overload]
-                complete_up_to=int(values["complete-up-to"]),  # type: ignore[call-overload]
-                colluding_fraction=float(values["colluding-fraction"]),  # type: ignore[arg-type]
-                dropout_fraction=float(values["dropout-fraction"]),  # type: ignore[arg-type]
+                threshold=whole_number(values["threshold"], "threshold"),
+                slots=whole_number(values["slots"], "slots"),
+                modulus_bits=whole_number(values["modulus-bits"], "modulus-bits"),
+                clip=finite_number(values["clip"], "clip"),
+                min_group=whole_number(values["min-group"], "min-group"),
+                complete_up_to=whole_number(values["complete-up-to"], "complete-up-to"),
+                colluding_fraction=finite_number(values["colluding-fraction"], "colluding-fraction"),
+                dropout_fraction=finite_number(values["dropout-fraction"], "dropout-fraction"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise SecureAggregationError(f"malformed secure-aggregation parameters ({exc})") from exc
