@@ -83,9 +83,9 @@ def _get(record: ConfigRecord, key: str, kind: type) -> Any:
         return value
     if not isinstance(value, kind) or isinstance(value, bool):
         raise SecureAggregationError(f"secure-aggregation '{key}' must be {kind.__name__}, got {type(value).__name__}")
-    if kind is float and not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         raise SecureAggregationError(f"secure-aggregation '{key}' must be a finite number, got {value!r}")
-    if kind is int and not -(2**63) <= value < 2**63:
+    if isinstance(value, int) and not -(2**63) <= value < 2**63:
         raise SecureAggregationError(f"secure-aggregation '{key}' must fit 64 bits, got {value!r}")
     return value
 

@@ -117,7 +117,7 @@ class TrainConfig:
                 value = float(value)
             if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
                 raise ConfigError(f"train config '{key}' must be {kind.__name__}, got {value!r}")
-            if kind is float and not math.isfinite(value):
+            if isinstance(value, float) and not math.isfinite(value):
                 raise ConfigError(f"train config '{key}' must be a finite number, got {value!r}")
             return value
 
