@@ -7,7 +7,10 @@ ClientApp process, before Flower installs or imports anything from the bundle:
 - the bundle carries the admin's Ed25519 signature over every one of its files
   (``quorumfl.privacy.admin.verify_app``), and
 - the run config Flower hands the app equals the config inside the signed bundle (no override
-  sent beside it: ``secure-aggregation = none`` cannot be slipped in).
+  sent beside it: ``secure-aggregation = none`` cannot be slipped in), and
+- the signed run is fresh (``privacy.served_runs``, in the node's state directory): its nonce was
+  never served as another Flower run, it is not past its expiry when first served, and its roster
+  is not older than one this node has seen.
 
 Otherwise the task fails with the reason (the server sees it as the node's error reply) and no code
 of the bundle runs. Flower 1.42 has FAB verification of its own (``--trusted-entities``), but its
@@ -23,12 +26,15 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from quorumfl.client.personal_store import node_state_dir
 from quorumfl.deploy.launch_gate import ADMIN_KEYS_ENV, write_gate
 from quorumfl.errors import CredentialError
+from quorumfl.privacy.served_runs import ServedRuns, SignedRun
 
 __all__ = ["ADMIN_KEYS_ENV", "app_guard_env", "check_run", "main"]
 
@@ -44,9 +50,12 @@ def app_guard_env(admin_keys: Path, directory: Path, *, path: str) -> dict[str, 
     return {ADMIN_KEYS_ENV: str(admin_keys.resolve()), "PATH": os.pathsep.join([str(gate_dir), path])}
 
 
-def check_run(fab: bytes, run_config: Mapping[str, Any], admin_keys: bytes, *, source: str = ADMIN_KEYS_ENV) -> str:
+def check_run(fab: bytes, run_config: Mapping[str, Any], admin_keys: bytes, *, source: str = ADMIN_KEYS_ENV,
+              served: ServedRuns | None = None, run_id: int = 0, now: float | None = None) -> str:
     """The signing key's id when ``fab`` is signed by an admin key and ``run_config`` is the signed
-    one; raises ``CredentialError`` with the reason otherwise."""
+    one, and (with ``served``, the node's ledger) when the signed run is fresh: never served as
+    another Flower run than ``run_id``, not expired, its roster not older than one seen
+    (``privacy.served_runs``); raises ``CredentialError`` with the reason otherwise."""
     import tomllib
 
     from flwr.common.config import flatten_dict
@@ -63,6 +72,8 @@ def check_run(fab: bytes, run_config: Mapping[str, Any], admin_keys: bytes, *, s
     if changed:
         raise CredentialError(f"run config differs from the one the admin signed ({', '.join(changed[:8])}); "
                               "the run is refused")
+    if served is not None:
+        served.admit(SignedRun(signed), run_id=run_id, now=time.time() if now is None else now)
     return signature.key
 
 
@@ -92,7 +103,9 @@ def main() -> None:
     def pull_checked(client: Any) -> Any:
         message, context, run, fab = pull(client)
         try:
-            check_run(fab.content, context.run_config, admin_keys, source=keys_path)
+            served = ServedRuns(node_state_dir(context.node_config, int(context.node_id)))
+            check_run(fab.content, context.run_config, admin_keys, source=keys_path, served=served,
+                      run_id=int(context.run_id))
         except CredentialError as exc:  # raised at installation, once Flower holds the message to answer
             refusal.append(exc)
         return message, context, run, fab

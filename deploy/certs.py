@@ -287,6 +287,14 @@ def node_public_key(path: Path) -> bytes:
     return key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
+def roster_version(creds: Credentials) -> int:
+    """The roster's version, derived from the credentials folder: the current node keys plus twice the
+    retired ones. Adding a key adds 1, retiring one adds 1 (−1 current, +2 retired), replacing one
+    adds 2: it grows with every change, so a node that has seen a signed run with a newer roster
+    refuses an older one (``privacy.served_runs``)."""
+    return len(creds.node_names()) + 2 * len(creds.retired())
+
+
 def roster_json(creds: Credentials) -> str:
     """The admin's roster of departments for a run's config: JSON {name: OpenSSH public key} of every
     current node key (retired keys are not on it). Nodes check peers' signed keys against it."""

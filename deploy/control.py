@@ -40,19 +40,22 @@ from flwr.supercore.control import ControlHttpClient
 from flwr.supercore.fab import Fab
 from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
 
-from quorumfl.deploy.certs import Credentials, check_admin_key, roster_json
+from quorumfl.deploy.certs import Credentials, check_admin_key, roster_json, roster_version
 from quorumfl.errors import ConfigError, CredentialError, FederationError
 from quorumfl.privacy.admin import (
     SIGNATURE_FILE,
+    call_digest,
     federation_id,
     issue_token,
     load_admin_private,
+    run_stamp,
     sign_app,
 )
 from quorumfl.protocol.wire import ROSTER_KEY
 from quorumfl.server.config import DEFAULTS
 
-__all__ = ["Control", "FlowerNode", "FlowerRun", "app_pyproject", "build_fab", "sign_app_dir", "store_flwr_token"]
+__all__ = ["Control", "FlowerNode", "FlowerRun", "app_pyproject", "build_fab", "sign_app_dir", "stamp_pyproject",
+           "store_flwr_token"]
 
 
 def app_pyproject(config: Mapping[str, Any] | None = None) -> bytes:
@@ -82,6 +85,19 @@ def app_pyproject(config: Mapping[str, Any] | None = None) -> bytes:
     return tomli_w.dumps(manifest).encode()
 
 
+def stamp_pyproject(pyproject: bytes, stamp: Mapping[str, Any], *, source: str = "pyproject.toml") -> bytes:
+    """A Flower app manifest with ``stamp`` (``privacy.admin.run_stamp``) written into its run config."""
+    import tomllib
+
+    try:
+        manifest = tomllib.loads(pyproject.decode())
+        app = manifest["tool"]["flwr"]["app"]
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{source} is not a Flower app manifest with a [tool.flwr.app] table ({exc})") from exc
+    app["config"] = {**app.get("config", {}), **stamp}
+    return tomli_w.dumps(manifest).encode()
+
+
 def build_fab(files: Mapping[str, bytes] | None = None, *, admin_key: Ed25519PrivateKey | None = None) -> Fab:
     """A Flower app bundle: QuorumFL's manifest, or the given files (``pyproject.toml`` + code);
     signed by ``admin_key`` when given."""
@@ -93,13 +109,16 @@ def build_fab(files: Mapping[str, bytes] | None = None, *, admin_key: Ed25519Pri
 
 
 class _AdminToken:
-    """Adds a fresh admin-signed bearer token to every Control API call."""
+    """Adds a fresh admin-signed bearer token, bound to the call (method, path and body), to every
+    Control API call."""
 
     def __init__(self, key: Ed25519PrivateKey, audience: str) -> None:
         self.key, self.audience = key, audience
 
     def intercept(self, context: Any, call_next: Any) -> Any:
-        token = issue_token(self.key, audience=self.audience, now=time.time())
+        request = context.request
+        call = call_digest(request.method, request.url.path, request.content)
+        token = issue_token(self.key, audience=self.audience, now=time.time(), call=call)
         context.request.headers["Authorization"] = f"Bearer {token}"
         return call_next(context)
 
@@ -124,14 +143,17 @@ class Control:
     """Thin typed wrapper over Flower's Control API HTTP client."""
 
     def __init__(self, address: str, *, insecure: bool = True, root_certificates: str | None = None,
-                 admin_key: Path | None = None, roster: Callable[[], str] | None = None) -> None:
+                 admin_key: Path | None = None, roster: Callable[[], str] | None = None,
+                 roster_version: Callable[[], int] | None = None) -> None:
         """``root_certificates``: path of the CA certificate that signed the SuperLink's TLS
         certificate (with ``insecure=False``); ``admin_key``: the admin's private key, which signs a
         token for every call and every submitted bundle (needs ``root_certificates``: the token names
         the federation by its CA); ``roster``: gives the admin's current roster of departments
-        (``certs.roster_json``), written into every run it signs."""
+        (``certs.roster_json``), written into every run it signs; ``roster_version``: its version
+        (``certs.roster_version``), stamped with a fresh nonce and an expiry into every run it signs."""
         self.address = address
         self.roster = roster
+        self.roster_version = roster_version
         self.insecure = insecure
         self.root_certificates = root_certificates
         self._admin: Ed25519PrivateKey | None = None
@@ -156,7 +178,7 @@ class Control:
             return cls(address)
         admin = creds.admin_key if creds.admin_key.exists() else None
         return cls(address, insecure=False, root_certificates=str(creds.ca_cert), admin_key=admin,
-                   roster=lambda: roster_json(creds))
+                   roster=lambda: roster_json(creds), roster_version=lambda: roster_version(creds))
 
     @contextmanager
     def _client(self) -> Iterator[Any]:
@@ -190,7 +212,13 @@ class Control:
 
     def start_run(self, overrides: Mapping[str, Any], *, files: Mapping[str, bytes] | None = None) -> int:
         """Submit a run of the QuorumFL app (or of the app made of ``files``: ``pyproject.toml`` +
-        code). With the admin key the bundle is signed, and QuorumFL's run config travels inside it."""
+        code). With the admin key the bundle is signed for this one run, and QuorumFL's run config
+        travels inside it."""
+        return self.submit(self.start_request(overrides, files=files))
+
+    def start_request(self, overrides: Mapping[str, Any], *, files: Mapping[str, bytes] | None = None
+                      ) -> StartRunRequest:
+        """The StartRun request ``start_run`` sends (signed, with a fresh run stamp, given the admin key)."""
         overrides = dict(overrides)
         if self._admin is not None and files is None:
             unknown = sorted(set(overrides) - set(DEFAULTS))
@@ -200,19 +228,25 @@ class Control:
             config = {**DEFAULTS, **overrides}
             if self.roster is not None and not config.get(ROSTER_KEY):
                 config[ROSTER_KEY] = self.roster()
-            files, overrides = {"pyproject.toml": app_pyproject(config)}, {}
+            files, overrides = {"pyproject.toml": app_pyproject({**config, **self._stamp()})}, {}
         elif self._admin is not None and overrides:
             raise ConfigError("a signed custom app carries its config in its pyproject.toml; pass no overrides")
-        request = StartRunRequest(
-            fab=fab_to_proto(build_fab(files, admin_key=self._admin)),
-            override_config=user_config_to_proto(overrides),
-            federation="",
-        )
+        elif self._admin is not None and files is not None:
+            files = {**files, "pyproject.toml": stamp_pyproject(files.get("pyproject.toml", b""), self._stamp())}
+        return StartRunRequest(fab=fab_to_proto(build_fab(files, admin_key=self._admin)),
+                               override_config=user_config_to_proto(overrides), federation="")
+
+    def submit(self, request: StartRunRequest) -> int:
+        """Send a StartRun request; the new Flower run's id."""
         with self._client() as client:
             response = client.StartRun(request)
         if not response.HasField("run_id"):
             raise FederationError(f"the SuperLink at {self.address} did not start the run")
         return int(response.run_id)
+
+    def _stamp(self) -> dict[str, str | int]:
+        """A fresh nonce, expiry and roster version for one signed run (nodes serve it once)."""
+        return run_stamp(now=time.time(), roster_version=self.roster_version() if self.roster_version else 0)
 
     def stop_run(self, run_id: int) -> None:
         with self._client() as client:
@@ -284,9 +318,11 @@ def store_flwr_token(creds: Credentials, superlink: str, *, ttl: float) -> Path:
 
 
 def sign_app_dir(directory: Path, creds: Credentials) -> Path:
-    """Sign the Flower app in ``directory`` for ``flwr run DIRECTORY`` (without ``-c``: the run config
-    is the one in its pyproject.toml): the signature covers the files exactly as Flower's builder
-    puts them in the bundle, and is written as ``directory/quorumfl-signature.json``."""
+    """Sign the Flower app in ``directory`` for one ``flwr run DIRECTORY`` (without ``-c``: the run
+    config is the one in its pyproject.toml): a fresh run nonce, expiry and roster version are first
+    written into that config (nodes serve a signed run once: sign again for the next run), and the
+    signature covers the files exactly as Flower's builder puts them in the bundle, written as
+    ``directory/quorumfl-signature.json``."""
     import io
     import zipfile
 
@@ -296,6 +332,10 @@ def sign_app_dir(directory: Path, creds: Credentials) -> Path:
     key = load_admin_private(creds.admin_key.read_bytes(), source=str(creds.admin_key))
     if not (directory / "pyproject.toml").is_file():
         raise ConfigError(f"{directory} holds no pyproject.toml; point at a Flower app directory")
+    manifest = directory / "pyproject.toml"
+    manifest.write_bytes(stamp_pyproject(manifest.read_bytes(), run_stamp(now=time.time(),
+                                                                           roster_version=roster_version(creds)),
+                                         source=str(manifest)))
     files = {name: path for name, path in collect_files(directory).items() if name != SIGNATURE_FILE}
     fab, _ = build_fab_from_files(files)
     with zipfile.ZipFile(io.BytesIO(fab)) as archive:

@@ -14,6 +14,7 @@ from typing import Any
 
 from quorumfl.deploy.control import Control
 from quorumfl.errors import ConfigError
+from quorumfl.privacy.admin import RUN_STAMP_KEYS
 from quorumfl.server.config import DEFAULTS
 from quorumfl.server.state.orm import Run
 from quorumfl.server.state.repository import INTERRUPTED, Repository, RunStatus
@@ -22,9 +23,11 @@ __all__ = ["resume_interrupted", "resume_overrides", "resume_run"]
 
 
 def resume_overrides(run: Run) -> dict[str, Any]:
-    """The stored config for a resumed run, less its roster: the admin's current one is signed into
-    the resumed run, so a key revoked meanwhile is not trusted again."""
-    values: dict[str, Any] = {k: v for k, v in run.config.items() if k in DEFAULTS and k != "roster"}
+    """The stored config for a resumed run, less its roster and its signature's stamp: the admin's
+    current roster is signed into the resumed run (a key revoked meanwhile is not trusted again),
+    with a fresh nonce and expiry."""
+    values: dict[str, Any] = {k: v for k, v in run.config.items()
+                              if k in DEFAULTS and k != "roster" and k not in RUN_STAMP_KEYS}
     values["resume-run"] = run.id
     values["node-state-key"] = str(run.config.get("node-state-key") or run.flower_run_id or "")
     return values

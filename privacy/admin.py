@@ -12,13 +12,19 @@ who reaches its port):
   signed one. A server that starts runs on its own (or with a stolen token) cannot push code or a
   weaker configuration (``secure-aggregation = none``) to the departments.
 
-Token: ``qfl1.<claims>.<signature>`` (base64url), claims ``{"aud", "iat", "exp", "nonce"}``; the
-audience is the federation id (SHA-256 of the federation CA certificate), so a token for one
-federation is refused by another. The signature covers ``quorumfl-admin-token-v1.`` + claims.
+Token: ``qfl1.<claims>.<signature>`` (base64url), claims ``{"aud", "iat", "exp", "nonce", "call"}``;
+the audience is the federation id (SHA-256 of the federation CA certificate), so a token for one
+federation is refused by another. ``call`` is the SHA-256 of the HTTP method, path and body of the
+one Control API call the token is for (``call_digest``): the SuperLink refuses it for any other
+call, and a second time (``TokenNonces``), and it lives at most ``TOKEN_TTL_S``. A token without
+``call`` is a session token for Flower's own CLI (at most ``SESSION_TTL_S``), accepted for a few
+calls only (``deploy.admin_access``). The signature covers ``quorumfl-admin-token-v1.`` + claims.
 
 App signature: a JSON file inside the FAB, ``{"version", "signed-at", "files", "signature"}``
 where ``files`` maps each other path of the bundle (Flower's own ``.info/CONTENT`` aside) to its
-SHA-256 and the signature covers the canonical JSON of ``signed-at`` and ``files``.
+SHA-256 and the signature covers the canonical JSON of ``signed-at`` and ``files``. The run config
+inside carries ``run_stamp``'s nonce, expiry and roster version, which nodes hold to one run each
+(``privacy.served_runs``).
 
 Written on ``cryptography``'s Ed25519 (no JWT library: the token is two fields and one signature,
 and a JWT library would add algorithm negotiation we would have to forbid). Pure: bytes in, bytes
@@ -32,6 +38,7 @@ import hashlib
 import io
 import json
 import os
+import threading
 import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -44,21 +51,30 @@ from quorumfl.errors import CredentialError
 
 __all__ = [
     "SIGNATURE_FILE",
+    "RUN_STAMP_KEYS",
+    "SESSION_TTL_S",
+    "SIGNED_RUN_VALID_S",
     "TOKEN_TTL_S",
+    "AdminToken",
     "AppSignature",
+    "TokenNonces",
+    "call_digest",
     "federation_id",
     "generate_admin_key",
     "issue_token",
     "key_id",
     "load_admin_private",
     "load_admin_publics",
+    "run_stamp",
     "sign_app",
     "verify_app",
     "verify_token",
 ]
 
 SIGNATURE_FILE = "quorumfl-signature.json"
-TOKEN_TTL_S = 300.0
+TOKEN_TTL_S = 300.0  # a token bound to one call
+SESSION_TTL_S = 8 * 3600.0  # a session token for Flower's own CLI (quorumfl certs flwr-login)
+SIGNED_RUN_VALID_S = 6 * 3600  # a signed run must reach each node within this; its later tasks run on past it
 CLOCK_SKEW_S = 60.0
 _TOKEN_PREFIX = "qfl1"
 _TOKEN_CONTEXT = b"quorumfl-admin-token-v1."
@@ -139,15 +155,36 @@ def _verify(keys: Sequence[Ed25519PublicKey], signature: bytes, message: bytes) 
 
 
 # ---- Control API tokens ---------------------------------------------------------------------------
-def issue_token(key: Ed25519PrivateKey, *, audience: str, now: float, ttl: float = TOKEN_TTL_S) -> str:
-    claims = json.dumps({"aud": audience, "iat": int(now), "exp": int(now + ttl), "nonce": os.urandom(12).hex()},
-                        sort_keys=True, separators=(",", ":")).encode()
+def call_digest(method: str, path: str, body: bytes) -> str:
+    """What a call-bound token names: SHA-256 of the HTTP method, the path and the body."""
+    return hashlib.sha256(method.upper().encode() + b" " + path.encode() + b"\n" + body).hexdigest()
+
+
+def issue_token(key: Ed25519PrivateKey, *, audience: str, now: float, ttl: float = TOKEN_TTL_S, call: str = "") -> str:
+    """A token for one Control API call (``call``: its ``call_digest``), or without ``call`` a session
+    token for Flower's own CLI (``quorumfl certs flwr-login``), which the SuperLink accepts for a few
+    calls only (``deploy.admin_access``)."""
+    fields: dict[str, object] = {"aud": audience, "iat": int(now), "exp": int(now + ttl), "nonce": os.urandom(12).hex()}
+    if call:
+        fields["call"] = call
+    claims = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     body = _b64(claims)
     return f"{_TOKEN_PREFIX}.{body}.{_b64(key.sign(_TOKEN_CONTEXT + body.encode()))}"
 
 
-def verify_token(token: str, keys: Sequence[Ed25519PublicKey], *, audience: str, now: float) -> str:
-    """The key id of the admin key that signed ``token``; raises ``CredentialError`` with the reason."""
+@dataclass(frozen=True)
+class AdminToken:
+    """A verified token: who signed it, its nonce and expiry, and the call it is for ("" for a session token)."""
+
+    key: str
+    nonce: str
+    expires: int
+    call: str
+
+
+def verify_token(token: str, keys: Sequence[Ed25519PublicKey], *, audience: str, now: float) -> AdminToken:
+    """The verified claims of ``token``; raises ``CredentialError`` with the reason. A call-bound
+    token lives at most ``TOKEN_TTL_S``, a session token at most ``SESSION_TTL_S``."""
     if len(token) > MAX_TOKEN_CHARS:
         raise CredentialError("admin token is too long")
     parts = token.split(".")
@@ -156,24 +193,54 @@ def verify_token(token: str, keys: Sequence[Ed25519PublicKey], *, audience: str,
     try:
         signature = _unb64(parts[2])
         claims = json.loads(_unb64(parts[1]))
-        aud, iat, exp = claims["aud"], claims["iat"], claims["exp"]
-    except (ValueError, KeyError, TypeError) as exc:
+        aud, iat, exp, nonce = claims["aud"], claims["iat"], claims["exp"], claims["nonce"]
+        call = claims.get("call", "")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CredentialError(f"malformed admin token ({exc.__class__.__name__})") from exc
     signer = _verify(keys, signature, _TOKEN_CONTEXT + parts[1].encode())
     if signer is None:
         raise CredentialError("admin token is not signed by a key this federation trusts")
     if aud != audience:
         raise CredentialError("admin token is for another federation")
-    if not isinstance(iat, int) or not isinstance(exp, int) or exp - iat > 24 * 3600:
-        raise CredentialError("admin token has an invalid lifetime")
+    if not isinstance(nonce, str) or len(nonce) != 24 or not isinstance(call, str):
+        raise CredentialError("admin token has a malformed nonce or call")
+    longest = TOKEN_TTL_S if call else SESSION_TTL_S
+    if not isinstance(iat, int) or not isinstance(exp, int) or not 0 < exp - iat <= longest:
+        raise CredentialError(f"admin token has an invalid lifetime (at most {longest:g} s)")
     if now > exp + CLOCK_SKEW_S:
         raise CredentialError("admin token expired")
     if now < iat - CLOCK_SKEW_S:
         raise CredentialError("admin token is not valid yet; check the clocks")
-    return key_id(signer)
+    return AdminToken(key_id(signer), nonce, exp, call)
+
+
+class TokenNonces:
+    """The nonces of the call-bound tokens a SuperLink accepted, each kept until its token expired
+    (plus the clock skew): a token is accepted once."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def claim(self, token: AdminToken, *, now: float) -> None:
+        with self._lock:
+            self._seen = {n: until for n, until in self._seen.items() if until >= now}
+            if token.nonce in self._seen:
+                raise CredentialError("admin token was already used; every call signs a fresh one")
+            self._seen[token.nonce] = token.expires + CLOCK_SKEW_S
 
 
 # ---- app bundles ----------------------------------------------------------------------------------
+RUN_STAMP_KEYS = ("run-nonce", "run-expires", "roster-version")  # run-config keys each signature sets afresh
+
+
+def run_stamp(*, now: float, roster_version: int) -> dict[str, str | int]:
+    """What makes a signed run config good for one run (``privacy.served_runs``): a fresh nonce, the
+    expiry ``SIGNED_RUN_VALID_S`` from ``now``, and the version of the roster it carries."""
+    return {"run-nonce": os.urandom(16).hex(), "run-expires": int(now + SIGNED_RUN_VALID_S),
+            "roster-version": int(roster_version)}
+
+
 def _digests(files: Mapping[str, bytes]) -> dict[str, str]:
     return {name: hashlib.sha256(data).hexdigest() for name, data in sorted(files.items())}
 

@@ -269,6 +269,15 @@ class RunConfig:
     roster: str = key(
         "", "the admin's roster of departments (JSON name → node public key); `quorumfl runs start` fills it from "
         "`HOME/certs/nodes` and signs it with the run; nodes check peers' keys against it")
+    run_nonce: str = key(
+        "", "set by the admin's signature (`runs start`, `certs sign-app`): this signed run's nonce; each node serves "
+        "one Flower run per nonce and refuses the same signed run sent again (README \"Security\")")
+    run_expires: int = key(
+        0, "set by the admin's signature: Unix time after which nodes that have not served this run refuse it "
+        "(signed runs are valid for 6 hours)", low=0)
+    roster_version: int = key(
+        0, "set by the admin's signature: the version of the roster it carries (grows with every node key added or "
+        "retired); nodes refuse a run whose roster is older than one they have seen", low=0)
     node_state_key: str = key("", "set by `quorumfl runs resume`: the Flower run id whose node state (personal "
                               "layers, residuals) the nodes continue from")
     ckks_poly_degree: int = key(

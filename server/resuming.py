@@ -10,6 +10,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from quorumfl.errors import ConfigError, FederationError
+from quorumfl.privacy.admin import RUN_STAMP_KEYS
 from quorumfl.server.config import RunConfig
 from quorumfl.server.model_store import ModelStore
 from quorumfl.server.state.orm import Run
@@ -24,7 +25,8 @@ Arrays = dict[str, NDArray[np.generic]]
 def take_up(repo: Repository, config: RunConfig, run_id: int, flower_run_id: int | None) -> Run:
     """The interrupted run, checked against this config (the same run, not a look-alike)."""
     stored = repo.get_run(run_id)
-    ignored = {"resume-run", "node-state-key", "roster"}  # the roster is the admin's current one
+    # the roster is the admin's current one, and each signature stamps its run afresh
+    ignored = {"resume-run", "node-state-key", "roster", *RUN_STAMP_KEYS}
     mine = {k: v for k, v in config.resolved().items() if k not in ignored}
     theirs = {k: v for k, v in stored.config.items() if k not in ignored}
     # Keys a newer release added are absent from an older run's stored config: they keep their defaults.

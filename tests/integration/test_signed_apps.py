@@ -6,6 +6,10 @@ starts four runs: an unsigned bundle, a bundle signed by its own key, the admin'
 run-config override beside it (``secure-aggregation = none``), and a signed bundle with a code file
 added. Every node refuses every one before any of the bundle is installed, with the reason; the
 server records each refusal as the node's failure, and no round completes.
+
+A signed run is good for one run: the admin's run completes, and the same StartRun bytes sent again,
+a signed run past its expiry and one signed with an older roster are refused by every node; a run
+stopped after its first round and resumed (a new signature, ``quorumfl runs resume``) completes.
 """
 
 from __future__ import annotations
@@ -22,12 +26,22 @@ from flwr.common.serde import fab_to_proto, user_config_to_proto
 from flwr.proto.control_pb2 import StartRunRequest
 
 from quorumfl.core.data import prepare_partitions
+from quorumfl.deploy.certs import roster_version
 from quorumfl.deploy.control import app_pyproject, build_fab
 from quorumfl.deploy.local import LocalFederation, local_federation
-from quorumfl.privacy.admin import SIGNATURE_FILE, load_admin_private, sign_app
+from quorumfl.deploy.resume import resume_run
+from quorumfl.errors import NotFoundError
+from quorumfl.privacy.admin import (
+    SIGNATURE_FILE,
+    SIGNED_RUN_VALID_S,
+    load_admin_private,
+    run_stamp,
+    sign_app,
+)
 from quorumfl.server.config import DEFAULTS
 from quorumfl.server.services import follow_run
 from quorumfl.server.state.database import connect
+from quorumfl.server.state.orm import Run
 from quorumfl.server.state.repository import Repository, RoundStatus, RunStatus
 
 pytestmark = pytest.mark.slow
@@ -74,7 +88,7 @@ def _start_with_stolen_token(s: Setup, files: dict[str, bytes], overrides: dict[
     return int(response.run_id)
 
 
-def _assert_every_node_refused(s: Setup, flower_run_id: int, reason: str) -> None:
+def _assert_every_node_refused(s: Setup, flower_run_id: int, reason: str) -> Run:
     run = follow_run(s.repo, flower_run_id, timeout=300, alive=lambda: s.federation.alive(flower_run_id))
     assert run.status == RunStatus.FAILED, run.error
     assert [r.status for r in run.rounds] == [RoundStatus.FAILED]
@@ -83,6 +97,7 @@ def _assert_every_node_refused(s: Setup, flower_run_id: int, reason: str) -> Non
     assert all(reason in f.reason for f in failures), [f.reason for f in failures]
     for name, child in s.federation.nodes.items():
         assert reason in child.log.read_text(errors="replace"), f"{name} did not log the refusal"
+    return run
 
 
 def test_an_unsigned_bundle_is_refused_by_every_node(setup: Setup) -> None:
@@ -123,3 +138,56 @@ def test_the_admins_own_run_completes(setup: Setup) -> None:
     run = follow_run(setup.repo, run_id, timeout=300, alive=lambda: setup.federation.alive(run_id))
     assert run.status == RunStatus.COMPLETED, f"{run.error}\n{setup.federation.logs()}"
     assert [(r.number, len(r.participants)) for r in run.rounds] == [(1, 3)]
+
+
+def test_a_signed_run_serves_once_and_its_replay_an_expired_or_older_roster_run_are_refused(setup: Setup) -> None:
+    control, creds = setup.federation.control, setup.federation.credentials
+    assert creds is not None
+    overrides = {k: v for k, v in _config(setup.home).items() if DEFAULTS.get(k) != v}
+    request = control.start_request(overrides)
+    run_id = control.submit(request)
+    run = follow_run(setup.repo, run_id, timeout=300, alive=lambda: setup.federation.alive(run_id))
+    assert run.status == RunStatus.COMPLETED, f"{run.error}\n{setup.federation.logs()}"
+
+    replay = control.submit(request)  # the same bytes, with a valid token: a new Flower run
+    _assert_every_node_refused(setup, replay, f"already served as run {run_id}")
+
+    admin = load_admin_private(creds.admin_key.read_bytes(), source="admin.key")
+    version = roster_version(creds)
+    expired = run_stamp(now=time.time() - SIGNED_RUN_VALID_S - 60, roster_version=version)
+    files = _signed({"pyproject.toml": app_pyproject({**_config(setup.home), **expired})}, admin)
+    _assert_every_node_refused(setup, _start_with_stolen_token(setup, files, {}), "expired")
+
+    older = run_stamp(now=time.time(), roster_version=version - 1)  # signed before the last key change
+    files = _signed({"pyproject.toml": app_pyproject({**_config(setup.home), **older})}, admin)
+    _assert_every_node_refused(setup, _start_with_stolen_token(setup, files, {}),
+                               f"roster version {version - 1}, older than the version {version}")
+
+    # A run interrupted after its first round is resumed by the admin: a new signature, a new nonce.
+    interrupted = control.start_run({**overrides, "num-rounds": 3})
+    stored = _wait(lambda: _completed_round(setup.repo, interrupted), "a first completed round")
+    control.stop_run(interrupted)
+    _wait(lambda: control.list_runs(interrupted)[0].status == "finished", "the stopped run to finish")
+    resumed = resume_run(setup.repo, control, stored)
+    run = follow_run(setup.repo, resumed, timeout=300, alive=lambda: setup.federation.alive(resumed))
+    assert run.status == RunStatus.COMPLETED, f"{run.error}\n{setup.federation.logs()}"
+    assert [r.number for r in run.rounds if r.status == RoundStatus.COMPLETED][-1] == 3
+
+
+def _completed_round(repo: Repository, flower_run_id: int) -> int | None:
+    """The QuorumFL id of the run once one of its rounds completed."""
+    try:
+        run = repo.get_run(flower_run_id)
+    except NotFoundError:
+        return None
+    return run.id if any(r.status == RoundStatus.COMPLETED for r in repo.list_rounds(run.id)) else None
+
+
+def _wait(check: Any, what: str, timeout: float = 240) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
