@@ -194,17 +194,18 @@ def list_credentials(ctx: typer.Context, directory: DirOpt = None) -> None:
 def flwr_login(
     ctx: typer.Context,
     superlink: Annotated[str, typer.Option(help="SuperLink HOST:PORT, as in the 'address' of Flower's config.toml.")] = DEFAULT_SUPERLINK,
-    hours: Annotated[float, typer.Option(help="Hours the token stays valid (at most 24).")] = 8.0,
+    hours: Annotated[float, typer.Option(help="Hours the token stays valid (at most 8).")] = 8.0,
     directory: DirOpt = None,
 ) -> None:
-    """Store an admin token so Flower's own 'flwr' CLI can call the SuperLink.
+    """Store an admin session token so Flower's own 'flwr' CLI can list runs and nodes, read logs and start runs.
 
     The admin-signed token for SUPERLINK goes into Flower's credential store
-    ($FLWR_HOME/credentials.yaml). Nodes still run only bundles the admin signed, which
-    'quorumfl runs start' makes."""
+    ($FLWR_HOME/credentials.yaml). The SuperLink accepts it for those calls only: stopping runs
+    and registering or removing nodes take 'quorumfl', which signs each call. Nodes still run only
+    bundles the admin signed for one run ('quorumfl runs start', 'quorumfl certs sign-app')."""
     creds = _creds(ctx, directory)
-    if not 0 < hours <= 24:
-        raise typer.BadParameter(f"--hours must be in (0, 24], got {hours}")
+    if not 0 < hours <= 8:
+        raise typer.BadParameter(f"--hours must be in (0, 8], got {hours}")
     path = store_flwr_token(creds, superlink, ttl=hours * 3600)
     console.print(f"admin token for {superlink} stored in {path}, valid {hours:g} h", soft_wrap=True)
 

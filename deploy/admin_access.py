@@ -7,7 +7,10 @@ provider). Every Control route already goes through the configured plugin
 (``ControlAuthenticationMiddleware``), so QuorumFL supplies one: ``AdminTokenPlugin`` checks the
 ``Authorization: Bearer`` token with ``quorumfl.privacy.admin.verify_token`` against the admin's
 public key(s) and the federation id (the CA certificate's SHA-256), and refuses everything else
-with Flower's own 401 answer. The SuperLink never holds the admin's private key.
+with Flower's own 401 answer. In front of it, ``AdminCalls`` holds each token to the one call it was
+signed for (method, path and body) and to one use; a session token for Flower's own CLI is accepted
+for listing, logs and starting runs only. FastAPI's ``/openapi.json`` and ``/docs`` pages are
+removed. The SuperLink never holds the admin's private key.
 
 ``python -m quorumfl.deploy.admin_access --admin-keys admin.pub <flower-superlink arguments>`` is the
 SuperLink process (with ``--insecure`` too, without the keys): it makes the link state answer for
@@ -49,10 +52,16 @@ from flwr.superlink.auth_plugin import ControlAuthnPlugin
 
 from quorumfl.deploy import held_pulls
 from quorumfl.errors import CredentialError
-from quorumfl.privacy.admin import federation_id, load_admin_publics, verify_token
+from quorumfl.privacy.admin import (
+    TokenNonces,
+    call_digest,
+    federation_id,
+    load_admin_publics,
+    verify_token,
+)
 
-__all__ = ["ADMIN_KEYS_FLAG", "AdminTokenPlugin", "PathGated", "RuntimeFromThisHost", "gate_middleware", "main",
-           "runtime_hosts"]
+__all__ = ["ADMIN_KEYS_FLAG", "AdminCalls", "AdminTokenPlugin", "PathGated", "RuntimeFromThisHost", "gate_middleware",
+           "main", "runtime_hosts", "without_api_pages"]
 
 ADMIN_KEYS_FLAG = "--admin-keys"
 log = logging.getLogger(__name__)
@@ -80,7 +89,7 @@ class AdminTokenPlugin(ControlAuthnPlugin):
             return False, None
         token = tokens[0].decode("ascii", "replace") if isinstance(tokens[0], bytes) else tokens[0]
         try:
-            signer = verify_token(token, self.keys, audience=self.audience, now=time.time())
+            signer = verify_token(token, self.keys, audience=self.audience, now=time.time()).key
         except CredentialError as exc:
             log.warning("Control API call refused: %s", exc)
             return False, None
@@ -94,6 +103,81 @@ class AdminTokenPlugin(ControlAuthnPlugin):
         self, metadata: Sequence[tuple[str, str | bytes]]
     ) -> tuple[Sequence[tuple[str, str | bytes]] | None, AccountInfo | None]:
         return None, None
+
+
+CONTROL_PREFIX = "/v1/control/"
+SESSION_CALLS = frozenset({"/v1/control/list-runs", "/v1/control/list-nodes", "/v1/control/stream-logs",
+                           "/v1/control/start-run"})  # what Flower's own CLI may do with a session token
+MAX_CONTROL_BODY = 256 * 2**20
+API_PAGES = frozenset({"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+
+async def _refuse(send: Any, status: int, text: str) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": text.encode()})
+
+
+class AdminCalls:
+    """ASGI middleware in front of the Control API: a call goes on only with an admin token for that
+    very call (its method, path and body: ``privacy.admin.call_digest``) that was never used before
+    (``TokenNonces``), or with a session token (``quorumfl certs flwr-login``) for one of
+    ``SESSION_CALLS``: listing runs and nodes, their logs, and starting a run (whose bundle each node
+    checks against the admin's signature, once). Everything else gets 401 with the reason."""
+
+    def __init__(self, app: Any, keys: Sequence[Any], audience: str) -> None:
+        self.app, self.keys, self.audience = app, keys, audience
+        self.nonces = TokenNonces()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = str(scope.get("path", ""))
+        if scope["type"] != "http" or not path.startswith(CONTROL_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > MAX_CONTROL_BODY:
+                await _refuse(send, 413, "Control API request too large")
+                return
+        try:
+            self._check(scope, path, body)
+        except CredentialError as exc:
+            log.warning("Control API call to %s refused: %s", path, exc)
+            await _refuse(send, 401, str(exc))
+            return
+        delivered = False
+
+        async def replay() -> Any:
+            nonlocal delivered
+            if delivered:
+                return await receive()  # the client disconnecting, as Starlette waits for it
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    def _check(self, scope: Any, path: str, body: bytes) -> None:
+        tokens = [v for k, v in scope.get("headers", []) if k.lower() == b"authorization"]
+        if len(tokens) != 1 or not tokens[0].startswith(b"Bearer "):
+            raise CredentialError("no admin token")
+        now = time.time()
+        token = verify_token(tokens[0][7:].decode("ascii", "replace"), self.keys, audience=self.audience, now=now)
+        if not token.call:
+            if path not in SESSION_CALLS:
+                raise CredentialError(f"a session token (flwr-login) is not accepted for {path}; use 'quorumfl'")
+            return
+        if token.call != call_digest(str(scope.get("method", "")), path, body):
+            raise CredentialError("admin token is for another call")
+        self.nonces.claim(token, now=now)
+
+
+def without_api_pages(app: Any) -> Any:
+    """The app without FastAPI's schema and documentation pages (they would describe the API to anyone)."""
+    app.router.routes = [r for r in app.router.routes if getattr(r, "path", None) not in API_PAGES]
+    app.openapi_url = app.docs_url = app.redoc_url = None
+    return app
 
 
 class RuntimeFromThisHost:
@@ -209,8 +293,9 @@ def main(argv: list[str] | None = None) -> None:
         create_app = main_module.create_app
 
         def create_guarded_app(*a: Any, **kw: Any) -> Any:
-            app = create_app(*a, **kw)
+            app = without_api_pages(create_app(*a, **kw))
             app.add_middleware(RuntimeFromThisHost, allowed=runtime_hosts(host))
+            app.add_middleware(AdminCalls, keys=plugin.keys, audience=plugin.audience)
             return app
 
         main_module.create_app = create_guarded_app  # Flower's CLI imports it from there when it starts

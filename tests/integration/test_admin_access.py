@@ -5,7 +5,9 @@ caller that tries it is another address on the machine's loopback network (127.0
 Flower's own protobuf-over-HTTP Control protocol with the federation's public CA certificate, as any
 department (or anyone who got a copy of ``ca.crt``) could. Every admin call is refused without an
 admin-signed token (with a forged, expired or foreign-federation one too), and the same calls work
-with the admin's token.
+with the admin's token. A token serves the one call it was signed for, once: replayed, or used for
+another call, it is refused; a session token for Flower's CLI lists runs but registers no node; and
+the API's schema and documentation pages are not served.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from quorumfl.deploy.certs import Credentials, add_node_key, init_credentials, n
 from quorumfl.deploy.control import Control, build_fab
 from quorumfl.deploy.processes import flower_env, free_port, superlink_command, wait_for_port
 from quorumfl.errors import CredentialError
-from quorumfl.privacy.admin import federation_id, issue_token, load_admin_private
+from quorumfl.privacy.admin import call_digest, federation_id, issue_token, load_admin_private
 
 LINK_HOST = "127.0.0.2"
 ATTACKER_HOST = "127.0.0.3"
@@ -93,10 +95,13 @@ def _requests(link: Link, run_id: int) -> dict[str, object]:
 
 
 def _admin_token(link: Link, *, key: Ed25519PrivateKey | None = None, audience: str | None = None,
-                 now: float | None = None, ttl: float = 300) -> str:
+                 now: float | None = None, ttl: float = 300, call: tuple[str, object] | None = None) -> str:
+    """An admin token; ``call``: (path, request) of the one call it is bound to (none: a session token)."""
     key = key or load_admin_private(link.creds.admin_key.read_bytes(), source="admin.key")
+    digest = "" if call is None else call_digest(
+        "POST", f"/v1/control/{call[0]}", call[1].SerializeToString())  # type: ignore[attr-defined]
     return issue_token(key, audience=audience or federation_id(link.creds.ca_cert.read_bytes()),
-                       now=time.time() if now is None else now, ttl=ttl)
+                       now=time.time() if now is None else now, ttl=ttl, call=digest)
 
 
 def test_admin_calls_from_another_address_are_refused_without_the_admin_token(link: Link) -> None:
@@ -118,17 +123,55 @@ def test_admin_calls_from_another_address_are_refused_without_the_admin_token(li
     assert [r.run_id for r in runs] == [run_id] and runs[0].status in ("pending", "starting", "running"), runs
     assert admin.nodes() == []  # nor registered
 
-    # The same calls with the admin's token, from the same address, work.
-    token = _admin_token(link)
-    started = StartRunResponse.FromString(_call(link, "start-run", _requests(link, run_id)["start-run"], token).content)
+    # The same calls with the admin's token for each call, from the same address, work.
+    def signed(path: str, request: object) -> httpx.Response:
+        return _call(link, path, request, _admin_token(link, call=(path, request)))
+
+    started = StartRunResponse.FromString(signed("start-run", _requests(link, run_id)["start-run"]).content)
     assert started.HasField("run_id")
-    assert _call(link, "stop-run", StopRunRequest(run_id=run_id), token).status_code == 200
-    listed = ListRunsResponse.FromString(_call(link, "list-runs", ListRunsRequest(), token).content)
+    assert signed("stop-run", StopRunRequest(run_id=run_id)).status_code == 200
+    listed = ListRunsResponse.FromString(signed("list-runs", ListRunsRequest()).content)
     assert set(listed.run_dict) == {run_id, started.run_id}
     assert listed.run_dict[run_id].status.sub_status == "stopped"
     request = RegisterNodeRequest(public_key=node_public_key(link.creds.node_pub("intruder")), name="ok")
-    assert _call(link, "register-node", request, token).status_code == 200
+    assert signed("register-node", request).status_code == 200
     assert [n.name for n in admin.nodes()] == ["ok"]
+
+
+def test_a_token_serves_its_one_call_once(link: Link) -> None:
+    """A captured token, replayed: refused. A token for list-runs, presented for register-node (or for
+    list-runs with another body): refused. A session token (flwr-login): lists runs, registers nothing."""
+    admin = Control(link.address, insecure=False, root_certificates=str(link.creds.ca_cert),
+                    admin_key=link.creds.admin_key)
+    listing = ListRunsRequest()
+    token = _admin_token(link, call=("list-runs", listing))
+    assert _call(link, "list-runs", listing, token).status_code == 200
+    replayed = _call(link, "list-runs", listing, token)
+    assert replayed.status_code == 401 and "already used" in replayed.text, replayed.text
+    add_node_key(link.creds, "intruder")
+    register = RegisterNodeRequest(public_key=node_public_key(link.creds.node_pub("intruder")), name="intruder")
+    for_listing = _admin_token(link, call=("list-runs", listing))
+    moved = _call(link, "register-node", register, for_listing)
+    assert moved.status_code == 401 and "another call" in moved.text, moved.text
+    other_body = _call(link, "list-runs", ListRunsRequest(run_id=5), _admin_token(link, call=("list-runs", listing)))
+    assert other_body.status_code == 401 and "another call" in other_body.text
+    session = _admin_token(link, ttl=3600)
+    assert _call(link, "list-runs", listing, session).status_code == 200
+    assert _call(link, "list-runs", listing, session).status_code == 200  # a session token is reused by flwr
+    refused = _call(link, "register-node", register, session)
+    assert refused.status_code == 401 and "session token" in refused.text, refused.text
+    too_long = _admin_token(link, ttl=3600, call=("list-runs", listing))
+    assert _call(link, "list-runs", listing, too_long).status_code == 401  # a call-bound token lives 300 s at most
+    assert admin.nodes() == []  # nothing registered
+
+
+def test_the_api_schema_and_documentation_pages_are_not_served(link: Link) -> None:
+    context = ssl.create_default_context(cafile=str(link.creds.ca_cert))
+    transport = httpx.HTTPTransport(verify=context, local_address=ATTACKER_HOST)
+    with httpx.Client(transport=transport, timeout=20) as client:
+        for page in ("/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect"):
+            response = client.get(f"https://{link.address}{page}")
+            assert response.status_code == 404, (page, response.status_code, response.text[:200])
 
 
 def test_the_quorumfl_client_without_the_admin_key_gets_one_clear_error(link: Link) -> None:
@@ -159,7 +202,8 @@ def test_the_runtime_api_refuses_callers_from_other_addresses(link: Link) -> Non
     with httpx.Client(transport=transport, timeout=20) as client:
         response = client.post(f"https://{link.address}/v1/runtime/acquire-task",
                                content=AcquireTaskRequest().SerializeToString(),
-                               headers={"Content-Type": "application/protobuf", "Authorization": f"Bearer {_admin_token(link)}"})
+                               headers={"Content-Type": "application/protobuf",
+                                        "Authorization": f"Bearer {_admin_token(link, call=('list-runs', ListRunsRequest()))}"})
     assert response.status_code == 403, (response.status_code, response.text)
 
 

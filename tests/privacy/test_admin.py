@@ -156,3 +156,29 @@ def test_the_signature_file_cannot_smuggle_extra_fields() -> None:
         z.writestr(SIGNATURE_FILE, json.dumps(record, sort_keys=True, separators=(",", ":")))
     with pytest.raises(CredentialError, match="does not verify"):
         verify_app(archive.getvalue(), KEYS)
+
+
+def test_a_call_bound_token_names_its_call_and_lives_at_most_five_minutes() -> None:
+    from quorumfl.privacy.admin import TOKEN_TTL_S, call_digest
+
+    call = call_digest("POST", "/v1/control/list-runs", b"")
+    verified = verify_token(issue_token(ADMIN, audience=FED, now=NOW, call=call), KEYS, audience=FED, now=NOW)
+    assert verified.call == call and len(verified.nonce) == 24
+    with pytest.raises(CredentialError, match="invalid lifetime"):
+        verify_token(issue_token(ADMIN, audience=FED, now=NOW, ttl=TOKEN_TTL_S + 1, call=call), KEYS, audience=FED,
+                     now=NOW)
+    with pytest.raises(CredentialError, match="invalid lifetime"):  # a session token: 8 hours at most
+        verify_token(issue_token(ADMIN, audience=FED, now=NOW, ttl=9 * 3600), KEYS, audience=FED, now=NOW)
+    assert verify_token(issue_token(ADMIN, audience=FED, now=NOW, ttl=8 * 3600), KEYS, audience=FED, now=NOW).call == ""
+
+
+def test_a_nonce_is_claimed_once_while_its_token_lives() -> None:
+    from quorumfl.privacy.admin import TokenNonces
+
+    nonces = TokenNonces()
+    token = verify_token(issue_token(ADMIN, audience=FED, now=NOW, call="c" * 64), KEYS, audience=FED, now=NOW)
+    nonces.claim(token, now=NOW)
+    with pytest.raises(CredentialError, match="already used"):
+        nonces.claim(token, now=NOW + 200)
+    nonces.claim(verify_token(issue_token(ADMIN, audience=FED, now=NOW, call="c" * 64), KEYS, audience=FED, now=NOW),
+                 now=NOW)  # another token for the same call: its own nonce
