@@ -35,9 +35,13 @@ signature does not check against the roster or two contributions of one departme
 request for the same (round, group) — decrypting one aggregate twice would let the server average
 the flooding away, and decrypting two sums over different contributors of one round would reveal
 their difference (t is a majority of the members, so two disjoint decrypting subsets cannot exist)
-— and more decryptions under one key than the run's cap. A manifest that names members who did not
-contribute, or leaves out some who did, decrypts to noise: the term a·s_X of the members X whose c0
-is missing (or extra) is uniform-looking and carries the flooding, so it reveals nothing about s_X. t colluding members can decrypt anything; t − 1 learn nothing from their shares.
+— and more decryptions under one key than the run's cap; and a contribution whose signature does
+not cover the manifest's length and level. A manifest naming a member who sent nothing decrypts to
+noise (the term a·s_X of a member X without a c0 is uniform-looking and carries the flooding). One
+that leaves out some contributors, with the others' signed records, is not refused: the server holds
+each c0, so it gets the exact sum of the subset it names — one sum per (round, group), of at least
+t (or the signed minimum group) contributors, as a masking server can claim that nodes dropped.
+t colluding members can decrypt anything; t − 1 learn nothing from their shares.
 """
 
 from __future__ import annotations

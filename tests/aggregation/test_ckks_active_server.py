@@ -4,7 +4,7 @@ The server relays the key ceremony and every decryption request. Here it plays t
 substitutes a transport key in the commitment directory; asks for decryptions under labels of its
 own choosing (a fresh round or nonce, so the decryptors multiply their shares by a c1 it hopes
 to exploit) and tries to read the joint key off them; names contributors who did not contribute
-or leaves one out to isolate an update; replays a contribution from another round, strips or
+(noise) or leaves some out (their subset's sum: what the server may choose, once per round and group); replays a contribution from another round, strips or
 forges a signature, moves one to another node; asks a node to encrypt twice under one nonce; and
 keeps asking after the key's cap. Each is refused by the member with a reason or yields noise; an
 honest signed round with a silent ceremony member and a lost contribution still equals numpy's sum.
@@ -192,22 +192,29 @@ def test_decryptions_under_labels_of_the_servers_choosing_reveal_neither_the_key
                          - np.sum(np.stack(list(rnd.values.values())), axis=0))) <= 6 * PARAMS.error_std(T, 5)
 
 
-def test_a_manifest_that_names_a_non_contributor_or_leaves_one_out_decrypts_to_noise(
+def test_a_manifest_naming_a_non_contributor_is_noise_and_one_leaving_contributors_out_is_their_subsets_sum(
     keyed: tuple[bytes, dict[int, KeyShare]],
 ) -> None:
-    """The server holds every c0 and may list any contributors (unsigned federation: nothing checks
-    who encrypted). Leaving out one contributor, or naming a holder who sent nothing, leaves a key
-    part no c0 cancels: the decryption is flooded noise, not a partial sum it could subtract."""
+    """Naming a holder who sent nothing leaves a key part no c0 cancels: flooded noise. Leaving a
+    contributor out is another matter: the server holds every c0, so it adds only the named ones and
+    gets that subset's exact sum. That is what it can choose (README "Security"): one such sum per
+    round and group, of at least t contributors (or the signed minimum group)."""
     public_key, shares = keyed
     rnd = signed_round(public_key, shares, NODES[:4])
     honest = _manifest(shares[NODES[0]], rnd)
     tags = list(rnd.tags.values())
-    left_out = dataclasses.replace(honest, contributors=NODES[:3])
     named = dataclasses.replace(honest, contributors=NODES)
     extra = Contribution(NODES[4], "", b"\0" * 32, b"")
-    for manifest, sent in ((left_out, tags[:3]), (named, [*tags, extra])):
-        partials = {n: partial_decrypt(shares[n], manifest, set(), sent) for n in manifest.subset}
-        assert np.median(np.abs(combine(PARAMS, rnd.total.c0, partials, manifest))) > 1e6
+    partials = {n: partial_decrypt(shares[n], named, set(), [*tags, extra]) for n in named.subset}
+    assert np.median(np.abs(combine(PARAMS, rnd.total.c0, partials, named))) > 1e6
+    left_out = dataclasses.replace(honest, contributors=NODES[:3])
+    subset = CiphertextSum(PARAMS, length=LENGTH, primes=2)
+    for node in left_out.contributors:
+        subset.add(node, rnd.ciphertexts[node])
+    partials = {n: partial_decrypt(shares[n], left_out, set(), tags[:3], roster=ROSTER, binding=BINDING)
+                for n in left_out.subset}
+    reference = np.sum([rnd.values[n] for n in left_out.contributors], axis=0)
+    assert np.max(np.abs(combine(PARAMS, subset.c0, partials, left_out) - reference)) <= 6 * PARAMS.error_std(T, 5)
 
 
 def test_a_node_encrypts_once_under_a_nonce(tmp_path) -> None:  # type: ignore[no-untyped-def]
