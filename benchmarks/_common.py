@@ -163,3 +163,50 @@ def fedavg_start(model_name: str, test: Any, seed: int) -> tuple[Any, Any, dict[
                                                       "seed": seed}))
     model = build_model(model_name, test.input_shape, test.num_classes, seed=seed)
     return strategy, model, model_to_arrays(model)
+
+
+def signed_checks_cost(nodes: int, *, repeats: int = 200) -> dict[str, Any]:
+    """What the node-side checks against the admin's signature add, measured on this machine with the
+    code the nodes run: the served-runs ledger admitting a task of a run it already serves (every
+    ClientApp task: train, a secure stage, evaluate), the masking announcement's parameter check
+    (once per key epoch, counted per round here), and the bytes they put on the wire: nothing per
+    round (the parameters and the CKKS length and level are signed, not sent), the run stamp once per
+    run in the signed bundle, the call claim once per Control call in the admin token."""
+    import statistics
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from quorumfl.aggregation.secagg import MaskingParams, resolve_threshold
+    from quorumfl.client.signed_config import check_masking_params
+    from quorumfl.deploy.control import app_pyproject
+    from quorumfl.privacy.admin import call_digest, issue_token, run_stamp
+    from quorumfl.privacy.served_runs import ServedRuns, SignedRun
+    from quorumfl.server.config import DEFAULTS
+
+    run = {**DEFAULTS, "secure-aggregation": "masking", "secagg-threshold": 0.6, "roster": ""}
+    params = MaskingParams(threshold=resolve_threshold(0.6, nodes), slots=min(int(DEFAULTS["secagg-epoch-rounds"]),
+                                                                              int(DEFAULTS["num-rounds"])))
+    stamp = run_stamp(now=time.time(), roster_version=nodes)
+    with tempfile.TemporaryDirectory() as directory:
+        ledger, signed = ServedRuns(Path(directory)), SignedRun(stamp)
+        ledger.admit(signed, run_id=1, now=time.time())  # the run's first task; the rest take the common path
+        admit, check = [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            ledger.admit(signed, run_id=1, now=time.time())
+            admit.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            check_masking_params(run, params, nodes, node="bench")
+            check.append(time.perf_counter() - start)
+    key = Ed25519PrivateKey.generate()
+    plain_token = issue_token(key, audience="f" * 64, now=time.time())
+    bound_token = issue_token(key, audience="f" * 64, now=time.time(), call=call_digest("POST", "/v1/control/x", b""))
+    admit_s, check_s = statistics.median(admit), statistics.median(check)
+    return {
+        "signed_admit_s_per_task": admit_s,
+        "signed_params_check_s_per_epoch": check_s,
+        "signed_checks_s_per_round": 3 * admit_s + check_s,  # per node: train, one secure stage, evaluate
+        "signed_bytes_per_round": 0,
+        "signed_stamp_bytes_per_run": len(app_pyproject({**DEFAULTS, **stamp})) - len(app_pyproject(DEFAULTS)),
+        "signed_token_bytes_per_call": len(bound_token) - len(plain_token),
+    }

@@ -37,7 +37,10 @@ quorumfl_over_flower (plain / Flower round on stock nodes), quorumfl_over_flower
 round on QuorumFL's nodes), masked_over_plain, ckks_over_plain; plain_aggregate_s, plain_evaluate_s,
 plain_store_s (the server's own steps); per-round lists, and each round's recorded stages
 (``plain_stages_s``, ``masked_stages_s``, ``ckks_stages_s``: train, the secure stages, evaluate, store,
-the slowest node's training), so a slow round shows where its time went; server peak RSS.
+the slowest node's training), so a slow round shows where its time went; server peak RSS; and what
+the node-side checks against the admin's signature add (``_common.signed_checks_cost``:
+signed_admit_s_per_task, signed_params_check_s_per_epoch, signed_checks_s_per_round,
+signed_bytes_per_round, signed_stamp_bytes_per_run, signed_token_bytes_per_call).
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from _common import (
     bench_federation,
     quorumfl_rounds,
     round_seconds,
+    signed_checks_cost,
     sizes,
     stock_federation,
 )
@@ -120,6 +124,7 @@ def main() -> None:
         "server_peak_rss_mb": max(rss) if rss else -1.0,
         "bench_peak_rss_mb": peak_rss_mb(),
     })
+    figures.update(signed_checks_cost(size.nodes))
     report(figures, as_json=size.as_json)
 
 

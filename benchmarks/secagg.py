@@ -31,7 +31,9 @@ rounds (unmask + consistency, medians), and overhead_ratio_stages = (flower − 
 overhead_ratio_eager for run 4; masked_setup_s, masked_unmask_s, masked_confirm_s (the consistency
 round trip of a signed epoch, which local federations are since they run with node keys; a round
 with no dropout on the complete graph skips it, so this is 0 unless a node dropped), signed_bytes
-(what signing adds per node when the consistency stage runs), per-round lists, peak RSS.
+(what signing adds per node when the consistency stage runs), per-round lists, peak RSS, and what
+the node-side checks against the admin's signature add per round and per run
+(``_common.signed_checks_cost``: signed_checks_s_per_round, signed_bytes_per_round, …).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from _common import (
     bench_federation,
     quorumfl_rounds,
     round_seconds,
+    signed_checks_cost,
     sizes,
 )
 
@@ -123,6 +126,7 @@ def main() -> None:
             "flower_rounds_s": [round(s, 2) for s in flower],
             "flower_eager_rounds_s": [round(s, 2) for s in eager],
             "bench_peak_rss_mb": peak_rss_mb(),
+            **signed_checks_cost(nodes),
         },
         as_json=size.as_json,
     )

@@ -22,8 +22,9 @@ A key the run config does not hold is not checked (an in-process test federation
 bundle); a deployed run's signed config holds every key (the app's defaults are written into it).
 
 ``check_masking_params`` does the same for a masking epoch's announcement, and ``check_ceremony``
-for a CKKS key ceremony's (t over the announced members, never below the signed minimum group, at
-most the roster's size, the parameter set the signed ring dimension gives): every parameter the
+for a CKKS key ceremony's (t over the announced members but never below that over the whole roster
+or the signed ``ckks-min-threshold``, nor the signed minimum group; no more members than the
+roster; the parameter set the signed ring dimension gives): every parameter the
 node's safety depends on (t over the announced cohort, the minimum group, the sparse graph's
 fractions and complete-graph limit, the fixed-point clip and modulus, the slots) must be the one
 the signed run config gives. A run with a roster (every deployed run) must hold each of those keys.
@@ -35,7 +36,7 @@ import functools
 import math
 from collections.abc import Mapping
 
-from quorumfl.aggregation.ckks.keys import Announcement
+from quorumfl.aggregation.ckks.keys import Announcement, ceremony_threshold
 from quorumfl.aggregation.secagg import MaskingParams, resolve_threshold
 from quorumfl.aggregation.secagg.graph import COMPLETE_UP_TO
 from quorumfl.errors import ConfigError, PrivacyBudgetError, SecureAggregationError
@@ -102,18 +103,23 @@ def check_masking_params(run: Mapping[str, object], params: MaskingParams, cohor
                                      "admin-signed run config does not allow; refusing to take part", node=node)
 
 
-def _beyond_roster(run: Mapping[str, object], count: int, *, node: str) -> list[str]:
-    """The problem when ``count`` nodes are more than the signed roster's departments (none without a roster)."""
+def _roster_size(run: Mapping[str, object], *, node: str) -> int:
+    """How many departments the signed roster lists (0 without a roster)."""
     roster = run.get(ROSTER_KEY)
     if not isinstance(roster, str) or not roster:
-        return []
+        return 0
     import json
 
     try:
-        size = len(json.loads(roster))
+        return len(json.loads(roster))
     except (ValueError, TypeError) as exc:
         raise SecureAggregationError(f"the signed roster is not JSON ({exc})", node=node) from exc
-    return [f"{count} nodes (the signed roster has {size} departments)"] if count > size else []
+
+
+def _beyond_roster(run: Mapping[str, object], count: int, *, node: str) -> list[str]:
+    """The problem when ``count`` nodes are more than the signed roster's departments (none without a roster)."""
+    size = _roster_size(run, node=node)
+    return [f"{count} nodes (the signed roster has {size} departments)"] if size and count > size else []
 
 
 def check_ceremony(run: Mapping[str, object], announcement: Announcement, *, node: str) -> None:
@@ -125,15 +131,17 @@ def check_ceremony(run: Mapping[str, object], announcement: Announcement, *, nod
     wrong = _beyond_roster(run, n, node=node)
     signed = signed_number(run, "secagg-threshold", node=node)
     if signed is not None:
+        roster = _roster_size(run, node=node)
+        floor = int(signed_number(run, "ckks-min-threshold", node=node) or 0)
         try:
-            expected = resolve_threshold(signed, n)
+            expected = ceremony_threshold(signed, n, roster=roster, floor=floor)
         except ConfigError as exc:
             raise SecureAggregationError(f"the signed secagg-threshold is unusable ({exc})", node=node) from exc
         if t != expected:
-            wrong.append(f"threshold {t} (signed: {expected} of {n} members)")
-    floor = signed_number(run, "secagg-min-group", node=node) or 0
-    if t < floor:
-        wrong.append(f"threshold {t} (below the signed secagg-min-group {floor:g})")
+            wrong.append(f"threshold {t} (signed: {expected} for {n} members of a {roster}-department roster)")
+    min_group = signed_number(run, "secagg-min-group", node=node) or 0
+    if t < min_group:
+        wrong.append(f"threshold {t} (below the signed secagg-min-group {min_group:g})")
     degree = signed_number(run, "ckks-poly-degree", node=node)
     if degree is not None:
         try:

@@ -46,6 +46,7 @@ from quorumfl.aggregation.ckks import (
     CiphertextSum,
     Contribution,
     DecryptionSum,
+    ceremony_threshold,
 )
 from quorumfl.aggregation.ckks.threshold import NONCE_BYTES, c0_digest, contribution_message
 from quorumfl.aggregation.secagg import (
@@ -53,7 +54,6 @@ from quorumfl.aggregation.secagg import (
     SecureMean,
     flatten,
     read_payload,
-    resolve_threshold,
 )
 from quorumfl.aggregation.secagg.identity import Roster
 from quorumfl.errors import (
@@ -234,7 +234,12 @@ class CkksSession:
         """Commit, reveal, finish across ``nodes``; raises when fewer than t finish."""
         self.key = None
         members = sorted(nodes)
-        threshold = resolve_threshold(self.config.secagg_threshold, len(members))
+        threshold = ceremony_threshold(self.config.secagg_threshold, len(members), floor=self.config.ckks_min_threshold,
+                                       roster=len(self.roster.keys) if self.roster is not None else 0)
+        if threshold > len(members):
+            raise QuorumNotMetError(f"{len(members)} node(s) can take part in a key ceremony, but its t is {threshold} "
+                                    f"(secagg-threshold over the roster, or ckks-min-threshold); more departments must "
+                                    "be online")
         # the scale this ceremony's size needs (more holders, more flooding noise); the key's rounds use it
         self.params = self.config.ckks_params().fitted(threshold=threshold, contributors=len(members))
         self.params.check(threshold=threshold, contributors=len(members), value_bound=self.config.secagg_clip)

@@ -283,6 +283,10 @@ class RunConfig:
     ckks_poly_degree: int = key(
         8192, "CKKS ring dimension N (8192, 16384, 32768); N values per ciphertext (two per complex slot). "
         "`secagg-clip` and `secagg-max-weight` apply to ckks too", low=8192, high=32768, applies="ckks")
+    ckks_min_threshold: int = key(
+        0, "the smallest t a node accepts for a key ceremony (0 = `secagg-threshold` over the roster's departments): a "
+        "ceremony of fewer members keeps that t, so leaving departments out of it does not let fewer colluders "
+        "decrypt", low=0, high=10_000, applies="ckks")
     ckks_max_decryptions: int = key(
         MAX_DECRYPTIONS, "partial decryptions each key share answers (its holders refuse more); the server runs a "
         "new key ceremony first. Each published decryption leaks at most 2^−κ of the key, so the cap bounds the "

@@ -29,6 +29,7 @@ from quorumfl.aggregation.ckks.keys import (
     KeyShare,
     Reveal,
     ceremony_in_one_process,
+    ceremony_threshold,
     public_key_id,
 )
 from quorumfl.aggregation.ckks.packing import pack_residues, unpack_residues
@@ -62,6 +63,7 @@ __all__ = [
     "Manifest",
     "Reveal",
     "ceremony_in_one_process",
+    "ceremony_threshold",
     "check_request",
     "combine",
     "common_c1",

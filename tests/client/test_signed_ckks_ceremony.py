@@ -59,6 +59,7 @@ ROSTER_JSON = json.dumps({name: key.public_key().public_bytes(serialization.Enco
                                                                serialization.PublicFormat.OpenSSH).decode()
                           for name, key in KEYS.items()})
 SIGNED = {"secure-aggregation": "ckks", "secagg-threshold": 0.6, "secagg-min-group": 0, "ckks-poly-degree": 8192,
+          "ckks-min-threshold": 0,
           "ckks-max-decryptions": 100, "roster": ROSTER_JSON}
 T = 3  # 0.6 of 5
 LENGTH = 3000
@@ -116,19 +117,38 @@ def test_a_ceremony_weaker_than_the_signed_run_is_refused(
 
 
 def test_a_ceremony_below_the_signed_minimum_group_is_refused(contexts: dict[int, Context]) -> None:
-    """Signed threshold 0.9 over five departments: the server announces 3 of 5, or 2 of 3; and with a
-    signed minimum group of 4, a 3-of-3 ceremony (t = 0.9 of 3) is refused too."""
+    """Signed threshold 0.9 over five departments (t = 5): the server announces 3 of 5, or a ceremony of
+    3 members with t = 2 or 3, which would let fewer colluders decrypt: refused. A smaller ceremony
+    keeps the whole roster's t (or the signed ckks-min-threshold), and t never goes below the
+    signed minimum group."""
     for context in contexts.values():
         context.run_config.update({"secagg-threshold": 0.9, "secagg-min-group": 4})
     node = NODES[0]
-    for members, t, named in ((NODES, 3, "threshold 3 (signed: 5 of 5 members)"),
-                              (NODES[:3], 2, "threshold 2 (signed: 3 of 3 members)"),
-                              (NODES[:3], 3, "threshold 3 (below the signed secagg-min-group 4)")):
+    for members, t, named in ((NODES, 3, "threshold 3 (signed: 5 for 5 members of a 5-department roster)"),
+                              (NODES[:3], 2, "threshold 2 (signed: 5 for 3 members of a 5-department roster)"),
+                              (NODES[:3], 3, "threshold 3 (signed: 5 for 3 members")):
         announcement = Announcement.new(members, t, _params(t, len(members)))
         content = RecordDict({CKKS: encode_announcement(announcement, run_id=7)})
         with pytest.raises(SecureAggregationError, match="does not allow") as refused:
             _call(ckks.commit, COMMIT, node, contexts[node], content)
         assert named in str(refused.value)
+    for context in contexts.values():  # the admin allows ceremonies of 3 with t = 3, but groups of 4
+        context.run_config.update({"ckks-min-threshold": 3})
+    announcement = Announcement.new(NODES[:3], 3, _params(3, 3))
+    with pytest.raises(SecureAggregationError, match="below the signed secagg-min-group 4"):
+        _call(ckks.commit, COMMIT, node, contexts[node], RecordDict({CKKS: encode_announcement(announcement, run_id=7)}))
+
+
+def test_a_smaller_ceremony_keeps_the_whole_rosters_t(contexts: dict[int, Context]) -> None:
+    """0.6 of the 5-department roster is 3: four members may hold the key with t = 3, three members
+    only with t = 3 as well (not 0.6 of 3 = 2)."""
+    node = NODES[0]
+    for members, t in ((NODES[:4], 3), (NODES[:3], 3)):
+        announcement = Announcement.new(members, t, _params(t, len(members)))
+        _call(ckks.commit, COMMIT, node, contexts[node], RecordDict({CKKS: encode_announcement(announcement, run_id=7)}))
+    announcement = Announcement.new(NODES[:3], 2, _params(2, 3))
+    with pytest.raises(SecureAggregationError, match="threshold 2 \\(signed: 3 for 3 members"):
+        _call(ckks.commit, COMMIT, node, contexts[node], RecordDict({CKKS: encode_announcement(announcement, run_id=7)}))
 
 
 def test_a_member_told_another_seed_is_refused_by_the_others(contexts: dict[int, Context]) -> None:
