@@ -85,7 +85,7 @@ def _get(record: ConfigRecord, key: str, kind: type) -> Any:
         raise SecureAggregationError(f"secure-aggregation '{key}' must be {kind.__name__}, got {type(value).__name__}")
     if isinstance(value, float) and not math.isfinite(value):
         raise SecureAggregationError(f"secure-aggregation '{key}' must be a finite number, got {value!r}")
-    if isinstance(value, int) and not -(2**63) <= value < 2**63:
+    if isinstance(value, int) and not -(2**63) <= value < 2**64:  # a record holds signed or unsigned 64-bit ints
         raise SecureAggregationError(f"secure-aggregation '{key}' must fit 64 bits, got {value!r}")
     return value
 
