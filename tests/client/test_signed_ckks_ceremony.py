@@ -12,13 +12,11 @@ honest ceremony and round through the same handlers decrypt to numpy's sum.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from flwr.app import Context, Message, RecordDict
 
@@ -52,12 +50,12 @@ from quorumfl.protocol.ckks_wire import (
     encode_finish,
 )
 
+from .signed_harness import department_contexts, roster_json
+
 NODES = tuple(2**61 + 4099 * i for i in range(5))
 NAMES = ("tax-office", "urban-planning", "public-works", "parks", "libraries")
 KEYS = {name: ec.generate_private_key(ec.SECP384R1()) for name in NAMES}
-ROSTER_JSON = json.dumps({name: key.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                                               serialization.PublicFormat.OpenSSH).decode()
-                          for name, key in KEYS.items()})
+ROSTER_JSON = roster_json(KEYS)
 SIGNED = {"secure-aggregation": "ckks", "secagg-threshold": 0.6, "secagg-min-group": 0, "ckks-poly-degree": 8192,
           "ckks-min-threshold": 0,
           "ckks-max-decryptions": 100, "roster": ROSTER_JSON}
@@ -71,19 +69,7 @@ def _params(t: int, n: int) -> CkksParams:
 
 @pytest.fixture
 def contexts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[int, Context]:
-    from flwr.supercore.task_identity import TaskIdentity
-
-    monkeypatch.setattr(TaskIdentity, "_run_id", 7)  # Flower's Message needs a ClientApp's task identity
-    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
-    out = {}
-    for node, name in zip(NODES, NAMES, strict=True):
-        path = tmp_path / f"{name}.key"
-        path.write_bytes(KEYS[name].private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                                  serialization.NoEncryption()))
-        out[node] = Context(run_id=7, node_id=node, state=RecordDict(), run_config=dict(SIGNED),
-                            node_config={"node-key": str(path), "department": name, "key-dir": str(tmp_path / name)})
-    return out
+    return department_contexts(tmp_path, monkeypatch, NODES, KEYS, SIGNED, key_store=True)
 
 
 def _call(handler, kind: str, node: int, context: Context, content: RecordDict) -> RecordDict:  # type: ignore[no-untyped-def]

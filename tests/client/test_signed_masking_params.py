@@ -11,12 +11,10 @@ masked sum still equals numpy's.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from flwr.app import Context, Message, RecordDict
 
@@ -41,13 +39,12 @@ from quorumfl.protocol.secure_wire import (
 )
 
 from ..aggregation.secagg_harness import Federation
+from .signed_harness import department_contexts, roster_json
 
 NODES = [(2**62 + 7919 * i) % 2**64 for i in range(7)]
 NAMES = ["tax-office", "urban-planning", "public-works", "parks", "libraries", "housing", "transit"]
 KEYS = {name: ec.generate_private_key(ec.SECP384R1()) for name in NAMES}
-ROSTER_JSON = json.dumps({name: key.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                                               serialization.PublicFormat.OpenSSH).decode()
-                          for name, key in KEYS.items()})
+ROSTER_JSON = roster_json(KEYS)
 SIGNED = {  # the admin-signed run config's masking keys (the defaults, threshold 0.6)
     "secure-aggregation": "masking", "secagg-threshold": 0.6, "secagg-min-group": 0, "secagg-clip": 8.0,
     "secagg-modulus-bits": 32, "secagg-colluding-fraction": 0.2, "secagg-dropout-fraction": 0.1,
@@ -59,19 +56,7 @@ HONEST = MaskingParams(threshold=5, slots=5, modulus_bits=32, clip=8.0, min_grou
 
 @pytest.fixture
 def contexts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[int, Context]:
-    from flwr.supercore.task_identity import TaskIdentity
-
-    monkeypatch.setattr(TaskIdentity, "_run_id", 7)  # Flower's Message needs a ClientApp's task identity
-    monkeypatch.setattr(TaskIdentity, "_node_id", 0)
-    monkeypatch.setattr(TaskIdentity, "_task_id", 1)
-    out = {}
-    for node, name in zip(NODES, NAMES, strict=True):
-        path = tmp_path / f"{name}.key"
-        path.write_bytes(KEYS[name].private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                                  serialization.NoEncryption()))
-        out[node] = Context(run_id=7, node_id=node, node_config={"node-key": str(path), "department": name},
-                            state=RecordDict(), run_config=dict(SIGNED))
-    return out
+    return department_contexts(tmp_path, monkeypatch, NODES, KEYS, SIGNED)
 
 
 def _advertise(context: Context, announcement: EpochAnnouncement) -> RecordDict:
