@@ -216,9 +216,11 @@ def sign_app(
     app_dir: Annotated[Path, typer.Argument(help="The Flower app directory (its pyproject.toml holds the run config).")],
     directory: DirOpt = None,
 ) -> None:
-    """Sign a Flower app directory with the admin key, so nodes accept 'flwr run APP_DIR'.
+    """Sign a Flower app directory with the admin key, so nodes accept one 'flwr run APP_DIR'.
 
-    Nodes refuse a run whose config differs from the signed pyproject.toml, so pass no '-c'
-    overrides to 'flwr run': edit the pyproject and sign again."""
+    A fresh run nonce, an expiry (6 hours) and the roster version are written into the
+    pyproject.toml's run config first: nodes serve a signed run once, so sign again before each
+    'flwr run'. Nodes refuse a run whose config differs from the signed pyproject.toml, so pass no
+    '-c' overrides to 'flwr run': edit the pyproject and sign again."""
     target = sign_app_dir(app_dir.expanduser().resolve(), _creds(ctx, directory))
     console.print(f"signed {app_dir}: {target}", soft_wrap=True)
