@@ -36,7 +36,8 @@ import functools
 import math
 from collections.abc import Mapping
 
-from quorumfl.aggregation.ckks.keys import Announcement, ceremony_threshold
+from quorumfl.aggregation.ckks.keys import Announcement
+from quorumfl.aggregation.ckks.params import ceremony_threshold
 from quorumfl.aggregation.secagg import MaskingParams, resolve_threshold
 from quorumfl.aggregation.secagg.graph import COMPLETE_UP_TO
 from quorumfl.errors import ConfigError, PrivacyBudgetError, SecureAggregationError

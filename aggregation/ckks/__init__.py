@@ -29,11 +29,10 @@ from quorumfl.aggregation.ckks.keys import (
     KeyShare,
     Reveal,
     ceremony_in_one_process,
-    ceremony_threshold,
     public_key_id,
 )
 from quorumfl.aggregation.ckks.packing import pack_residues, unpack_residues
-from quorumfl.aggregation.ckks.params import CkksParams
+from quorumfl.aggregation.ckks.params import CkksParams, ceremony_threshold
 from quorumfl.aggregation.ckks.threshold import (
     MAX_DECRYPTIONS,
     CiphertextSum,

@@ -58,7 +58,6 @@ __all__ = [
     "MemoryBundles",
     "Reveal",
     "ceremony_in_one_process",
-    "ceremony_threshold",
     "commitment_message",
     "expand_uniform",
     "public_key_id",
@@ -100,17 +99,6 @@ def commitment_message(*, binding: bytes, ceremony: bytes, terms: bytes, node: i
     parts = [_COMMIT_CONTEXT, binding, ceremony, terms, node.to_bytes(8, "big"), department.encode(), digest,
              transport_key]
     return b"".join(field_bytes(p) for p in parts)
-
-
-def ceremony_threshold(threshold: float, members: int, *, roster: int = 0, floor: int = 0) -> int:
-    """t for a key ceremony of ``members``: the run's ``secagg-threshold`` over the members, and never
-    below ``floor`` (``ckks-min-threshold``) or, without one, the threshold over the ``roster``'s
-    departments: a ceremony of fewer members keeps the t of the whole federation, so leaving honest
-    departments out of it does not let fewer colluders decrypt (0 roster: no roster, no floor)."""
-    from quorumfl.aggregation.secagg.messages import resolve_threshold
-
-    whole = floor or (resolve_threshold(threshold, roster) if roster else 0)
-    return max(resolve_threshold(threshold, members), whole)
 
 
 def public_key_id(public_key: bytes) -> str:

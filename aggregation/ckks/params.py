@@ -33,10 +33,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from quorumfl.aggregation.secagg.messages import finite_number, whole_number
+from quorumfl.aggregation.secagg.messages import finite_number, resolve_threshold, whole_number
 from quorumfl.errors import ConfigError
 
-__all__ = ["CkksParams", "MAX_COEFF_BITS"]
+__all__ = ["CkksParams", "MAX_COEFF_BITS", "ceremony_threshold"]
 
 # SEAL CoeffModulus.MaxBitCount(N, sec_level_type.tc128): special prime included.
 MAX_COEFF_BITS = {4096: 109, 8192: 218, 16384: 438, 32768: 881}
@@ -194,3 +194,12 @@ class CkksParams:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError([f"CKKS parameters are malformed ({exc})"]) from exc
+
+
+def ceremony_threshold(threshold: float, members: int, *, roster: int = 0, floor: int = 0) -> int:
+    """t for a key ceremony of ``members``: the run's ``secagg-threshold`` over the members, and never
+    below ``floor`` (``ckks-min-threshold``) or, without one, the threshold over the ``roster``'s
+    departments: a ceremony of fewer members keeps the t of the whole federation, so leaving honest
+    departments out of it does not let fewer colluders decrypt (0 roster: no roster, no floor)."""
+    whole = floor or (resolve_threshold(threshold, roster) if roster else 0)
+    return max(resolve_threshold(threshold, members), whole)
