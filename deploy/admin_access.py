@@ -112,9 +112,16 @@ MAX_CONTROL_BODY = 256 * 2**20
 API_PAGES = frozenset({"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 
 
-async def _refuse(send: Any, status: int, text: str) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"text/plain")]})
-    await send({"type": "http.response.body", "body": text.encode()})
+async def _refuse(send: Any, status: int, reason: str) -> None:
+    """Flower's own error answer (what its CLI reads): 401 as its authentication failure, with the reason."""
+    import json
+
+    code = ApiErrorCode.ACCOUNT_AUTHENTICATION_FAILED
+    body = FlowerError(code, reason, public_details=reason).to_json("Authentication failed." if status == 401
+                                                                     else "Request refused.")
+    headers = [(b"content-type", b"application/json")] + ([(b"www-authenticate", b"Bearer")] if status == 401 else [])
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": json.dumps(body).encode()})
 
 
 class AdminCalls:
