@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import signal
+import sys
 from typing import Any
 
 
@@ -25,8 +27,16 @@ def report(figures: dict[str, Any], *, as_json: bool) -> None:
         print(json.dumps(figures))
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    sys.exit(128 + signum)
+
+
 def parser(doc: str) -> argparse.ArgumentParser:
-    """An argument parser with the flags every benchmark takes: --smoke and --json."""
+    """An argument parser with the flags every benchmark takes: --smoke and --json. A benchmark
+    stopped by SIGTERM (``timeout``, CI) exits through its ``finally`` blocks, so the federations it
+    started (SuperLink and SuperNodes in sessions of their own) are stopped too rather than left
+    running beside the next measurement."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     out = argparse.ArgumentParser(description=doc.splitlines()[0])
     out.add_argument("--smoke", action="store_true", help="tiny sizes for CI")
     out.add_argument("--json", action="store_true", help="print one JSON object as the last line")
