@@ -37,6 +37,7 @@ through every layer.
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import sys
@@ -114,8 +115,6 @@ API_PAGES = frozenset({"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redo
 
 async def _refuse(send: Any, status: int, reason: str) -> None:
     """Flower's own error answer (what its CLI reads): 401 as its authentication failure, with the reason."""
-    import json
-
     code = ApiErrorCode.ACCOUNT_AUTHENTICATION_FAILED
     body = FlowerError(code, reason, public_details=reason).to_json("Authentication failed." if status == 401
                                                                      else "Request refused.")
@@ -140,14 +139,17 @@ class AdminCalls:
         if scope["type"] != "http" or not path.startswith(CONTROL_PREFIX):
             await self.app(scope, receive, send)
             return
-        body, more = b"", True
+        parts: list[bytes] = []
+        size, more = 0, True
         while more:
             message = await receive()
-            body += message.get("body", b"")
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
             more = message.get("more_body", False)
-            if len(body) > MAX_CONTROL_BODY:
+            if size > MAX_CONTROL_BODY:
                 await _refuse(send, 413, "Control API request too large")
                 return
+        body = b"".join(parts)
         try:
             self._check(scope, path, body)
         except CredentialError as exc:
