@@ -236,6 +236,9 @@ def decode_train_request(record: ConfigRecord) -> TrainRequest:
     group = _get(record, "group", int)
     if not -(2**31) <= group < 2**31:
         raise SecureAggregationError(f"threshold-CKKS 'group' must fit 32 bits, got {group}")
+    round_number = _get(record, "round", int)
+    if not 0 <= round_number < 2**63:
+        raise SecureAggregationError(f"threshold-CKKS 'round' must be a round number, got {round_number}")
     primes = _get(record, "primes", int)
     if not 1 <= primes <= len(params.data_bits):
         raise SecureAggregationError(f"threshold-CKKS 'primes' must be between 1 and {len(params.data_bits)}, got {primes}")
@@ -247,7 +250,7 @@ def decode_train_request(record: ConfigRecord) -> TrainRequest:
         raise SecureAggregationError(f"the round nonce must be {NONCE_BYTES} bytes")
     return TrainRequest(key_id=_get(record, "key_id", str), public_key=_get(record, "public_key", bytes), params=params,
                         primes=primes, clip=clip, max_weight=max_weight,
-                        round_number=_get(record, "round", int), participants=_read_ids(record, "participants"),
+                        round_number=round_number, participants=_read_ids(record, "participants"),
                         nonce=nonce, group=group)
 
 

@@ -5,7 +5,8 @@ Through the real ClientApp handlers (``quorumfl.client.ckks.commit``, ``reveal``
 fewer members or a lower t than the signed ``secagg-threshold`` gives, a t below the signed
 ``secagg-min-group``, other parameters than the signed ring dimension, more members than the
 roster, or tells one member another seed; and it asks for a decryption whose manifest states
-another length or level than the contributors signed. Each is refused with the reason, while an
+another length or level than the contributors signed, or a contributor set other than the signed
+records it sends. Each is refused with the reason, while an
 honest ceremony and round through the same handlers decrypt to numpy's sum.
 """
 
@@ -189,6 +190,14 @@ def test_a_manifest_with_another_length_or_level_than_signed_is_refused_and_the_
                 dataclasses.replace(honest, primes=1)):
         with pytest.raises(SecureAggregationError, match="not signed by its registered key"):
             ask(NODES[0], lie)
+    # a contributor set other than the signed records sent with it: one named without its record
+    named_without = dataclasses.replace(honest, contributors=(*NODES[:4], 2**63 + 9))
+    with pytest.raises(SecureAggregationError, match="contributor holds no share|do not match"):
+        ask(NODES[0], named_without)
+    fewer_records = {n: t for n, t in tags.items() if n != NODES[4]}
+    with pytest.raises(SecureAggregationError, match="do not match the manifest's contributors"):
+        _call(ckks.decrypt, DECRYPT, NODES[0], contexts[NODES[0]],
+              RecordDict({CKKS: encode_decrypt_request(honest, fewer_records)}))
     partials = {}
     for node in honest.subset:
         reply = ask(node, honest)
