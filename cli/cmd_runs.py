@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 import tomllib
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from quorumfl.cli.output import (
     table,
 )
 from quorumfl.core.tasks.objective import primary_among
-from quorumfl.errors import ConfigError, FederationError, NotFoundError, StateError
+from quorumfl.errors import ConfigError, NotFoundError, StateError
 from quorumfl.server.services import (
     department_columns,
     follow_run,
@@ -111,8 +112,9 @@ def print_finished_run(repo: Repository, run: Run, began: float, *, label: str =
         console.print(table("Final model per department (own test split)", departments,
                             [c for c in department_columns(departments, view["primary_metric"]) if c != "loss"]))
     closing = run_closing(repo, run, time.monotonic() - began)
-    if run.status != "completed":
-        raise FederationError(closing)
+    failure = run_outcome_error(run)
+    if failure is not None:  # partial: exit 12; failed or stopped: the class it failed with
+        raise type(failure)(closing)
     console.print(f"[green]{closing}[/green]; see it again with 'quorumfl runs show {run.id}'", highlight=False)
 
 
@@ -134,6 +136,8 @@ def start(
 
     values = load_run_config_file(config) if config is not None else {}
     values.update(dict(parse_override(o) for o in override or []))
+    if "seed" not in values:  # a new run starts from new weights and a new sampling unless a seed is given
+        values["seed"] = secrets.randbelow(2**31)
     resolved = RunConfig.from_mapping(values)
     if resolved.task_schema and not resolved.task_schema.lstrip().startswith("{"):
         values["task-schema"] = inline_schema(Path(resolved.task_schema))  # the server need not share our files
@@ -141,8 +145,12 @@ def start(
     flower_run_id = control.start_run(values)
     recorded = _recorded_run(ctx, flower_run_id)
     shown = f"run {recorded} (Flower run {flower_run_id})" if recorded else f"Flower run {flower_run_id}"
-    console.print(f"[green]started {shown}[/green] ({resolved.strategy}, {resolved.num_rounds} rounds); "
-                  "'runs show' and 'runs stop' take either id", highlight=False)
+    from quorumfl.server.run_labels import privacy_view, task_label
+
+    stored = resolved.resolved()
+    console.print(f"[green]started {shown}[/green]: {resolved.strategy}, {resolved.num_rounds} rounds, "
+                  f"{task_label(stored)}, seed {resolved.seed}; {privacy_view(stored)['sentence']}. 'runs show' and "
+                  "'runs stop' take either id", highlight=False)
     if follow:
         repo = settings(ctx).repository()
         progress, task = round_progress(resolved.num_rounds)
@@ -200,7 +208,7 @@ def resume(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (
 
 @runs_app.command("list")
 def list_runs(ctx: typer.Context, fmt: FormatOpt = Format.TABLE) -> None:
-    """All runs with status and final global accuracy."""
+    """All runs: status, privacy (masked, ckks or plaintext; +dp), rounds, the final model's metric, task."""
     repo = settings(ctx).repository()
     rows = [run_summary(repo, r) for r in repo.list_runs()]
     if fmt is Format.JSON:
@@ -211,8 +219,10 @@ def list_runs(ctx: typer.Context, fmt: FormatOpt = Format.TABLE) -> None:
         row["metric"] = row["round_metric"] if row["final_metric"] is not None else None
         row["final"] = row["final_metric"]
         row["started"] = short_time(row["started_at"])
-    console.print(table("Runs", rows, ["id", "status", "strategy", "dataset", "rounds", "metric", "final", "started",
-                                       "flower_run_id"], optional=["dataset", "flower_run_id"]))
+        row["privacy"] = row["privacy_label"]
+    console.print(table("Runs", rows, ["id", "status", "privacy", "rounds", "metric", "final", "strategy", "task",
+                                       "started", "flower_run_id"],
+                        optional=["metric", "strategy", "task", "started", "flower_run_id"]))
 
 
 @runs_app.command("show")
@@ -223,7 +233,8 @@ def show(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (Qu
         print_json(view)
         return
     console.print(f"[bold]Run {view['id']}[/bold] (Flower {view['flower_run_id']}): {view['status']}, "
-                  f"{view['strategy']} on {view['dataset']} with {view['model']}")
+                  f"{view['strategy']}, {view['task']}", highlight=False)
+    console.print(view["privacy"], highlight=False)
     if view["error"]:
         console.print(f"[red]{view['error']}[/red]")
     metric, primary = view["round_metric"], view["primary_metric"]
@@ -235,7 +246,7 @@ def show(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (Qu
         for r in view["rounds"]
     ]
     columns = ["round", "status", metric, *([loss] if loss else []), "nodes", "failures", "seconds"]
-    console.print(table("Global model per round", rows, columns))
+    console.print(table("Global model per round", rows, columns, optional=[*([loss] if loss else []), "seconds"]))
     if view["departments"]:
         console.print(table("Final models per department (own test split): the federation's model (global, or "
                             "its cluster's) and the personal one", view["departments"],

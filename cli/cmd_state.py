@@ -112,7 +112,7 @@ def list_models(
         row["metric"] = f"{primary} {row['metrics'][primary]:.3f}" if primary in row["metrics"] else None
         row["sha"] = row["sha256"][:12]
     console.print(table("Model versions", rows, ["version", "run", "round", "head", "metric", "parent", "architecture",
-                                                 "sha"], optional=["parent", "architecture", "sha"]))
+                                                 "sha"], optional=["parent", "sha"]))
 
 
 @models_app.command("show")

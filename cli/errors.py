@@ -14,6 +14,7 @@
 | 9    | model or aggregation error (ModelError, AggregationError) |
 | 10   | edge artifact refused or sync failed (ArtifactError); other edge errors (EdgeError) |
 | 11   | TLS or node credentials missing, invalid or expired (CredentialError) |
+| 12   | the run ended with some rounds failed: status ``partial`` (RoundsLostError) |
 | 130  | interrupted (Ctrl-C) |
 """
 
@@ -31,6 +32,7 @@ from quorumfl.errors import (
     ModelStoreError,
     NotFoundError,
     QuorumError,
+    RoundsLostError,
     StateError,
 )
 
@@ -42,6 +44,7 @@ EXIT_CODES: list[tuple[type[QuorumError], int]] = [
     (DataError, 4),
     (NotFoundError, 5),
     (StateError, 6),
+    (RoundsLostError, 12),
     (ModelStoreError, 7),
     (FederationError, 8),
     (ModelError, 9),

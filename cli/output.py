@@ -50,24 +50,38 @@ def short_time(value: Any) -> str | None:
     return f"{text[5:10]} {text[11:16]}" if len(text) >= 16 and text[10] in "T " else text
 
 
+# Columns a reader finds rows by: shown whole whatever the console's width.
+WHOLE = frozenset({"id", "status", "round", "run", "version", "node", "department", "node_id"})
+# Short cells (numbers, times) are not broken either; longer text wraps at word boundaries.
+SHORT_CELL = 12
+
+
 def table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[str], *,
           optional: Sequence[str] = (), width: int | None = None) -> Table:
-    """A table whose rows stay one line each: the ``optional`` columns (a subset of ``columns``) are
-    left out, last first, until the rest fits the console (``width``, default the console's)."""
+    """A table that fits the console (``width``, default the console's): the ``optional`` columns (a
+    subset of ``columns``) are left out, last first, until the rest fits; if it still does not fit,
+    long text wraps at word boundaries, while ids, statuses (``WHOLE``), numbers and headers stay whole."""
     cells = [{c: _cell(row.get(c)) for c in columns} for row in rows]
     shown = list(columns)
     limit = width or console.width
 
+    def longest(name: str) -> int:
+        return max([len(r[name]) for r in cells], default=0)
+
     def needed(names: Sequence[str]) -> int:  # Rich's default box: 3 characters per column, plus 1
-        return 1 + sum(3 + max([len(n.replace("_", " "))] + [len(r[n]) for r in cells]) for n in names)
+        return 1 + sum(3 + max(len(n.replace("_", " ")), longest(n)) for n in names)
 
     for name in reversed(list(optional)):
         if needed(shown) <= limit:
             break
         shown.remove(name)
-    out = Table(title=title, title_justify="left")
+    out = Table(title=title, title_justify="left", width=None if needed(shown) <= limit else limit)
     for column in shown:
-        out.add_column(column.replace("_", " "), no_wrap=True, overflow="ellipsis")
+        header = column.replace("_", " ")
+        cell = longest(column)
+        whole = column in WHOLE or cell <= SHORT_CELL
+        floor = max([len(w) for w in header.split()] + [cell if whole else 0])
+        out.add_column(header, no_wrap=whole, overflow="fold", min_width=floor)
     for row in cells:
         out.add_row(*(row[c] for c in shown))
     return out

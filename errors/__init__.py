@@ -22,6 +22,7 @@ QuorumFL's, and every other layer raises from it::
     │   └── ArtifactError    an edge artifact failed its hash or signature, or its sync broke off (fails closed)
     ├── CredentialError      TLS or node-authentication material missing, unreadable, expired or mismatched
     └── FederationError      the Flower SuperLink/SuperNodes (unreachable, failed to start, run failed)
+        └── RoundsLostError  the run ended, but some of its rounds failed (its status is ``partial``)
 
 The CLI maps each branch to a documented exit code (see ``quorumfl.cli.errors``).
 """
@@ -42,6 +43,7 @@ __all__ = [
     "NotFoundError",
     "QuorumError",
     "QuorumNotMetError",
+    "RoundsLostError",
     "RunStoppedError",
     "SecureAggregationError",
     "PrivacyBudgetError",
@@ -109,6 +111,11 @@ class ModelStoreError(QuorumError):
 
 class FederationError(QuorumError):
     """The Flower federation (SuperLink, SuperNodes, Control API) failed or is unreachable."""
+
+
+class RoundsLostError(FederationError):
+    """A run ended with some of its rounds failed: its model is what the completed rounds made, and
+    its status is ``partial`` (``quorumfl rounds list`` says why each failed)."""
 
 
 class TrainingError(QuorumError):

@@ -116,7 +116,9 @@ class ContributionLedger:
                     f"this node already trained from model {digest[:12]} under secure aggregation with "
                     f"{len(previous.get('participants', []))} other participant(s) (run {previous.get('run')} round "
                     f"{previous.get('round')}; {why}); a contribution with another set ({len(members)}) would let the "
-                    "server subtract the two sums, so it is refused")
+                    "server subtract the two sums, so it is refused. To go on, train from another model: a run "
+                    "with start-from = 'fresh' and a new seed, or one from the head after another round completes; "
+                    "or redo the round with the same departments")
             released = [*previous.get("released", []), *slots]  # never confirmed: never to be unmasked
         entries[digest] = {"participants": members, "run": run, "round": round_number,
                            "at": datetime.now(UTC).isoformat(timespec="seconds"), "slots": [slot] if slot else [],

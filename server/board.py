@@ -12,7 +12,8 @@ with the round number as the step:
 - ``participation/<state>``: how many selected nodes trained, were late, rejected, refused or dropped;
 - ``epsilon/<department>``: ε its ledger reported after the round (DP runs).
 
-At the end of the run, ``final/<department>/<name>`` holds each department's final-model metrics.
+At the end of the run, ``final/<department>/<name>`` holds each department's final-model metrics, and
+``final/final-federated-<name>`` their example-weighted mean.
 The writer is torch's ``SummaryWriter`` (TensorBoard's own event format).
 """
 
@@ -47,9 +48,11 @@ def round_scalars(data: dict[str, Any], number: int) -> dict[str, float]:
 
 
 def final_scalars(data: dict[str, Any]) -> dict[str, float]:
-    """Each department's final-model metrics: ``final/<department>/<name>``."""
-    return {f"final/{row['department']}/{k}": float(v) for row in data["departments"]
-            for k, v in row.items() if k not in ("department", "node_id")}
+    """Each department's final-model metrics, ``final/<department>/<name>``, and their example-weighted
+    means, ``final/final-federated-<name>``."""
+    return {**{f"final/{row['department']}/{k}": float(v) for row in data["departments"]
+               for k, v in row.items() if k not in ("department", "node_id")},
+            **{f"final/{name}": float(v) for name, v in data["final"].items()}}
 
 
 class TensorBoardSink:

@@ -199,7 +199,8 @@ class RunConfig:
     train_retries: int = key(
         1, "times a node whose ClientApp crashed mid-training (Flower error 8) is asked again within the round's "
         "deadline (plaintext, masked and CKKS rounds); it resumes from its checkpoint", low=0, high=10)
-    seed: int = key(0, "seed of the initial weights, sampling and the nodes' plaintext training", low=0, node=True)
+    seed: int = key(0, "seed of the initial weights, sampling and the nodes' plaintext training; `runs start` draws a "
+                    "new one when the run config does not set it (shown in its first line)", low=0, node=True)
     qat_rounds: int = key(
         0, "federated quantisation-aware training: the last R rounds fine-tune with fake quantisation on every "
         "department, and the ranges their observers saw are averaged with the model, so `models promote --edge` "
@@ -234,8 +235,9 @@ class RunConfig:
                               low=0.0)
     # ---- secure aggregation
     secure_aggregation: SecureMode = key(
-        SecureMode.NONE, "`masking`: the server learns only the sum of a quorum's updates; `ckks`: it adds "
-        "ciphertexts and any t key holders decrypt the sum (both below)")
+        SecureMode.MASKING, "`masking` (the default): the server learns only the sum of a quorum's updates; `ckks`: "
+        "it adds ciphertexts and any t key holders decrypt the sum (both below); `none`: plaintext, the server sees "
+        "each department's update")
     secagg_threshold: float = key(
         0.6, "t: a fraction in (0.5, 1) of the round's (masking) or the ceremony's (ckks) nodes, or a whole number "
         "of nodes (a majority, ≥ 2)", low=0.5, open_low=True, applies="masking, ckks")
@@ -379,10 +381,10 @@ class RunConfig:
                                                                                           Compression.RANDK):
             problems.append(f"compression {config.compression.value} with secure-aggregation masking is not possible: "
                             "the server only sees the sum, so every node must send the same coordinates; use "
-                            "compression = 'randk' (or 'none')")
+                            "compression = 'randk' (or 'none'), or secure-aggregation = 'none' for plaintext updates")
         if config.secure_aggregation is SecureMode.CKKS and config.compression is not Compression.NONE:
             problems.append(f"compression {config.compression.value} with secure-aggregation ckks is not supported "
-                            "yet; use compression = 'none'")
+                            "yet; use compression = 'none', or secure-aggregation = 'masking'")
         if config.dp is not DpMode.NONE and (config.dp_epsilon > 0) == (config.dp_noise_multiplier > 0):
             problems.append(f"dp '{config.dp.value}' needs exactly one of dp-epsilon (the run's target) and "
                             "dp-noise-multiplier; set the other to 0")
@@ -406,12 +408,17 @@ class RunConfig:
         if config.dp is DpMode.DISTRIBUTED and config.compression is not Compression.NONE:
             problems.append("dp 'distributed' with compression is not supported; set compression = 'none'")
         problems.extend(_qat_problems(config))
+        if config.secure_aggregation is not SecureMode.NONE and config.min_nodes < 2:
+            problems.append(f"secure-aggregation {config.secure_aggregation.value} reveals only a sum of two or more "
+                            f"departments, so min-nodes must be >= 2 (got {config.min_nodes}); raise min-nodes, or set "
+                            "secure-aggregation = 'none' for plaintext updates")
         if config.robust_aggregation is not RobustRule.NONE and (
                 config.secure_aggregation is not SecureMode.NONE
                 or config.strategy in (StrategyName.IFCA, StrategyName.SCAFFOLD)):
             problems.append(f"robust-aggregation {config.robust_aggregation.value} needs every update in plaintext and "
                             "one global model; it does not combine with secure aggregation, ifca or scaffold, so set "
-                            "robust-aggregation = 'none'")
+                            "robust-aggregation = 'none' (or secure-aggregation = 'none': the server then sees each "
+                            "department's update)")
         return problems
 
     def resolved(self) -> dict[str, Any]:

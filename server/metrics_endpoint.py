@@ -7,6 +7,8 @@ scrape) instead of keeping counters in the server process. Series (``prometheus_
 conventions: ``_total`` counters, base units, labels for kinds):
 
 - ``quorumfl_runs{status}``, ``quorumfl_rounds_total{status}``: runs and round attempts by status;
+- ``quorumfl_last_run_info{run, status, secure_aggregation, dp, threshold, task}``: the newest run and
+  its privacy (masked, ckks or plaintext), value 1;
 - ``quorumfl_stage_seconds_total{stage}``: seconds spent per stage over every completed round;
 - ``quorumfl_last_round_stage_seconds{stage}``, ``quorumfl_last_round_nodes{state}`` (selected,
   trained, failed) and ``quorumfl_last_round_number``: the most recently started round;
@@ -29,6 +31,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from quorumfl.server.run_labels import privacy_view, task_label
 from quorumfl.server.state.repository import Repository
 
 __all__ = ["StateCollector", "serve_metrics"]
@@ -48,6 +51,15 @@ class StateCollector(Collector):
         for status, count in sorted(repo.run_counts().items()):
             runs.add_metric([status], count)
         yield runs
+        last = repo.last_run()
+        if last is not None:
+            privacy = privacy_view(last.config)
+            info = GaugeMetricFamily("quorumfl_last_run_info", "The newest run: its status, secure-aggregation mode "
+                                     "(masked, ckks, plaintext), DP and threshold.",
+                                     labels=["run", "status", "secure_aggregation", "dp", "threshold", "task"])
+            info.add_metric([str(last.id), last.status, privacy["mode"], privacy["dp"], privacy["threshold"],
+                             task_label(last.config)], 1)
+            yield info
         rounds = CounterMetricFamily("quorumfl_rounds", "Round attempts by status.", labels=["status"])
         for status, count in sorted(repo.round_counts().items()):
             rounds.add_metric([status], count)

@@ -16,6 +16,7 @@ entry when the node was not selected.
 
 from __future__ import annotations
 
+import html
 import json
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -122,8 +123,11 @@ def report_data(repo: Repository, ref: int) -> dict[str, Any]:
         return names.get(node) or str(node)
 
     global_metrics: dict[int, dict[str, float]] = {}
+    final: dict[str, float] = {}  # the final model as the departments measured it (example-weighted)
     for m in metrics:
-        if m.node_id is None:
+        if m.node_id is None and m.name.startswith("final-"):
+            final[m.name] = m.value
+        elif m.node_id is None:
             global_metrics.setdefault(m.round, {})[m.name] = m.value
     uplink = _per_node(metrics, "uplink-bytes")
     rounds = []
@@ -168,6 +172,7 @@ def report_data(repo: Repository, ref: int) -> dict[str, Any]:
         "rounds": rounds,
         "participation": {"rounds": sorted(_last_attempts(run.rounds)), "nodes": cells},
         "departments": department_finals(metrics, names),
+        "final": final,
         "privacy": sorted(privacy.values(), key=lambda p: str(p["department"])),
         "federation_epsilon": federation_epsilon,
         "monitoring": _monitoring(metrics, name),
@@ -306,7 +311,8 @@ def render_html(data: dict[str, Any]) -> str:
     """The report page for ``report_data``'s dict: one file, figures embedded."""
     run = data["run"]
     primary = data["primary_metric"]
-    title = f"QuorumFL run {run['id']}: {run['strategy']}, {run['rounds_completed']}/{run['rounds_planned']} rounds, {run['status']}"
+    title = (f"QuorumFL run {run['id']}: {run['status']}, {run['secure_aggregation']}, {run['strategy']}, "
+             f"{run['rounds_completed']}/{run['rounds_planned']} rounds")
     round_rows = [{**r, **{k: v for k, v in r["metrics"].items()},
                    "seconds": round(sum(r["stages_s"].values()), 2), "failures": len(r["failures"])} for r in data["rounds"]]
     metric_keys = list(dict.fromkeys(k for r in data["rounds"] for k in r["metrics"]
@@ -314,8 +320,10 @@ def render_html(data: dict[str, Any]) -> str:
     failures = [{"round": r["round"], **f} for r in data["rounds"] for f in r["failures"]]
     dept_columns = department_columns(data["departments"], primary)
     sections = [
-        ("summary", "Run", table([run], ["id", "status", "strategy", "dataset", "model", "rounds_completed",
-                                          "rounds_planned", "round_metric", "final_metric", "started_at", "finished_at", "error"])),
+        ("summary", "Run", f"<p><strong>{html.escape(run['task'])}</strong>. {html.escape(run['privacy'])}.</p>"
+         + table([run], ["id", "status", "secure_aggregation", "dp", "threshold", "strategy", "task",
+                         "rounds_completed", "rounds_planned", "round_metric", "final_metric", "started_at",
+                         "finished_at", "error"])),
         ("metric", f"{primary} and loss per round", _metric_figure(data)
          + table(round_rows, ["round", "attempt", "status", *metric_keys, "seconds", "failures"])),
         ("departments", "Each department's final model", table(data["departments"], dept_columns)),

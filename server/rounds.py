@@ -45,7 +45,7 @@ from quorumfl.protocol.wire import (
     TrainConfig,
     department_of,
 )
-from quorumfl.server.config import DpMode, RunConfig, StartFrom
+from quorumfl.server.config import DpMode, RunConfig, SecureMode, StartFrom
 from quorumfl.server.exchange import Exchange, requests
 from quorumfl.server.feedback import SelectionFeedback
 from quorumfl.server.model_store import ModelStore
@@ -201,6 +201,8 @@ class Federation:
             raise FederationError(
                 f"only {len(nodes)} enabled node(s) connected after {self.config.node_wait_timeout:.0f}s, "
                 f"min-nodes is {self.config.min_nodes}; start more nodes or lower min-nodes"
+                + (f" (secure-aggregation {self.config.secure_aggregation.value} needs at least 2)"
+                   if self.config.secure_aggregation is not SecureMode.NONE else "")
             )
         return nodes
 
@@ -250,6 +252,7 @@ class Federation:
                     f"none of the {config.num_rounds} round(s) completed; 'quorumfl rounds list' shows why"
                 )
             self._final_evaluation(run.id, models, sorted(seen))
+            lost = config.num_rounds - completed
         except RunStoppedError as exc:
             # An admin's 'runs stop' was recorded while this ServerApp was between rounds (Flower ends
             # it soon after): the run stays stopped, and no round is left running.
@@ -269,7 +272,11 @@ class Federation:
             self.repo.abort_running_rounds(run.id, reason)
             self.repo.finish_run(run.id, RunStatus.FAILED, error=reason)
             raise
-        self.repo.finish_run(run.id, RunStatus.COMPLETED)
+        if lost:  # the model is what the completed rounds made: say so, with its own status and exit code
+            self.repo.finish_run(run.id, RunStatus.PARTIAL, error=f"{lost} of {config.num_rounds} round(s) failed; "
+                                 "'quorumfl rounds list' shows why")
+        else:
+            self.repo.finish_run(run.id, RunStatus.COMPLETED)
         return run.id
 
     # ---- one round ----------------------------------------------------------------------------
@@ -427,17 +434,23 @@ class Federation:
         replies = self.exchange(
             requests(MessageType.EVALUATE, models, configs), outcome.failures, "evaluate", self.config.round_timeout
         )
+        finals: dict[int, dict[str, float]] = {}
         for node, reply in replies:
             content = reply.content
             if METRICS not in content.metric_records:
                 continue
-            values = {
-                f"final-{k}": float(v)
-                for k, v in content.metric_records[METRICS].items()
+            finals[node] = {
+                k: float(v) for k, v in content.metric_records[METRICS].items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
             }
             self.repo.touch_node(node, department=department_of(content))
-            self.repo.add_metrics(run_id, self.config.num_rounds, values, node_id=node)
+            self.repo.add_metrics(run_id, self.config.num_rounds, {f"final-{k}": v for k, v in finals[node].items()},
+                                  node_id=node)
+        # The final model as the departments measured it (example-weighted): 'final' where the server holds no data.
+        primary = self.task.primary
+        final = {f"final-federated-{primary}": federated_metric(finals, primary),
+                 "final-federated-loss": federated_metric(finals, "loss")}
+        self.repo.add_metrics(run_id, self.config.num_rounds, {k: v for k, v in final.items() if math.isfinite(v)})
         for node, (stage, reason) in outcome.failures.items():
             if self.exchange.round_id is not None:
                 self.repo.add_failure(self.exchange.round_id, node, stage=stage, reason=reason)

@@ -5,14 +5,15 @@ plain dicts (rendered as Rich tables or JSON by the CLI), and the operations tha
 from __future__ import annotations
 
 import shutil
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from quorumfl.core.tasks.objective import PRIMARY_METRICS, primary_among
-from quorumfl.errors import FederationError, NotFoundError, QuorumError
+from quorumfl.errors import FederationError, QuorumError, RoundsLostError
+from quorumfl.server.following import follow_run, progress_line
 from quorumfl.server.model_store import ModelStore
+from quorumfl.server.run_labels import privacy_view, task_label
 from quorumfl.server.state.orm import Metric, ModelVersion, Round, Run
 from quorumfl.server.state.repository import Repository, RoundStatus, RunStatus
 
@@ -55,19 +56,30 @@ def run_summary(repo: Repository, run: Run) -> dict[str, Any]:
     column = round_metric(primary, [m.name for m in metrics if m.node_id is None])
     values = {m.round: m.value for m in metrics if m.node_id is None and m.name == column}
     last = max(values) if values else None
+    final = values[last] if last is not None else None
+    if column.startswith("federated-"):  # each round's figure is of the model it started from: the final
+        # model's is the departments' final evaluation (none when it did not take place)
+        final = next((m.value for m in metrics if m.node_id is None and m.name == f"final-{column}"), None)
+    privacy = privacy_view(run.config)
     return {
         "id": run.id,
         "flower_run_id": str(run.flower_run_id) if run.flower_run_id is not None else None,
         "status": run.status,
         "strategy": run.strategy,
+        "task": task_label(run.config),
         "dataset": run.config.get("dataset"),
         "model": run.config.get("model"),
+        "secure_aggregation": privacy["mode"],  # masked, ckks or plaintext
+        "dp": privacy["dp"],
+        "threshold": privacy["threshold"],
+        "privacy": privacy["sentence"],
+        "privacy_label": privacy["label"],
         "rounds_planned": run.num_rounds,
         "rounds_completed": len(completed),
         "primary_metric": primary,  # the task's: accuracy, or mae for regression
         "round_metric": column,  # the server's held-out figure, or the departments' federated evaluation
-        "final_metric": values[last] if last is not None else None,
-        "final_accuracy": values[last] if last is not None and primary == "accuracy" else None,
+        "final_metric": final,  # the final model's
+        "final_accuracy": final if primary == "accuracy" else None,
         "started_at": _iso(run.started_at),
         "finished_at": _iso(run.finished_at),
         "error": run.error,
@@ -129,7 +141,7 @@ def run_view(repo: Repository, ref: int) -> dict[str, Any]:
     metrics = repo.metrics(run.id)
     global_metrics: dict[int, dict[str, float]] = {}
     for metric in metrics:
-        if metric.node_id is None:
+        if metric.node_id is None and not metric.name.startswith("final-"):  # final-*: the run's, in its summary
             global_metrics.setdefault(metric.round, {})[metric.name] = metric.value
     rounds = []
     for rnd in run.rounds:
@@ -297,76 +309,17 @@ def _error_classes(base: type[QuorumError] = QuorumError) -> dict[str, type[Quor
 
 
 def run_outcome_error(run: Run) -> QuorumError | None:
-    """None for a completed run; otherwise the error to exit with: of the class the run failed with
-    when that is a QuorumFL error (its exit code then says why), else ``FederationError``."""
+    """None for a completed run; otherwise the error to exit with: ``RoundsLostError`` for a partial one;
+    of the class the run failed with when that is a QuorumFL error (its exit code then says why), else
+    ``FederationError``."""
     if run.status == RunStatus.COMPLETED:
         return None
     reason = run.error or "no reason was recorded"
+    if run.status == RunStatus.PARTIAL:
+        return RoundsLostError(f"run {run.id} ended partial: {reason}")
     name, _, _ = reason.partition(": ")
     kind = _error_classes().get(name, FederationError) if run.status == RunStatus.FAILED else FederationError
     return kind(f"run {run.id} {run.status}: {reason}")
-
-
-def follow_run(
-    repo: Repository,
-    flower_run_id: int,
-    *,
-    timeout: float,
-    on_round: Callable[[Run, Round], None] | None = None,
-    poll: float = 1.0,
-    alive: Callable[[], bool] | None = None,
-    on_progress: Callable[[Run, Round], None] | None = None,
-) -> Run:
-    """Wait for the run's record to reach a final status, reporting each finished round once and,
-    with ``on_progress``, the running round at every poll (its ``progress``: stage and nodes)."""
-    deadline = time.monotonic() + timeout
-    reported: set[int] = set()
-
-    def check() -> Run | None:
-        try:
-            run = repo.get_run(flower_run_id)
-        except NotFoundError:
-            return None
-        for rnd in run.rounds:
-            if rnd.status not in (RoundStatus.RUNNING, RoundStatus.ABORTED) and rnd.number not in reported:
-                reported.add(rnd.number)
-                if on_round is not None:
-                    on_round(run, rnd)
-        running = [r for r in run.rounds if r.status == RoundStatus.RUNNING]
-        if on_progress is not None and running and run.status == RunStatus.RUNNING:
-            on_progress(run, max(running, key=lambda r: r.id))
-        return run if run.status != RunStatus.RUNNING else None
-
-    while True:
-        if (run := check()) is not None:
-            return run
-        if alive is not None and not alive():
-            time.sleep(poll)  # the final status may be committed just now
-            if (run := check()) is not None:
-                return run
-            raise FederationError(
-                f"run {flower_run_id} ended at the SuperLink without a final status in the state DB "
-                "(the ServerApp failed to start or was killed); see the SuperLink log"
-            )
-        if time.monotonic() > deadline:
-            raise FederationError(f"run {flower_run_id} did not finish within {timeout:.0f}s")
-        time.sleep(poll)
-
-
-def progress_line(rnd: Round, *, now: float | None = None) -> str:
-    """One line for a running round: "round 3 · train: 7/10 replied, 1 failed, 2 awaited (34 s left)"."""
-    head = f"round {rnd.number}" + (f" (attempt {rnd.attempt})" if rnd.attempt > 1 else "")
-    p = rnd.progress
-    if not p:
-        return f"{head}: starting"
-    now = time.time() if now is None else now
-    parts = [f"{p['replied']}/{p['asked']} replied"]
-    if p.get("failed"):
-        parts.append(f"{p['failed']} failed")
-    if p.get("waiting"):
-        left = float(p.get("deadline", now)) - now
-        parts.append(f"{p['waiting']} awaited" + (f" ({left:.0f} s left)" if left >= 0 else f" (late by {-left:.0f} s)"))
-    return f"{head} · {p['stage']}: " + ", ".join(parts)
 
 
 def run_closing(repo: Repository, run: Run, elapsed: float) -> str:
@@ -376,7 +329,8 @@ def run_closing(repo: Repository, run: Run, elapsed: float) -> str:
     rounds = [r for r in run.rounds if r.status != RoundStatus.ABORTED]
     failures = sum(len(r.failures) for r in rounds)
     took_part = {n for r in rounds for n in r.participants}
-    line = (f"run {run.id} {run.status} in {elapsed:.0f} s: {summary['rounds_completed']}/{run.num_rounds} rounds, "
+    line = (f"run {run.id} {run.status} in {elapsed:.0f} s ({summary['privacy_label']}): "
+            f"{summary['rounds_completed']}/{run.num_rounds} rounds, "
             f"{len(took_part)} node(s) took part, {failures} node failure(s)")
     if summary["final_metric"] is not None:
         line += f"; {summary['round_metric']} {summary['final_metric']:.3f}"

@@ -181,7 +181,7 @@ def test_hostile_train_replies_are_refused_and_leave_the_aggregate_unchanged(rep
     honest = _honest_arrays(seed)
     replies = [(n, _good(honest[n], w)) for n, w in HONEST.items()]
     replies.insert(position, (FUZZED, reply))
-    config = RunConfig.from_mapping({"strategy": "fedavg", "min-nodes": 1, "max-reply-mb": 1.0})
+    config = RunConfig.from_mapping({"strategy": "fedavg", "secure-aggregation": "none", "min-nodes": 1, "max-reply-mb": 1.0})
     failures: dict[int, tuple[str, str]] = {}
     template = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
 
@@ -200,7 +200,7 @@ def test_a_node_claiming_a_huge_example_count_weighs_at_most_the_cap() -> None:
     honest = _honest_arrays(3)
     loud = {k: np.full(s, 5.0, np.float32) for k, s in SHAPES.items()}
     replies = [(n, _good(honest[n], w)) for n, w in HONEST.items()] + [(FUZZED, _good(loud, 1e12))]
-    config = RunConfig.from_mapping({"strategy": "fedavg", "min-nodes": 1})
+    config = RunConfig.from_mapping({"strategy": "fedavg", "secure-aggregation": "none", "min-nodes": 1})
     template = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
     cap = 100.0
     phase = aggregate_train_replies(build_strategy(config), 1, [template], replies, {}, max_weight=cap)
@@ -216,7 +216,7 @@ def test_an_oversized_reply_is_refused_before_decoding() -> None:
     big = _reply(RecordDict({ARRAYS: ArrayRecord({"fc.weight": Array(np.zeros(2**19, np.float32))}),
                              METRICS: MetricRecord({"num-examples": 1.0})}))
     failures: dict[int, tuple[str, str]] = {}
-    config = RunConfig.from_mapping({"strategy": "fedavg", "min-nodes": 1})
+    config = RunConfig.from_mapping({"strategy": "fedavg", "secure-aggregation": "none", "min-nodes": 1})
     template = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
     aggregate_train_replies(build_strategy(config), 1, [template], [(FUZZED, big)], failures, max_reply_mb=1.0)
     assert "over max-reply-mb 1" in failures[FUZZED][1]

@@ -29,7 +29,8 @@ STOPPED_BY_ADMIN = "run stopped by the admin"
 
 class RunStatus(StrEnum):
     RUNNING = "running"
-    COMPLETED = "completed"
+    COMPLETED = "completed"  # every planned round completed
+    PARTIAL = "partial"  # the run ended, but some rounds failed (none completed: failed)
     FAILED = "failed"
     STOPPED = "stopped"
 

@@ -40,6 +40,10 @@ class TotalRecords(StateAccess):
 
         return self._read(op)
 
+    def last_run(self) -> Run | None:
+        """The most recently created run (without its rounds)."""
+        return self._read(lambda s: s.scalars(select(Run).order_by(Run.id.desc()).limit(1)).first())
+
     def last_round(self) -> Round | None:
         """The most recently started round of any run."""
         return self._read(lambda s: s.scalars(select(Round).order_by(Round.started_at.desc(), Round.id.desc())

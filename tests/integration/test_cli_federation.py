@@ -65,18 +65,28 @@ def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
             time.sleep(1)
         assert {(n["department"], n["last_seen"]) for n in json.loads(listed_nodes.stdout)} == {
             ("tax-office", None), ("parks", None)}
+        # A run config that names only num-rounds: private by default (masking), and every output says so.
         config = tmp_path / "run.toml"
-        config.write_text('[run]\nstrategy = "fedavg"\nnum-rounds = 2\nlocal-epochs = 1\nstart-from = "fresh"\n')
+        config.write_text("num-rounds = 2\n")
         run = subprocess.run(
-            _cli(home, "runs", "start", str(config), "--superlink", f"127.0.0.1:{port}", "--follow", "--timeout", "300",
-                 "-c", "min-nodes=2"),
+            _cli(home, "runs", "start", str(config), "--superlink", f"127.0.0.1:{port}", "--follow", "--timeout", "300"),
             capture_output=True, text=True, timeout=400, check=False,
         )
         assert run.returncode == 0, run.stdout + run.stderr + (logs / "server.log").read_text()
-        assert "completed" in run.stdout
+        said = " ".join(run.stdout.split())
+        assert "completed" in said and "masked: the server learns only sums of at least t = 60%" in said
         listed = subprocess.run(_cli(home, "runs", "list", "--format", "json"), capture_output=True, text=True, timeout=120, check=False)
         [record] = json.loads(listed.stdout)
-        assert record["status"] == "completed" and record["rounds_completed"] == 2 and record["strategy"] == "fedavg"
+        assert record["status"] == "completed" and record["rounds_completed"] == 2 and record["strategy"] == "fedprox"
+        assert record["secure_aggregation"] == "masked" and record["dp"] == "none" and record["threshold"] == "60% of each round's nodes"
+        assert "masked" in subprocess.run(_cli(home, "runs", "list"), capture_output=True, text=True, timeout=120,
+                                          check=True).stdout
+        shown = subprocess.run(_cli(home, "runs", "show", "1"), capture_output=True, text=True, timeout=120, check=True)
+        assert "masked: the server learns only sums" in " ".join(shown.stdout.split())
+        report = subprocess.run(_cli(home, "runs", "report", "1", "--out", str(tmp_path / "report")),
+                                capture_output=True, text=True, timeout=120, check=True)
+        page = (tmp_path / "report" / "run-1.html").read_text()
+        assert "QuorumFL run 1: completed, masked," in page and "masked: the server learns only sums" in page, report.stdout
         nodes = json.loads(subprocess.run(_cli(home, "nodes", "list", "--format", "json"), capture_output=True, text=True,
                                           timeout=120, check=False).stdout)
         assert sorted(n["department"] for n in nodes) == ["parks", "tax-office"]
@@ -89,16 +99,27 @@ def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
         assert samples[("quorumfl_nodes", (("state", "known"),))] == 2
         assert samples[("quorumfl_nodes", (("state", "seen_5m"),))] == 2  # both connected during the run
         assert samples[("quorumfl_bytes_total", (("direction", "up"),))] > 0
+        [info] = [labels for (name, labels) in samples if name == "quorumfl_last_run_info"]
+        assert dict(info)["secure_aggregation"] == "masked" and dict(info)["dp"] == "none", info
         # A run that fails is an error for scripts: --follow exits with the code of the cause (7: the
         # model store), not 0.
         (tmp_path / "not-a-folder").write_text("")
+        # Plaintext only when asked for, and then labelled so.
         failing = subprocess.run(
             _cli(home, "runs", "start", str(config), "--superlink", f"127.0.0.1:{port}", "--follow", "--timeout", "300",
-                 "-c", "min-nodes=2", "-c", "num-rounds=1", "-c", f"model-dir='{tmp_path / 'not-a-folder'}'"),
+                 "-c", "secure-aggregation='none'", "-c", "num-rounds=1", "-c", "local-epochs=1",
+                 "-c", f"model-dir='{tmp_path / 'not-a-folder'}'"),
             capture_output=True, text=True, timeout=400, check=False,
         )
         assert failing.returncode == 7, failing.stdout + failing.stderr
         assert "failed: ModelStoreError: cannot write model file" in failing.stderr, failing.stderr
+        assert "plaintext: the server sees each department's update" in " ".join(failing.stdout.split())
+        second = json.loads(subprocess.run(_cli(home, "runs", "list", "--format", "json"), capture_output=True,
+                                           text=True, timeout=120, check=True).stdout)[-1]
+        assert second["secure_aggregation"] == "plaintext" and second["privacy_label"] == "plaintext"
+        plain_report = json.loads(subprocess.run(_cli(home, "runs", "report", "2", "--format", "json"),
+                                                 capture_output=True, text=True, timeout=120, check=True).stdout)
+        assert plain_report["run"]["privacy"].startswith("plaintext")
 
         # A second node with a key that already runs on this machine is refused at once.
         twin = subprocess.run(

@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _overrides(d: Deployment, **extra: object) -> dict[str, object]:
-    return {"state-url": d.db_url, "model-dir": str(d.home / "models"), "start-from": "fresh", **extra}
+    # plaintext rounds: these tests read each update's stages (tests/integration/test_secure_deployment.py: masked)
+    return {"state-url": d.db_url, "model-dir": str(d.home / "models"), "start-from": "fresh",
+            "secure-aggregation": "none", **extra}
 
 
 def test_two_rounds_recorded_in_the_state_db(deployment: Deployment) -> None:

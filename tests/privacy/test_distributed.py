@@ -43,7 +43,7 @@ def test_noise_share_variance() -> None:
 
 def test_distributed_dp_needs_masking() -> None:
     with pytest.raises(ConfigError, match="secure-aggregation = 'masking'"):
-        RunConfig.from_mapping({"dp": "distributed"})
+        RunConfig.from_mapping({"dp": "distributed", "secure-aggregation": "none"})
 
 
 def _contexts(tmp_path: Path) -> dict[int, Context]:

@@ -49,7 +49,8 @@ def test_event_file_holds_the_state_dbs_series(tmp_path: Path, federation_parts:
     assert len(rounds) == 2
     for number, timings, participants in rounds:
         for name, value in ((n, v) for r, node, n, v in metrics if r == number and node is None):
-            assert series[f"metric/{name}"][number] == pytest.approx(value, rel=1e-6)
+            tag = f"final/{name}" if name.startswith("final-") else f"metric/{name}"  # the run's final model
+            assert series[tag][number] == pytest.approx(value, rel=1e-6)
         for stage, seconds in json.loads(timings).items():
             if stage != "local_train_max":
                 assert series[f"stage-seconds/{stage}"][number] == pytest.approx(seconds, rel=1e-6)

@@ -322,7 +322,7 @@ def test_follow_shows_the_running_stage_and_closes_with_a_summary(tmp_path: Path
     late.progress = None
     assert progress_line(late) == "round 1: starting"
     assert run_closing(repo, finished, 12.4) == (
-        "run 1 completed in 12 s: 1/1 rounds, 3 node(s) took part, 1 node failure(s); accuracy 0.750")
+        "run 1 completed in 12 s (plaintext): 1/1 rounds, 3 node(s) took part, 1 node failure(s); accuracy 0.750")
     # A set_round_progress after the round ended changes nothing.
     repo.set_round_progress(rnd.id, {"stage": "late-write"})
     assert repo.get_run(77).rounds[0].progress["stage"] == "secagg-unmask"  # type: ignore[index]

@@ -78,7 +78,9 @@ def test_json_report_numbers_are_the_state_dbs(recorded: tuple[str, int], monkey
         assert rnd["slowest_training_s"] == stored["local_train_max"]
         metrics = dict(_sql(url, "select name, value from metrics where run_id = 1 and round = :n and node_id is null",
                             n=rnd["round"]))
+        final = {k: metrics.pop(k) for k in list(metrics) if k.startswith("final-")}  # the run's final model
         assert rnd["metrics"] == pytest.approx(metrics)
+        assert all(data["final"][k] == v for k, v in final.items())
         assert rnd["downlink_bytes"] == metrics["downlink-bytes"] > 0
         [(uplink,)] = _sql(url, "select sum(value) from metrics where run_id = 1 and round = :n and name = 'uplink-bytes'",
                            n=rnd["round"])
@@ -97,7 +99,8 @@ def test_json_report_numbers_are_the_state_dbs(recorded: tuple[str, int], monkey
     assert {"trained", "rejected", "dropped"} <= states  # NaN update rejected; error and silence dropped
 
     # departments' final metrics
-    finals = _sql(url, "select node_id, name, value from metrics where run_id = 1 and name like 'final-%'")
+    finals = _sql(url, "select node_id, name, value from metrics where run_id = 1 and name like 'final-%' "
+                       "and node_id is not null")
     assert len(finals) > 0
     for node, name, value in finals:
         [row] = [d for d in data["departments"] if d["node_id"] == str(node)]

@@ -156,7 +156,8 @@ def _contexts(parts: dict[str, Path], extra: dict[str, bool | int | float | str]
 
 
 def _federation(tmp_path: Path, grid: Grid, **overrides: object) -> tuple[Federation, Repository]:
-    config = RunConfig.from_mapping({"num-rounds": 2, "local-epochs": 1, "min-nodes": 2, "start-from": "fresh", **overrides})
+    config = RunConfig.from_mapping({"num-rounds": 2, "local-epochs": 1, "min-nodes": 2, "start-from": "fresh",
+                                   "secure-aggregation": "none", **overrides})
     if isinstance(grid, LoopbackGrid) and any(c.run_config.get("roster") for c in grid.nodes.values()):
         for context in grid.nodes.values():  # a signed run: the nodes hold every key of it, as a deployed bundle does
             context.run_config.update(config.resolved())

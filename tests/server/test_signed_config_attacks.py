@@ -25,7 +25,8 @@ from .test_rounds import LoopbackGrid, _contexts, _federation, task_identity  # 
 
 def _signed(**overrides: Any) -> dict[str, Any]:
     """The whole run config as a deployed run's signed bundle holds it."""
-    return RunConfig.from_mapping({"num-rounds": 1, "min-nodes": 2, "fraction-train": 1.0, **overrides}).resolved()
+    return RunConfig.from_mapping({"num-rounds": 1, "min-nodes": 2, "fraction-train": 1.0, "secure-aggregation": "none",
+                                   **overrides}).resolved()
 
 
 def _attack(tmp_path: Path, parts: dict[str, Path], signed: dict[str, Any], **server: Any) -> tuple[LoopbackGrid, Any]:
