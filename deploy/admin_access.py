@@ -311,8 +311,16 @@ def main(argv: list[str] | None = None) -> None:
     from flwr.superlink.cli import flower_superlink
 
     from quorumfl.deploy.link_restarts import install
+    from quorumfl.deploy.liveness import (
+        accept_short_heartbeats,
+        end_with_parent,
+        stop_below_on_exit,
+    )
 
     install()  # a message taken by a node that restarted since gets an answer, not the round's timeout
+    accept_short_heartbeats()  # QuorumFL's SuperNodes beat every few seconds (deploy.liveness)
+    end_with_parent()
+    stop_below_on_exit()
     pulls = held_pulls.install()
     create = main_module.create_app
 

@@ -27,11 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE
-
 from quorumfl.deploy.admin_access import ADMIN_KEYS_FLAG
 from quorumfl.deploy.certs import Credentials
 from quorumfl.deploy.launch_gate import write_superexec
+from quorumfl.deploy.liveness import DEFAULT_HEARTBEAT_S, PARENT_ENV, offline_after
 from quorumfl.deploy.signals import terminate_on_signals
 from quorumfl.errors import ConfigError, CredentialError, FederationError
 
@@ -260,12 +259,13 @@ class Child:
 
 # Flower's SuperLink answers "Failed to activate SuperNode" (exit 305) both to a key it does not know
 # and to a key whose SuperNode it still counts as online. A SuperNode that was killed stays online
-# there until its heartbeats have lapsed: HEARTBEAT_PATIENCE × HEARTBEAT_DEFAULT_INTERVAL after
-# the last one (60 s in Flower 1.42). A node started again within that window is refused; starting it
-# again until the window has passed lets a crashed department rejoin under its own key.
+# there until its heartbeats have lapsed: two heartbeat intervals after the last one (6 s with
+# QuorumFL's heartbeat, ``deploy.liveness``; a minute with Flower's own). A node started again within
+# that window is refused; starting it again until the window has passed lets a crashed department
+# rejoin under its own key. One that stopped cleanly was deactivated and rejoins at once.
 ACTIVATION_REFUSED = "Failed to activate SuperNode"
 ACTIVATED = "SuperNode ID:"
-REJOIN_GRACE_S = float(HEARTBEAT_PATIENCE * HEARTBEAT_DEFAULT_INTERVAL + 30)
+REJOIN_GRACE_S = offline_after(DEFAULT_HEARTBEAT_S) + 30
 REJOIN_RETRY_S = 3.0
 
 
@@ -309,7 +309,7 @@ class ProcessGroup:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self.env,
+                env={**self.env, PARENT_ENV: str(os.getpid())},  # it ends when this process does (liveness)
                 cwd=cwd,
                 start_new_session=True,
             )
@@ -432,6 +432,17 @@ def _with_environ(entry: bytes, pids: set[int]) -> set[int]:
 def _descendants(roots: set[int]) -> set[int]:
     """All processes below ``roots``, found through /proc (Linux); empty where /proc is absent."""
     return _below(roots, _process_table())
+
+
+def stop_descendants(root: int, *, grace: float = 3.0) -> None:
+    """SIGTERM every process below ``root``; SIGKILL those still there after ``grace`` seconds."""
+    _signal_pids(_descendants({root}), signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while (left := {p for p in _descendants({root}) if _process_table().get(p, (0, "Z", 0))[1] not in ("Z", "X")}):
+        if time.monotonic() >= deadline:
+            _signal_pids(left, signal.SIGKILL)
+            return
+        time.sleep(0.1)
 
 
 def _signal_pids(pids: set[int], sig: signal.Signals) -> None:

@@ -17,7 +17,9 @@ SuperExec it started (``task_wake``), which otherwise asks for new tasks only ev
 warm ClientApps (``launch_gate.WARM_ENV`` set) it starts the warm server as it starts
 (``warm.prestart``), so a run's first tasks do not all start cold together. A reply whose push to
 the SuperLink failed on a repeated object push is pushed again (``reply_push.retry_link_push``)
-instead of dropped. Nothing else of Flower's behaviour changes.
+instead of dropped. It beats every few seconds instead of every ~20 (``QUORUMFL_HEARTBEAT_S``), ends
+with the ``quorumfl`` command that started it, and stops the processes below it as it ends
+(``liveness``). Nothing else of Flower's behaviour changes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ from typing import Any
 
 from quorumfl.deploy.held_pulls import HOLD_ENV, env_seconds, hold_seconds
 from quorumfl.deploy.launch_gate import WARM_ENV
+from quorumfl.deploy.liveness import (
+    end_with_parent,
+    heartbeat_interval,
+    shorten_node_heartbeat,
+    stop_below_on_exit,
+)
 from quorumfl.deploy.task_wake import WAKE_ENV, Waker, new_wake_name
 from quorumfl.protocol.pull_backoff import shorten_pull_backoff
 from quorumfl.protocol.reply_push import retry_link_push
@@ -110,12 +118,16 @@ def main() -> None:
     try:
         poll = poll_interval()
         hold = hold_seconds(os.environ.get(HOLD_ENV))
+        heartbeat = heartbeat_interval()
     except ValueError as exc:
         print(f"quorumfl supernode: {exc}", file=sys.stderr)
         sys.exit(78)
     from flwr.supernode import start_client_internal
     from flwr.supernode.cli import flower_supernode
 
+    shorten_node_heartbeat(heartbeat)
+    end_with_parent()
+    stop_below_on_exit()
     waits = patch_waits(start_client_internal, poll)
     shorten_pull_backoff()
     retry_link_push(start_client_internal)
