@@ -27,7 +27,7 @@ from quorumfl.cli.output import (
     table,
 )
 from quorumfl.core.tasks.objective import primary_among
-from quorumfl.errors import ConfigError, NotFoundError, StateError
+from quorumfl.errors import ConfigError, FederationError, NotFoundError, StateError
 from quorumfl.server.services import (
     department_columns,
     follow_run,
@@ -152,29 +152,41 @@ def start(
                   f"{task_label(stored)}, seed {resolved.seed}; {privacy_view(stored)['sentence']}. 'runs show' and "
                   "'runs stop' take either id", highlight=False)
     if follow:
-        repo = settings(ctx).repository()
-        progress, task = round_progress(resolved.num_rounds)
-        began = time.monotonic()
+        _follow(ctx, control, flower_run_id, recorded or flower_run_id, resolved.num_rounds, timeout)
+
+
+def _follow(ctx: typer.Context, control: Any, flower_run_id: int, ref: int, rounds: int, timeout: float) -> None:
+    """Show the run's rounds until it ends; exit with the code of what it ended with (``ref``: the
+    run's number, as messages name it)."""
+    repo = settings(ctx).repository()
+    progress, task = round_progress(rounds)
+    began = time.monotonic()
+
+    def alive() -> bool:
         try:
-            with progress:
-                run = follow_run(
-                    repo, flower_run_id, timeout=timeout, on_round=round_reporter(repo, progress, task),
-                    alive=lambda: not control.run_finished(flower_run_id),
-                    on_progress=stage_reporter(progress, task),
-                )
-        except KeyboardInterrupt:  # only the following stops: say so, and how to stop the run itself
-            err_console.print(f"stopped following; run {flower_run_id} goes on at the SuperLink: "
-                              f"'quorumfl runs show {flower_run_id}' shows it, "
-                              f"'quorumfl runs stop {flower_run_id}' stops it")
-            raise
-        view = run_view(repo, run.id)
-        if view["departments"]:
-            console.print(table("Final models per department (own test split)", view["departments"],
-                                department_columns(view["departments"], view["primary_metric"])))
-        console.print(run_closing(repo, run, time.monotonic() - began), highlight=False)
-        failure = run_outcome_error(run)
-        if failure is not None:  # a script must tell a failed run from a completed one
-            raise failure
+            return not control.run_finished(flower_run_id)
+        except FederationError as exc:
+            raise FederationError(
+                f"the server went away while run {ref} was running ({exc}); the run stays running in the state DB, "
+                f"and 'quorumfl server start' resumes it from its last completed round; follow it again with "
+                f"'quorumfl runs show {ref}'") from exc
+
+    try:
+        with progress:
+            run = follow_run(repo, flower_run_id, timeout=timeout, on_round=round_reporter(repo, progress, task),
+                             alive=alive, on_progress=stage_reporter(progress, task))
+    except KeyboardInterrupt:  # only the following stops: say so, and how to stop the run itself
+        err_console.print(f"stopped following; run {ref} goes on at the server: 'quorumfl runs show {ref}' shows it, "
+                          f"'quorumfl runs stop {ref}' stops it")
+        raise
+    view = run_view(repo, run.id)
+    if view["departments"]:
+        console.print(table("Final models per department (own test split)", view["departments"],
+                            department_columns(view["departments"], view["primary_metric"])))
+    console.print(run_closing(repo, run, time.monotonic() - began), highlight=False)
+    failure = run_outcome_error(run)
+    if failure is not None:  # a script must tell a failed run from a completed one
+        raise failure
 
 
 def _recorded_run(ctx: typer.Context, flower_run_id: int, wait: float = 20.0) -> int | None:
@@ -196,14 +208,30 @@ def _recorded_run(ctx: typer.Context, flower_run_id: int, wait: float = 20.0) ->
 
 @runs_app.command("resume")
 def resume(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (QuorumFL or Flower).")],
-           superlink: SuperlinkOpt = DEFAULT_SUPERLINK, insecure: InsecureOpt = False, ca_cert: CaCertOpt = None) -> None:
+           superlink: SuperlinkOpt = DEFAULT_SUPERLINK, insecure: InsecureOpt = False, ca_cert: CaCertOpt = None,
+           follow: Annotated[bool, typer.Option(help="Show progress until the run ends.")] = False,
+           timeout: Annotated[float, typer.Option(help="With --follow: give up after this many seconds.")] = 3600.0,
+           ) -> None:
     """Continue an interrupted run from its last completed round (its unfinished round is redone)."""
     state = settings(ctx)
-    from quorumfl.deploy.resume import resume_run
+    from quorumfl.deploy.resume import resume_run, who_trains_again
 
-    flower_run_id = resume_run(state.repository(), state.control(superlink, insecure=insecure, ca_cert=ca_cert), run)
-    console.print(f"[green]run {run} resumed as Flower run {flower_run_id}[/green]; follow it with "
-                  f"'quorumfl runs show {run}'")
+    repo, control = state.repository(), state.control(superlink, insecure=insecure, ca_cert=ca_cert)
+    again, missing = who_trains_again(repo, {n.node_id for n in control.nodes() if n.status == "online"}, run)
+    if missing:
+        err_console.print(f"[yellow]the next round trains again from the model of a failed attempt by {again}; "
+                          f"{missing} not connected[/yellow]: the others would train it with another set, and those "
+                          "that confirmed the attempt refuse (their contribution ledgers); start those nodes first, "
+                          "then resume", highlight=False)
+    elif again:
+        console.print(f"the next round trains again from the model of a failed attempt: asked of the same departments "
+                      f"({again}), as their contribution ledgers require", highlight=False)
+    record = repo.get_run(run)
+    flower_run_id = resume_run(repo, control, run)
+    console.print(f"[green]run {record.id} resumed as Flower run {flower_run_id}[/green]; follow it with "
+                  f"'quorumfl runs show {record.id}'", highlight=False)
+    if follow:
+        _follow(ctx, control, flower_run_id, record.id, record.num_rounds, timeout)
 
 
 @runs_app.command("list")

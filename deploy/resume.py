@@ -16,10 +16,11 @@ from quorumfl.deploy.control import Control
 from quorumfl.errors import ConfigError
 from quorumfl.privacy.admin import RUN_STAMP_KEYS
 from quorumfl.server.config import DEFAULTS
+from quorumfl.server.resuming import last_attempt_set
 from quorumfl.server.state.orm import Run
 from quorumfl.server.state.repository import INTERRUPTED, Repository, RunStatus
 
-__all__ = ["resume_interrupted", "resume_overrides", "resume_run"]
+__all__ = ["resume_interrupted", "resume_overrides", "resume_run", "who_trains_again"]
 
 
 def resume_overrides(run: Run) -> dict[str, Any]:
@@ -66,3 +67,20 @@ def resume_interrupted(repo: Repository, control: Control) -> list[tuple[int, in
         repo.resume_run(run.id, flower_run_id=flower_run_id, reason=INTERRUPTED)
         resumed.append((run.id, flower_run_id))
     return resumed
+
+
+def who_trains_again(repo: Repository, online: set[int], ref: int) -> tuple[str, str]:
+    """Under secure aggregation, when the run's next round trains from the model of a failed attempt:
+    the departments of that attempt (the server asks them again) and those of them not ``online``
+    (the node ids the SuperLink counts online); empty strings otherwise."""
+    run = repo.get_run(ref)
+    again = last_attempt_set(run.rounds) if run.config.get("secure-aggregation", "none") != "none" else None
+    if not again:
+        return "", ""
+    names = {n.node_id: n.department for n in repo.list_nodes()}
+
+    def named(nodes: list[int]) -> str:
+        return ", ".join(names.get(n) or str(n) for n in nodes)
+
+    missing = [n for n in again if n not in online]
+    return named(again), named(missing) + ((" is" if len(missing) == 1 else " are") if missing else "")

@@ -23,6 +23,7 @@ from quorumfl.server.selection import (
     Selector,
     build_selector,
     check_selection,
+    round_reward,
 )
 from quorumfl.server.state.repository import Repository
 from quorumfl.server.strategies import Strategy
@@ -71,6 +72,12 @@ class SelectionFeedback:
         self.exchange.start_train_stage(count if asked > count else None)
         return selection
 
+    def repeat(self, nodes: list[int]) -> Selection:
+        """The same nodes as an earlier attempt from the same model (secure rounds: each node's
+        contribution ledger admits a second contribution from a model only with the same set)."""
+        self.exchange.start_train_stage(None)
+        return Selection(nodes=sorted(nodes), epochs={n: self.config.local_epochs for n in nodes}, policy="repeat")
+
     def learn(self, run_id: int, number: int, selection: Selection, phase: TrainPhase,
                          outcome: RoundOutcome, timings: dict[str, float], accuracy: float, loss: float) -> None:
         """Tell the selector how the round went, record its choice and reward, keep its state."""
@@ -99,7 +106,9 @@ class SelectionFeedback:
                                  after if math.isfinite(after) else 0.0,
                                  deadline=self.config.round_deadline or None, loss_before=self.loss,
                                  loss_after=loss if math.isfinite(loss) else self.loss)
-        reward = self.selector.observe(feedback)
+        # a repeated set was not the selector's choice: it keeps its statistics, not a policy step
+        reward = self.selector.observe(feedback) if selection.policy != "repeat" else round_reward(feedback,
+                                                                                                  late_penalty=0.0)
         self.accuracy, self.loss = after, feedback.loss_after if feedback.loss_after is not None else math.nan
         details = {"round-seconds": seconds, "accuracy-gain": feedback.accuracy_after - feedback.accuracy_before}
         if feedback.loss_before is not None and feedback.loss_after is not None:

@@ -13,10 +13,10 @@ from quorumfl.errors import ConfigError, FederationError
 from quorumfl.privacy.admin import RUN_STAMP_KEYS
 from quorumfl.server.config import RunConfig
 from quorumfl.server.model_store import ModelStore
-from quorumfl.server.state.orm import Run
+from quorumfl.server.state.orm import Round, Run
 from quorumfl.server.state.repository import INTERRUPTED, Repository, RoundStatus
 
-__all__ = ["resume_point", "take_up"]
+__all__ = ["last_attempt_set", "resume_point", "take_up"]
 
 log = logging.getLogger(__name__)
 Arrays = dict[str, NDArray[np.generic]]
@@ -61,3 +61,14 @@ def resume_point(repo: Repository, store: ModelStore, run: Run, lineages: list[s
     first = max((r.number for r in finished), default=0) + 1
     log.info("run %s resumes at round %s after %s completed round(s)", run.id, first, len(done))
     return first, len(done), seen
+
+
+def last_attempt_set(rounds: list[Round]) -> list[int] | None:
+    """The nodes selected by the latest attempt since the last completed round (failed or aborted):
+    the next round trains from that attempt's model, and under secure aggregation each node's
+    contribution ledger admits a second contribution from a model only with the same set. None when
+    the last round completed (or there was none)."""
+    latest = max(rounds, key=lambda r: r.id, default=None)
+    if latest is None or latest.status == RoundStatus.COMPLETED:
+        return None
+    return sorted(int(n) for n in latest.selected) or None

@@ -55,8 +55,9 @@ from quorumfl.server.replies import (
     ReplyError,
     parse_train_reply,
 )
-from quorumfl.server.resuming import resume_point, take_up
+from quorumfl.server.resuming import last_attempt_set, resume_point, take_up
 from quorumfl.server.run_task import federated_metric, run_task
+from quorumfl.server.selection import Selection
 from quorumfl.server.state.repository import (
     INTERRUPTED,
     STOPPED_BY_ADMIN,
@@ -123,6 +124,8 @@ class Federation:
                                        names=[name for name, _ in self.model.named_parameters()])
         self._qat_template: Arrays | None = None  # a QAT round's unset activation ranges (built once)
         self.dp_noise = distributed_noise(config)  # distributed DP: σ on each revealed sum, else None
+        # secure rounds: the nodes of a failed attempt whose model the next round trains from again
+        self.repeat_set: list[int] | None = None
         # the settings a node takes as they are (declared node=True in server/config.py), plus what the
         # server decides: the round, μ (the strategy's, per node) and distributed DP's σ
         self._base = TrainConfig(
@@ -229,6 +232,7 @@ class Federation:
             first, completed, seen = 1, 0, set[int]()
             if config.resume_run:
                 first, completed, seen = resume_point(self.repo, self.store, run, lineages, models, parents)
+                self.repeat_set = last_attempt_set(self.repo.list_rounds(run.id))
             model = self.model
             self.feedback.restore()
             value, self.feedback.loss = self._server_evaluation(model, models[0])
@@ -294,7 +298,7 @@ class Federation:
         available = self._available_nodes()
         for node in available:  # registry: connected nodes, named once they reply
             self.repo.touch_node(node)
-        selection = self.feedback.select(available)
+        selection = self._selection(number, available)
         selected = sorted(selection.nodes)
         rnd = self.repo.start_round(run_id, number, selected)
         self.exchange.round_id, self.exchange.round_number = rnd.id, number
@@ -328,10 +332,12 @@ class Federation:
             )
             self.repo.finish_round(rnd.id, RoundStatus.FAILED, participants=phase.accepted, timings=timings, error=why)
             log.warning("round %s failed: %s; the global model is unchanged", number, why)
+            self.repeat_set = selected  # the next round trains from this model again
             self.feedback.learn(run_id, number, selection, phase, outcome, timings, self.feedback.accuracy,
                                 self.feedback.loss)
             return models, parents, {}
 
+        self.repeat_set = None
         if len(new_models) == 1:  # the server's step on the revealed mean (FedAvgM; plain FedAvg: the mean)
             new_models = [self.momentum.step(models[0], new_models[0])]
         start = self.clock()
@@ -407,6 +413,24 @@ class Federation:
             sum(timings.values()),
         )
         return new_models, versions, round_metrics
+
+    def _selection(self, number: int, available: list[int]) -> Selection:
+        """The selector's choice; under secure aggregation, after a failed attempt from the same model,
+        that attempt's nodes again (their ledgers refuse another set), or, when some of them are not
+        connected, the selector's choice with a warning naming them."""
+        again = self.repeat_set
+        if again is None or self.config.secure_aggregation is SecureMode.NONE:
+            return self.feedback.select(available)
+        missing = sorted(set(again) - set(available))
+        if not missing:
+            return self.feedback.repeat(again)
+        names = {n.node_id: n.department for n in self.repo.list_nodes()}
+        log.warning("round %s trains from the model of a failed attempt with %s; %s not connected: the others "
+                    "train it with another set, and those that confirmed the attempt refuse (their contribution "
+                    "ledgers); start those nodes and resume the run to keep every department", number,
+                    ", ".join(names.get(n) or str(n) for n in again),
+                    ", ".join(names.get(n) or str(n) for n in missing) + (" is" if len(missing) == 1 else " are"))
+        return self.feedback.select(available)
 
     # ---- evaluation ---------------------------------------------------------------------------
     def _server_evaluation(self, model: Any, arrays: Arrays) -> tuple[float, float]:

@@ -121,3 +121,52 @@ def test_the_ledger_releases_only_unconfirmed_slots_and_never_confirms_a_release
     ledger.admit("c" * 64, [1, 2, 3], run="7", round_number=1)
     with pytest.raises(SecureAggregationError, match="cannot be withdrawn"):
         ledger.admit("c" * 64, [1, 2], run="7", round_number=2, slot=first)
+
+
+def test_after_a_failed_round_the_next_trains_with_the_same_departments(tmp_path: Path) -> None:
+    """Four of six are sampled each round. Round 1's unmask replies are all lost after every node
+    consented: its sum may be known. Round 2 trains from the same model, so a fresh sample of four
+    would be refused by every node of round 1 that the sample kept; it asks round 1's four again,
+    which their ledgers admit (same model, same set), and completes."""
+    contexts, roster = signed_nodes(tmp_path, names=NAMES)
+    grid = LoopbackGrid(dict(contexts))
+    trains = {"n": 0}
+
+    def drop(sent: list[Message], replies: list[Message]) -> list[Message]:
+        kind = sent[0].metadata.message_type if sent else ""
+        trains["n"] += kind == "train"
+        return [] if trains["n"] == 1 and kind == UNMASK else replies
+
+    grid.drop = drop
+    federation, repo = _federation(tmp_path, grid, **{**MASKING, "roster": roster, "fraction-train": 0.66,
+                                                      "num-rounds": 3})
+    run = repo.get_run(federation.run())
+    first, second, third = run.rounds
+    assert first.status == RoundStatus.FAILED and len(first.selected) == 4
+    assert second.status == RoundStatus.COMPLETED and sorted(second.selected) == sorted(first.selected)
+    assert sorted(second.participants) == sorted(first.selected) and not second.failures
+    assert third.status == RoundStatus.COMPLETED and len(third.selected) == 4  # the selector chooses again
+    [repeat] = [s for s in repo.selections(run.id) if s.round == 2]
+    assert repeat.policy == "repeat"
+
+
+def test_resume_names_the_departments_of_the_failed_attempt_and_those_not_connected(tmp_path: Path) -> None:
+    from quorumfl.deploy.resume import who_trains_again
+    from quorumfl.server.state.database import connect
+    from quorumfl.server.state.repository import Repository
+
+    repo = Repository(connect(f"sqlite:///{tmp_path / 'state.db'}", migrate=True))
+    for node, name in ((7, "tax-office"), (8, "parks"), (9, "housing")):
+        repo.touch_node(node, department=name)
+    masked = repo.create_run(flower_run_id=5, config={"secure-aggregation": "masking"}, strategy="fedavg", num_rounds=3)
+    done = repo.start_round(masked.id, 1, [7, 8, 9])
+    repo.finish_round(done.id, RoundStatus.COMPLETED, participants=[7, 8, 9], timings={})
+    assert who_trains_again(repo, {7}, masked.id) == ("", "")  # the last round completed: any set will do
+    lost = repo.start_round(masked.id, 2, [7, 9])
+    repo.finish_round(lost.id, RoundStatus.FAILED, participants=[], timings={}, error="too few shares")
+    assert who_trains_again(repo, {7, 8, 9}, masked.id) == ("tax-office, housing", "")
+    assert who_trains_again(repo, {7, 8}, masked.id) == ("tax-office, housing", "housing is")
+    plain = repo.create_run(flower_run_id=6, config={"secure-aggregation": "none"}, strategy="fedavg", num_rounds=3)
+    failed = repo.start_round(plain.id, 1, [7, 9])
+    repo.finish_round(failed.id, RoundStatus.FAILED, participants=[], timings={}, error="min-nodes")
+    assert who_trains_again(repo, set(), plain.id) == ("", "")  # plaintext: no ledger to satisfy
