@@ -81,14 +81,23 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _where(path: str) -> str:
+    """A schema path as a reader finds it: ``numeric[area].high`` is column 'area' (numeric.high)."""
+    list_name, bracket, rest = path.partition("[")
+    if not bracket:
+        return f"'{path}'"
+    column, _, field = rest.partition("]")
+    return f"column '{column}' ({list_name}{field})"
+
+
 def _difference(path: str, mine: Any, theirs: Any) -> str | None:
     if isinstance(mine, Mapping) and isinstance(theirs, Mapping):
         for key in sorted(set(mine) | set(theirs), key=str):
             where = f"{path}.{key}" if path else str(key)
             if key not in mine:
-                return f"'{where}' is missing here (the run's schema has {_describe(theirs[key])})"
+                return f"{_where(where)} is missing here (the run's schema has {_describe(theirs[key])})"
             if key not in theirs:
-                return f"'{where}' is not in the run's schema (here {_describe(mine[key])})"
+                return f"{_where(where)} is not in the run's schema (here {_describe(mine[key])})"
             found = _difference(where, mine[key], theirs[key])
             if found:
                 return found
@@ -116,7 +125,7 @@ def _difference(path: str, mine: Any, theirs: Any) -> str | None:
             return f"'{path}': the same entries in another order (here {_describe(mine)})"
         return None
     if mine != theirs:
-        return f"'{path}' is {_describe(mine)} here, {_describe(theirs)} in the run's schema"
+        return f"{_where(path)} is {_describe(mine)} here, {_describe(theirs)} in the run's schema"
     return None
 
 
