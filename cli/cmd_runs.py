@@ -26,7 +26,7 @@ from quorumfl.cli.output import (
     short_time,
     table,
 )
-from quorumfl.core.tasks.objective import primary_among
+from quorumfl.core.metric_names import primary_among
 from quorumfl.errors import ConfigError, FederationError, NotFoundError, StateError
 from quorumfl.server.services import (
     department_columns,

@@ -20,7 +20,7 @@ from quorumfl.cli.output import (
     short_time,
     table,
 )
-from quorumfl.core.tasks.objective import primary_among
+from quorumfl.core.metric_names import primary_among
 from quorumfl.errors import ModelStoreError
 from quorumfl.server.services import export_model, model_view, models_view, nodes_view
 

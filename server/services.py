@@ -9,10 +9,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from quorumfl.core.tasks.objective import PRIMARY_METRICS, primary_among
+from quorumfl.core.metric_names import PRIMARY_METRICS, primary_among
 from quorumfl.errors import FederationError, QuorumError, RoundsLostError
 from quorumfl.server.following import follow_run, progress_line
-from quorumfl.server.model_store import ModelStore
 from quorumfl.server.run_labels import privacy_view, task_label
 from quorumfl.server.state.orm import Metric, ModelVersion, Round, Run
 from quorumfl.server.state.repository import Repository, RoundStatus, RunStatus
@@ -292,6 +291,8 @@ def models_view(repo: Repository, *, run_id: int | None = None) -> list[dict[str
 def export_model(repo: Repository, version_id: int, destination: Path) -> Path:
     """Copy a verified model version to ``destination`` (a file, or a folder to put it in)."""
     version = repo.get_model_version(version_id)
+    from quorumfl.server.model_store import ModelStore  # numpy: only for this command
+
     ModelStore.load(version.path, version.sha256)  # refuses a tampered file
     target = destination / Path(version.path).name if destination.is_dir() else destination
     target.parent.mkdir(parents=True, exist_ok=True)

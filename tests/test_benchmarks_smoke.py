@@ -166,3 +166,10 @@ def test_scale_smoke() -> None:
     assert keys <= set(figures)
     assert figures["errors"] == {} and figures["participants"] == {"plain": [6, 6], "masked": [6, 6], "ckks": [4, 4]}
     assert {"train", "secagg-unmask"} <= set(figures["stage_seconds"]["masked"])  # type: ignore[index]
+
+
+def test_cli_start_smoke() -> None:
+    figures = _run("cli_start.py")
+    keys = {"help_median_s", "runs_list_median_s", "runs_list_json_median_s", "runs_show_median_s",
+            "command_peak_rss_mb"}
+    assert keys <= set(figures) and all(float(figures[k]) > 0 for k in keys)  # type: ignore[arg-type]

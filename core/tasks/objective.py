@@ -15,9 +15,16 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from quorumfl.core.metric_names import (
+    CLASSIFICATION_PRIMARY,
+    PRIMARY_METRICS,
+    REGRESSION_PRIMARY,
+    primary_among,
+)
 
 if TYPE_CHECKING:  # torch loads only where a model runs: the data layer and the ClientApp import this without it
     import torch
@@ -70,7 +77,7 @@ class Classification(Objective):
     """Cross-entropy over class logits; metrics ``accuracy`` (primary) and ``loss``."""
 
     name: str = "classification"
-    primary: str = "accuracy"
+    primary: str = CLASSIFICATION_PRIMARY
     higher_is_better: bool = True
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor, *, reduction: str = "sum") -> torch.Tensor:
@@ -94,7 +101,7 @@ class Regression(Objective):
 
     scale: float = 1.0
     name: str = "regression"
-    primary: str = "mae"
+    primary: str = REGRESSION_PRIMARY
     higher_is_better: bool = False
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor, *, reduction: str = "sum") -> torch.Tensor:
@@ -118,16 +125,3 @@ class Regression(Objective):
 
 
 CLASSIFICATION = Classification()
-
-
-PRIMARY_METRICS = (Regression.primary, Classification.primary)  # every objective's primary metric
-
-
-def primary_among(names: Iterable[str]) -> str:
-    """The primary metric of a run from the metric names it recorded (``mae`` if any name is or ends
-    in it, else ``accuracy``): what reports show when they have only the stored metrics."""
-    names = list(names)
-    for primary in PRIMARY_METRICS:
-        if any(n == primary or n.endswith(f"-{primary}") for n in names):
-            return primary
-    return Classification.primary
