@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from quorumfl.cli.output import Format, console, print_json
+from quorumfl.cli.output import Format, console, file_progress, print_json
 from quorumfl.core.data import check_data, import_partition, prepare_partitions, propose_schema
 from quorumfl.core.data.datasets import FASHION_MNIST_DIR
 from quorumfl.core.data.departments import split_packaged
@@ -73,9 +73,10 @@ def import_data(
     seed: Annotated[int, typer.Option(help="Seed of the train/test split.")] = 0,
 ) -> None:
     """Check a department's file against the shared schema and write its partition directory."""
-    part = import_partition(source, out, department=department, schema=_read_schema(schema),
-                            test_fraction=test_fraction, seed=seed)
-    console.print(f"{part.department}: {len(part.train)} training and {len(part.test)} test examples in {out}",
+    with file_progress() as hear:
+        part = import_partition(source, out, department=department, schema=_read_schema(schema),
+                                test_fraction=test_fraction, seed=seed, on_progress=hear)
+    console.print(f"{part.department}: {part.train_examples} training and {part.test_examples} test examples in {out}",
                   highlight=False, soft_wrap=True)
 
 
@@ -86,7 +87,8 @@ def check(
     fmt: FormatOpt = Format.TABLE,
 ) -> None:
     """Say whether a department's data fits the schema (exit 4 naming the row, column or class if not); writes nothing."""
-    view = check_data(path, _read_schema(schema) if schema is not None else None)
+    with file_progress() as hear:
+        view = check_data(path, _read_schema(schema) if schema is not None else None, on_progress=hear)
     if fmt is Format.JSON:
         print_json(view)
         return

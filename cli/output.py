@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
@@ -125,3 +126,30 @@ def write_page(out: Path, name: str, render: Callable[[], str], *, open_page: bo
         import webbrowser
 
         webbrowser.open(page.resolve().as_uri())
+
+
+@contextmanager
+def file_progress() -> Iterator[Callable[[str, int, int], None]]:
+    """A progress bar on a terminal's stderr for reading a large file, one line per stage
+    (checking, importing); yields the callback that moves it: (stage, bytes read, file size)."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                        TimeRemainingColumn(), console=err_console, transient=True,
+                        disable=not err_console.is_terminal)
+    stages: dict[str, Any] = {}
+
+    def hear(stage: str, done: int, size: int) -> None:
+        if stage not in stages:
+            stages[stage] = progress.add_task(stage, total=size)
+        progress.update(stages[stage], completed=done)
+
+    with progress:
+        yield hear

@@ -173,3 +173,10 @@ def test_cli_start_smoke() -> None:
     keys = {"help_median_s", "runs_list_median_s", "runs_list_json_median_s", "runs_show_median_s",
             "command_peak_rss_mb"}
     assert keys <= set(figures) and all(float(figures[k]) > 0 for k in keys)  # type: ignore[arg-type]
+
+
+def test_big_import_smoke() -> None:
+    figures = _run("big_import.py")
+    keys = {"check_mb_s_20mb", "import_mb_s_20mb", "check_peak_rss_mb_20mb", "import_peak_rss_mb_20mb",
+            "partition_mb_20mb", "rows_20mb"}
+    assert keys <= set(figures) and all(float(figures[k]) > 0 for k in keys)  # type: ignore[arg-type]

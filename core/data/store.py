@@ -24,7 +24,8 @@ from quorumfl.core.tasks import get_task, image_schema, schema_digest
 from quorumfl.core.tasks.objective import Objective
 from quorumfl.errors import ConfigError, DataError, QuorumError
 
-__all__ = ["META", "Partition", "department_slug", "prepare_partitions", "read_partition", "write_partition"]
+__all__ = ["META", "Partition", "department_slug", "prepare_partitions", "read_partition", "write_meta",
+           "write_partition"]
 
 META = "partition.json"
 _SLUG = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
@@ -62,23 +63,36 @@ def write_partition(directory: Path, part: Partition) -> None:
     """Write the partition; ``partition.json`` goes last, so a directory without it is never read as
     a partition (an interrupted write leaves nothing a node would take)."""
     directory.mkdir(parents=True, exist_ok=True)
-    schema = part.resolved_schema()
     _save_npz(directory / "train.npz", part.train)
     _save_npz(directory / "test.npz", part.test)
+    classification = part.train.objective.name == "classification"
+    write_meta(directory, department=part.department, dataset=part.dataset, schema=part.schema or None,
+               input_shape=part.train.input_shape, num_classes=part.train.num_classes,
+               counts=(len(part.train), len(part.test)),
+               train_labels=np.bincount(part.train.y) if classification else None,
+               digest_of=part.resolved_schema())
+
+
+def write_meta(directory: Path, *, department: str, dataset: str, schema: dict[str, Any] | None,
+               input_shape: tuple[int, ...], num_classes: int, counts: tuple[int, int],
+               train_labels: Any = None, digest_of: dict[str, Any] | None = None) -> None:
+    """``partition.json``: written after the arrays, it makes the directory a partition."""
+    resolved = digest_of or schema or {}
     meta: dict[str, Any] = {
-        "department": part.department,
-        "dataset": part.dataset,
-        "task": schema["task"],
-        "num_classes": part.train.num_classes,
-        "input_shape": list(part.train.input_shape),
-        "train_examples": len(part.train),
-        "test_examples": len(part.test),
-        "schema_digest": schema_digest(schema),
+        "department": department,
+        "dataset": dataset,
+        "task": resolved["task"],
+        "num_classes": num_classes,
+        "input_shape": list(input_shape),
+        "train_examples": counts[0],
+        "test_examples": counts[1],
+        "schema_digest": schema_digest(resolved),
     }
-    if part.schema:
-        meta["schema"] = part.schema
-    if part.train.objective.name == "classification":
-        meta["train_label_counts"] = np.bincount(part.train.y, minlength=part.train.num_classes).tolist()
+    if schema:
+        meta["schema"] = schema
+    if train_labels is not None:
+        meta["train_label_counts"] = np.pad(np.asarray(train_labels, dtype=np.int64),
+                                            (0, max(0, num_classes - len(train_labels)))).tolist()
     atomic_write(directory / META, (json.dumps(meta, indent=2) + "\n").encode())
 
 

@@ -134,6 +134,55 @@ def schema_difference(mine: Schema, theirs: Schema) -> str | None:
     return _difference("", mine, theirs)
 
 
+class TestRows:
+    """Which of ``count`` rows are test rows: ``round(count × test_fraction)`` of them (at least one
+    when there are two or more rows), a uniformly random subset deterministic in ``seed``, told a
+    range of rows at a time in memory bounded whatever ``count`` is.
+
+    Up to ``BLOCK`` rows: the rows ``stable_split`` picks. Beyond: how many test rows each block of
+    ``BLOCK`` rows holds is drawn block after block from the hypergeometric law (what is left to
+    draw among the rows left), and which rows of a block they are from a generator seeded by the
+    block, so a block's rows are known without drawing the others'."""
+
+    BLOCK = 1 << 16
+
+    def __init__(self, count: int, *, test_fraction: float, seed: int) -> None:
+        self.count, self.seed = count, seed
+        self.test = max(1, int(round(count * test_fraction))) if count > 1 else 0
+        self.small: NDArray[np.bool_] | None = None
+        self.last: tuple[int, NDArray[np.bool_]] | None = None
+        if count <= self.BLOCK:
+            order = np.random.default_rng(seed).permutation(count)
+            self.small = np.zeros(count, dtype=bool)
+            self.small[order[: self.test]] = True
+            return
+        rng = np.random.default_rng([seed, 1])
+        left, wanted, per_block = count, self.test, []
+        for start in range(0, count, self.BLOCK):
+            size = min(self.BLOCK, count - start)
+            take = wanted if size == left else int(rng.hypergeometric(wanted, left - wanted, size))
+            per_block.append(take)
+            left, wanted = left - size, wanted - take
+        self.per_block = np.asarray(per_block, dtype=np.int64)
+
+    def _block(self, j: int) -> NDArray[np.bool_]:
+        if self.last is not None and self.last[0] == j:  # consecutive ranges share a block
+            return self.last[1]
+        size = min(self.BLOCK, self.count - j * self.BLOCK)
+        mask = np.zeros(size, dtype=bool)
+        mask[np.random.default_rng([self.seed, 2, j]).choice(size, int(self.per_block[j]), replace=False)] = True
+        self.last = (j, mask)
+        return mask
+
+    def mask(self, start: int, stop: int) -> NDArray[np.bool_]:
+        """Rows ``start`` ≤ i < ``stop``: True for a test row."""
+        if self.small is not None:
+            return self.small[start:stop]
+        first, last = start // self.BLOCK, (max(start, stop - 1)) // self.BLOCK
+        joined = np.concatenate([self._block(j) for j in range(first, last + 1)])
+        return joined[start - first * self.BLOCK: stop - first * self.BLOCK]
+
+
 def stable_split(count: int, *, test_fraction: float, seed: int) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     """(train rows, test rows) of ``count`` rows, deterministic in ``seed``; at least one test row
     when there are two or more rows."""

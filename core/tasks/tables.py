@@ -18,6 +18,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -25,7 +26,8 @@ from numpy.typing import NDArray
 from quorumfl.core.files import FileChangedError, read_unchanged
 from quorumfl.errors import DataError
 
-__all__ = ["Table", "class_indices", "parse_number", "read_table"]
+__all__ = ["FORMATS", "Table", "cell_text", "check_header", "check_parquet_type", "class_indices", "parse_number",
+           "read_table"]
 
 FORMATS = (".csv", ".jsonl", ".ndjson", ".parquet")
 
@@ -84,18 +86,24 @@ def _text(path: Path, raw: bytes) -> str:
         raise DataError(f"{path}: line {line} is not UTF-8; re-save the file as UTF-8") from None
 
 
-def _csv(path: Path, text: str) -> Table:
-    reader = csv.reader(io.StringIO(text, newline=""))
-    try:
-        header = next(reader)
-    except (StopIteration, csv.Error) as exc:
-        raise DataError(f"{path}: no header row ({exc}); the first line must name the columns") from None
+def check_header(path: Path, header: list[str]) -> list[str]:
+    """A CSV header's column names (stripped): every column named, no name twice."""
     names = [h.strip() for h in header]
     if any(not n for n in names):
         raise DataError(f"{path}: column {names.index('') + 1} of the header has no name; name every column")
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
         raise DataError(f"{path}: column '{dup}' appears twice in the header; rename one of them")
+    return names
+
+
+def _csv(path: Path, text: str) -> Table:
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = next(reader)
+    except (StopIteration, csv.Error) as exc:
+        raise DataError(f"{path}: no header row ({exc}); the first line must name the columns") from None
+    names = check_header(path, header)
     columns: dict[str, list[str | None]] = {n: [] for n in names}
     rows = 0
     try:
@@ -143,7 +151,7 @@ def _jsonl(path: Path, text: str) -> Table:
     return Table(path, columns, rows)
 
 
-def _cell(value: object) -> str | None:
+def cell_text(value: object) -> str | None:
     """A Parquet value as the cell string a CSV would hold (numbers as JSON writes them: NaN stays NaN)."""
     if value is None or isinstance(value, str):
         return value
@@ -152,6 +160,19 @@ def _cell(value: object) -> str | None:
     if isinstance(value, (datetime.date, datetime.time)):
         return value.isoformat()
     return str(value)  # decimals
+
+
+def check_parquet_type(path: Path, name: str, kind: Any) -> None:
+    """Refuse a Parquet column whose type a table cell cannot hold (lists, structs, binary…)."""
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
+            or pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_decimal(kind)
+            or pa.types.is_temporal(kind)):
+        raise DataError(f"{path}: column '{name}' has Parquet type {kind}; give numbers, text, booleans or "
+                        "dates, or drop the column")
 
 
 def _parquet(path: Path, raw: bytes) -> Table:
@@ -164,17 +185,10 @@ def _parquet(path: Path, raw: bytes) -> Table:
         raise DataError(f"{path} is not a readable Parquet file ({exc}); export it again as Parquet") from None
     columns: dict[str, list[str | None]] = {}
     for name, column in zip(data.column_names, data.columns, strict=True):
-        kind = column.type
-        if pa.types.is_dictionary(kind):
-            kind = kind.value_type
-        if not (pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind)
-                or pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_decimal(kind)
-                or pa.types.is_temporal(kind)):
-            raise DataError(f"{path}: column '{name}' has Parquet type {kind}; give numbers, text, booleans or "
-                            "dates, or drop the column")
+        check_parquet_type(path, name, column.type)
         if name in columns:
             raise DataError(f"{path}: column '{name}' appears twice; rename one of them")
-        columns[name] = [_cell(v) for v in column.to_pylist()]
+        columns[name] = [cell_text(v) for v in column.to_pylist()]
     if data.num_rows == 0:
         raise DataError(f"{path} has columns but no data rows")
     return Table(path, columns, data.num_rows)

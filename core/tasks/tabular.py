@@ -26,8 +26,7 @@ every bucket.
 from __future__ import annotations
 
 import math
-import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,13 +35,15 @@ from numpy.typing import NDArray
 
 from quorumfl.core.tasks.base import Schema
 from quorumfl.core.tasks.objective import CLASSIFICATION, Objective, Regression
-from quorumfl.core.tasks.tables import Table, class_indices, parse_number, read_table
+from quorumfl.core.tasks.table_batches import Batch, file_batches
+from quorumfl.core.tasks.tables import parse_number, read_table
+from quorumfl.core.tasks.tabular_encode import encode_batch, feature_count
 from quorumfl.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["TabularTask", "encode_table", "nice_range"]
+__all__ = ["TabularTask", "nice_range"]
 
 DEFAULT_BUCKETS = 16
 DEFAULT_MIN_SHARE = 0.01  # proposed for new schemas: a category held by under 1 % of the records is pooled
@@ -69,14 +70,6 @@ def nice_range(low: float, high: float) -> tuple[float, float]:
     return lo, hi
 
 
-def _bucket(column: str, value: str, buckets: int) -> int:
-    return zlib.crc32(f"{column}\x1f{value}".encode()) % buckets
-
-
-def _feature_count(schema: Schema) -> int:
-    return len(schema["numeric"]) + sum(int(c["buckets"]) for c in schema["categorical"])
-
-
 def _floors(schema: Schema) -> list[float]:
     """Per feature, the share of the federation's records a slot needs to be read (−∞: always)."""
     floors = [-math.inf] * len(schema["numeric"])
@@ -84,44 +77,6 @@ def _floors(schema: Schema) -> list[float]:
         share = float(spec.get("min_share", 0))
         floors += [share if share > 0 else -math.inf] * int(spec["buckets"])
     return floors
-
-
-def encode_table(table: Table, schema: Schema) -> tuple[NDArray[np.float32], NDArray[Any]]:
-    """Features (N, F) float32 and targets (int64 class indices, or float32 scaled to [0, 1])."""
-    path = table.path
-    table.check_columns([schema["label"], *(c["name"] for c in schema["numeric"]),
-                         *(c["name"] for c in schema["categorical"])], ignored=schema.get("ignore", []))
-    x = np.zeros((table.rows, _feature_count(schema)), dtype=np.float32)
-    for j, spec in enumerate(schema["numeric"]):
-        values = np.asarray(parse_number(path, spec["name"], table.column(spec["name"])), dtype=np.float64)
-        low, high = float(spec["low"]), float(spec["high"])
-        outside = np.flatnonzero((values < low) | (values > high))
-        if outside.size:
-            row = int(outside[0])
-            raise DataError(f"{path}: row {row + 1}, column '{spec['name']}' is {values[row]:g}, outside the schema's "
-                            f"range [{low:g}, {high:g}]; fix the value or widen the range in the schema")
-        x[:, j] = ((values - low) / (high - low)).astype(np.float32)
-    offset = len(schema["numeric"])
-    for spec in schema["categorical"]:
-        buckets = int(spec["buckets"])
-        for row, cell in enumerate(table.column(spec["name"])):
-            if cell is None or not cell.strip():
-                raise DataError(f"{path}: row {row + 1}, column '{spec['name']}' is empty; fill it in (e.g. 'unknown') "
-                                "or drop the row")
-            x[row, offset + _bucket(spec["name"], cell.strip(), buckets)] = 1.0
-        offset += buckets
-    label = schema["label"]
-    cells = table.column(label)
-    if schema["objective"] == "classification":
-        return x, class_indices(path, label, cells, schema["classes"])
-    low, high = (float(v) for v in schema["target_range"])
-    target = np.asarray(parse_number(path, label, cells), dtype=np.float64)
-    outside = np.flatnonzero((target < low) | (target > high))
-    if outside.size:
-        row = int(outside[0])
-        raise DataError(f"{path}: row {row + 1}, label column '{label}' is {target[row]:g}, outside the schema's "
-                        f"target_range [{low:g}, {high:g}]; fix the value or widen the range in the schema")
-    return x, ((target - low) / (high - low)).astype(np.float32)
 
 
 def _is_numeric(cells: Sequence[str | None]) -> bool:
@@ -186,7 +141,7 @@ class TabularTask:
         need(dup is None, str(dup), "is listed twice (label, numeric and categorical columns must differ)")
 
     def input_shape(self, schema: Schema) -> tuple[int, ...]:
-        return (_feature_count(schema),)
+        return (feature_count(schema),)
 
     def outputs(self, schema: Schema) -> int:
         return len(schema["classes"]) if schema["objective"] == "classification" else 1
@@ -203,7 +158,7 @@ class TabularTask:
 
         from quorumfl.core.tasks.modules import Standardize, seeded
 
-        features, outputs = _feature_count(schema), self.outputs(schema)
+        features, outputs = feature_count(schema), self.outputs(schema)
         floor = torch.tensor(_floors(schema), dtype=torch.float32)
 
         def build() -> nn.Module:
@@ -266,4 +221,12 @@ class TabularTask:
         return schema
 
     def read(self, source: Path, schema: Schema) -> tuple[NDArray[Any], NDArray[Any]]:
-        return encode_table(read_table(source), schema)
+        parts = list(self.read_batches(source, schema))
+        return np.concatenate([x for x, _ in parts]), np.concatenate([y for _, y in parts])
+
+    def read_batches(self, source: Path, schema: Schema, *, on_bytes: Callable[[int, int], None] | None = None
+                     ) -> Iterator[tuple[NDArray[Any], NDArray[Any]]]:
+        """The file's rows encoded a batch at a time (memory bounded whatever the file's size)."""
+        batches: Iterator[Batch] = file_batches(source, on_bytes=on_bytes)
+        for batch in batches:
+            yield encode_batch(batch, schema)

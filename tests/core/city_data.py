@@ -87,3 +87,23 @@ def write_digit_folder(root: Path, indices: range, *, fmt: str = "PNG") -> np.nd
         folder.mkdir(parents=True, exist_ok=True)
         Image.fromarray(image, mode="L").save(folder / f"form-{n:04d}.{'png' if fmt == 'PNG' else 'jpg'}", format=fmt)
     return pixels
+
+
+def write_sales_csv(path: Path, size: int, *, seed: int = 0) -> int:
+    """About ``size`` bytes of property sales as CSV (parcel, area, year built, zone, district, sale
+    price): a block of 400,000 distinct rows, repeated, so that gigabytes take seconds to write. The
+    number of data rows."""
+    rng = np.random.default_rng(seed)
+    n = 400_000
+    area, year = rng.uniform(40, 400, n).round(1), rng.integers(1900, 2024, n)
+    price = (1500 * area + 800 * (year - 1900) + rng.normal(0, 15000, n)).clip(1000).round(0)
+    zone = np.array(ZONES)[rng.integers(0, len(ZONES), n)]
+    district = np.array([f"district-{i:02d}" for i in range(40)])[rng.integers(0, 40, n)]
+    block = "".join(f"P{i},{a},{y},{z},{d},{p:.0f}\n"
+                    for i, (a, y, z, d, p) in enumerate(zip(area, year, zone, district, price, strict=True)))
+    copies = max(1, size // len(block))
+    with path.open("w") as f:
+        f.write("parcel,area,year_built,zone,district,sale_price\n")
+        for _ in range(copies):
+            f.write(block)
+    return copies * n
