@@ -8,7 +8,7 @@ partition's size on disk. The issue's keys: ``check_mb_s_<size>``, ``import_mb_s
 ``check_peak_rss_mb_<size>``, ``import_peak_rss_mb_<size>`` for 200mb and 2gb.
 
     python benchmarks/big_import.py            # 200 MB and 2 GB
-    python benchmarks/big_import.py --smoke    # 20 MB, for CI
+    python benchmarks/big_import.py --smoke    # 5 MB, for CI
     python benchmarks/big_import.py --json     # last line: one JSON object
 """
 
@@ -62,7 +62,7 @@ def _size(label: str, size: int, folder: Path) -> dict[str, float]:
 
 def main() -> None:
     args = make_parser(__doc__ or "").parse_args()
-    sizes = {"20mb": 20 * 10**6} if args.smoke else {"200mb": 200 * 10**6, "2gb": 2 * 10**9}
+    sizes = {"5mb": 5 * 10**6} if args.smoke else {"200mb": 200 * 10**6, "2gb": 2 * 10**9}
     figures: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="quorumfl-bench-import-") as tmp:
         for label, size in sizes.items():

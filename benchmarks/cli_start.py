@@ -7,7 +7,7 @@ folder with the repository's own records). Reported: the median and the fastest 
 RSS of those processes. The issue's key is ``runs_list_median_s``.
 
     python benchmarks/cli_start.py            # 15 repeats
-    python benchmarks/cli_start.py --smoke    # 3 repeats, for CI
+    python benchmarks/cli_start.py --smoke    # once each, for CI
     python benchmarks/cli_start.py --json     # last line: one JSON object
 """
 
@@ -54,7 +54,7 @@ def main() -> None:
     parser = make_parser(__doc__ or "")
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
-    repeats = 3 if args.smoke else args.repeats
+    repeats = 1 if args.smoke else args.repeats
     with tempfile.TemporaryDirectory(prefix="quorumfl-bench-cli-") as tmp:
         url = f"sqlite:///{Path(tmp) / 'state.db'}"
         _seed(url)

@@ -177,6 +177,6 @@ def test_cli_start_smoke() -> None:
 
 def test_big_import_smoke() -> None:
     figures = _run("big_import.py")
-    keys = {"check_mb_s_20mb", "import_mb_s_20mb", "check_peak_rss_mb_20mb", "import_peak_rss_mb_20mb",
-            "partition_mb_20mb", "rows_20mb"}
+    keys = {"check_mb_s_5mb", "import_mb_s_5mb", "check_peak_rss_mb_5mb", "import_peak_rss_mb_5mb",
+            "partition_mb_5mb", "rows_5mb"}
     assert keys <= set(figures) and all(float(figures[k]) > 0 for k in keys)  # type: ignore[arg-type]

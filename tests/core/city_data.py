@@ -91,10 +91,10 @@ def write_digit_folder(root: Path, indices: range, *, fmt: str = "PNG") -> np.nd
 
 def write_sales_csv(path: Path, size: int, *, seed: int = 0) -> int:
     """About ``size`` bytes of property sales as CSV (parcel, area, year built, zone, district, sale
-    price): a block of 400,000 distinct rows, repeated, so that gigabytes take seconds to write. The
-    number of data rows."""
+    price): a block of up to 400,000 distinct rows, repeated, so that gigabytes take seconds to write.
+    The number of data rows."""
     rng = np.random.default_rng(seed)
-    n = 400_000
+    n = max(1000, min(400_000, size // 48))  # about 48 bytes a row
     area, year = rng.uniform(40, 400, n).round(1), rng.integers(1900, 2024, n)
     price = (1500 * area + 800 * (year - 1900) + rng.normal(0, 15000, n)).clip(1000).round(0)
     zone = np.array(ZONES)[rng.integers(0, len(ZONES), n)]
