@@ -46,6 +46,12 @@ def _wait_for(text: str, log: Path, timeout: float = 90.0) -> None:
         time.sleep(0.2)
 
 
+def _node_ids(home: Path) -> dict[str, str]:
+    listed = subprocess.run(_cli(home, "nodes", "list", "--format", "json"), capture_output=True, text=True,
+                            timeout=60, check=True).stdout
+    return {str(n["department"]): str(n["node_id"]) for n in json.loads(listed)}
+
+
 @pytest.mark.slow  # four nodes and three runs: a few minutes
 @pytest.mark.timeout(900)
 def test_stopped_and_killed_nodes_leave_selection_at_once_and_rejoin_at_once(tmp_path: Path) -> None:
@@ -91,6 +97,8 @@ def test_stopped_and_killed_nodes_leave_selection_at_once_and_rejoin_at_once(tmp
         start("server", "server", "start", "--port", str(port))
         wait_for_port("127.0.0.1", port, timeout=90)
         nodes = {dept: node(dept) for dept in DEPARTMENTS}
+        ids = _node_ids(home)
+        assert sorted(ids) == sorted(DEPARTMENTS)
         stopped, killed = nodes["tax-office"], nodes["parks"]
         stopped.send_signal(signal.SIGINT)  # Ctrl-C
         killed.kill()  # SIGKILL of `quorumfl node start`: nothing can clean up in that process
@@ -110,6 +118,7 @@ def test_stopped_and_killed_nodes_leave_selection_at_once_and_rejoin_at_once(tmp
             assert "trying again" not in (logs / f"{dept}.log").read_text(errors="replace")
         [last] = run(1)
         assert last["status"] == "completed" and sorted(last["participants"]) == sorted(DEPARTMENTS), last  # type: ignore[arg-type]
+        assert _node_ids(home) == ids  # each department under its own node id, none added
     finally:
         for proc in reversed(started):
             if proc.poll() is None:
@@ -122,3 +131,31 @@ def test_stopped_and_killed_nodes_leave_selection_at_once_and_rejoin_at_once(tmp
             for pid in _carrying(f"{PARENT_ENV}={proc.pid}".encode()):  # never leave a process behind
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow  # a server of its own
+@pytest.mark.timeout(300)
+def test_a_killed_server_start_takes_its_superlink_with_it(tmp_path: Path) -> None:
+    home, port = tmp_path / "home", free_port()
+    done = subprocess.run(_cli(home, "certs", "init", "--nodes", "tax-office"), capture_output=True, text=True,
+                          timeout=180, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(tmp_path / "server.log", "wb") as log:
+        server = subprocess.Popen(_cli(home, "server", "start", "--port", str(port)), stdout=log,
+                                  stderr=subprocess.STDOUT)
+    marker = f"{PARENT_ENV}={server.pid}".encode()
+    try:
+        wait_for_port("127.0.0.1", port, timeout=90)
+        assert _carrying(marker), "the SuperLink does not carry its starter's pid"
+        server.kill()  # SIGKILL: `server start` cleans up nothing itself
+        server.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while left := _carrying(marker):
+            assert time.monotonic() < deadline, f"processes of the killed server remain: {sorted(left)}"
+            time.sleep(0.2)
+    finally:
+        if server.poll() is None:
+            server.kill()
+        for pid in _carrying(marker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

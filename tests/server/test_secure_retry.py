@@ -170,3 +170,55 @@ def test_resume_names_the_departments_of_the_failed_attempt_and_those_not_connec
     failed = repo.start_round(plain.id, 1, [7, 9])
     repo.finish_round(failed.id, RoundStatus.FAILED, participants=[], timings={}, error="min-nodes")
     assert who_trains_again(repo, set(), plain.id) == ("", "")  # plaintext: no ledger to satisfy
+
+
+class _StopsAfterRound(LoopbackGrid):
+    """The server process stops (Ctrl-C of `server start`) once round ``stop_after`` has ended."""
+
+    stop = False
+
+    def get_node_ids(self) -> list[int]:
+        if self.stop:
+            raise KeyboardInterrupt
+        return list(self.nodes)
+
+
+def test_a_resumed_run_asks_the_departments_of_its_failed_attempt(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Round 1 of a masked run fails after every node consented to its unmasking, and the server stops
+    before round 2. The resumed run's round 2 trains from the same model: it asks round 1's four
+    departments again (the server reads them from the state DB), their ledgers admit it, and the run
+    ends partial (1 of 2 rounds lost), not with those departments refusing."""
+    contexts, roster = signed_nodes(tmp_path, names=NAMES)
+    grid = _StopsAfterRound(dict(contexts))
+    trains = {"n": 0}
+
+    def drop(sent: list[Message], replies: list[Message]) -> list[Message]:
+        kind = sent[0].metadata.message_type if sent else ""
+        trains["n"] += kind == "train"
+        return [] if trains["n"] == 1 and kind == UNMASK else replies
+
+    grid.drop = drop
+    settings = {**MASKING, "roster": roster, "fraction-train": 0.66}
+    federation, repo = _federation(tmp_path, grid, **settings)
+
+    def after(_run: int, number: int, _metrics: object) -> None:
+        grid.stop = number == 1
+
+    with pytest.raises(KeyboardInterrupt):
+        federation.run(on_round=after)
+    [first] = repo.list_runs()[0].rounds
+    assert first.status == RoundStatus.FAILED and len(first.selected) == 4
+    resumed, _ = _federation(tmp_path, LoopbackGrid(dict(contexts)), **{**settings, "resume-run": first.run_id})
+    run = repo.get_run(resumed.run())
+    second = [r for r in run.rounds if r.number == 2][-1]
+    assert sorted(second.selected) == sorted(first.selected) and second.status == RoundStatus.COMPLETED
+    assert run.status == "partial"
+    # Had one of them been away, the server would have said which.
+    away = sorted(first.selected)[0]
+    names = {n.node_id: n.department for n in repo.list_nodes()}
+    partial_grid = LoopbackGrid({n: c for n, c in contexts.items() if n != away})
+    again, _ = _federation(tmp_path, partial_grid, **{**settings, "num-rounds": 1})
+    again.repeat_set = sorted(first.selected)
+    again._selection(1, list(partial_grid.nodes))
+    assert f"{names.get(away) or away} is not connected" in caplog.text
