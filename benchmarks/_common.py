@@ -159,7 +159,7 @@ def fedavg_start(model_name: str, test: Any, seed: int) -> tuple[Any, Any, dict[
     from quorumfl.server.config import RunConfig
     from quorumfl.server.strategies import build_strategy
 
-    strategy = build_strategy(RunConfig.from_mapping({"strategy": "fedavg", "fraction-train": 1.0, "min-nodes": 1,
+    strategy = build_strategy(RunConfig.from_mapping({"strategy": "fedavg", "fraction-train": 1.0, "min-nodes": 1, "secure-aggregation": "none",
                                                       "seed": seed}))
     model = build_model(model_name, test.input_shape, test.num_classes, seed=seed)
     return strategy, model, model_to_arrays(model)

@@ -140,7 +140,7 @@ def table_figures(*, rows: int, epochs: int, qat_epochs: int, sparsity: float, r
     import tempfile
     from pathlib import Path
 
-    from quorumfl.core.data import import_partition, propose_schema
+    from quorumfl.core.data import import_partition, propose_schema, read_partition
     from quorumfl.core.data.packaged import write_department_files
     from quorumfl.core.tasks import ModelSpec
     from quorumfl.core.tasks.modules import find_statistics
@@ -150,7 +150,8 @@ def table_figures(*, rows: int, epochs: int, qat_epochs: int, sparsity: float, r
         root = Path(tmp)
         [source], pool = write_department_files("ames", root / "files", 1, split="iid", seed=seed, limit=rows)
         schema = propose_schema(pool, "tabular", {"label": "Sale_Price"})
-        part = import_partition(source, root / "part", department="assessor", schema=schema, seed=seed)
+        part = read_partition(import_partition(source, root / "part", department="assessor", schema=schema,
+                                               seed=seed).directory)
     spec = ModelSpec("tabular", "mlp", json.dumps(schema, sort_keys=True))
     objective = spec.objective()
     data, test = part.train, part.test

@@ -115,7 +115,8 @@ def _strategy(method: str, setup: Setup, clusters: int) -> FedAvg:
     repair settings are the run-config defaults); FedProx alone uses μ, as in the table."""
     config = RunConfig.from_mapping({
         "strategy": method, "proximal-mu": setup.mu if method == "fedprox" else 0.0, "fraction-train": 1.0,
-        "min-nodes": 1, "seed": setup.seed, "clusters": clusters, "personal-layers": setup.personal_layers,
+        "min-nodes": 1, "secure-aggregation": "none", "seed": setup.seed, "clusters": clusters,
+        "personal-layers": setup.personal_layers,
         "ditto-lambda": setup.ditto_lambda,
     })
     return build_strategy(config)

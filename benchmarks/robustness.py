@@ -68,7 +68,7 @@ def run(rule: str, *, attacked: bool, dataset: str, departments: int, per_depart
 
     torch.set_num_threads(1)
     parts, test = _data(dataset, departments, per_department, seed)
-    config = RunConfig.from_mapping({"strategy": "fedavg", "fraction-train": 1.0, "min-nodes": 1, "seed": seed,
+    config = RunConfig.from_mapping({"strategy": "fedavg", "fraction-train": 1.0, "min-nodes": 1, "secure-aggregation": "none", "seed": seed,
                                      "robust-aggregation": rule})
     strategy = build_strategy(config)
     robust = Robust(config.robust_aggregation, config.robust_fraction, config.norm_bound_factor)

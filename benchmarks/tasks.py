@@ -49,7 +49,7 @@ from _cli import parser, peak_rss_mb, report
 from quorumfl.aggregation import NodeUpdate
 from quorumfl.aggregation.momentum import ServerMomentum
 from quorumfl.client.node_round import evaluate_round, train_round
-from quorumfl.core.data import import_partition, propose_schema
+from quorumfl.core.data import import_partition, propose_schema, read_partition
 from quorumfl.core.data.datasets import Dataset
 from quorumfl.core.data.packaged import write_department_files
 from quorumfl.core.models import arrays_to_model, model_to_arrays
@@ -78,7 +78,8 @@ def departments(dataset: str, split: str, root: Path, *, count: int, seed: int, 
     """Each department's (train, test) through the product's import path, and the schema's JSON."""
     files, pool = write_department_files(dataset, root / "files", count, split=split, seed=seed, limit=limit)
     schema = propose_schema(pool, SETTINGS[dataset]["task"], SETTINGS[dataset]["options"])
-    parts = [import_partition(f, root / "parts" / f.stem, department=f.stem, schema=schema, seed=seed) for f in files]
+    parts = [read_partition(import_partition(f, root / "parts" / f.stem, department=f.stem, schema=schema,
+                                             seed=seed).directory) for f in files]
     return [(p.train, p.test) for p in parts], json.dumps(schema)
 
 
@@ -89,7 +90,7 @@ def _primary(metrics: dict[str, float], name: str) -> float:
 def federate(method: str, depts: list[tuple[Dataset, Dataset]], base: TrainConfig, spec: ModelSpec, rounds: int,
              schema_file: Path, momentum: float) -> list[dict[str, float]]:
     config = RunConfig.from_mapping({"strategy": method, "personal-layers": "head", "ditto-lambda": 0.1, "proximal-mu": 0.0,
-                                     "fraction-train": 1.0, "min-nodes": 1, "seed": base.seed, "task": spec.task,
+                                     "fraction-train": 1.0, "min-nodes": 1, "secure-aggregation": "none", "seed": base.seed, "task": spec.task,
                                      "task-schema": str(schema_file), "model": spec.model, "server-momentum": momentum})
     strategy = build_strategy(config)
     server = ServerMomentum(momentum=config.server_momentum, learning_rate=config.server_lr,

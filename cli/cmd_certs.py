@@ -218,8 +218,8 @@ def sign_app(
 ) -> None:
     """Sign a Flower app directory with the admin key, so nodes accept one 'flwr run APP_DIR'.
 
-    A fresh run nonce, an expiry (6 hours) and the roster version are written into the
-    pyproject.toml's run config first: nodes serve a signed run once, so sign again before each
+    A fresh run nonce, an expiry (6 hours), the roster version and (QuorumFL's app) the roster of
+    the departments' keys are written into the pyproject.toml's run config first: nodes serve a signed run once, so sign again before each
     'flwr run'. Nodes refuse a run whose config differs from the signed pyproject.toml, so pass no
     '-c' overrides to 'flwr run': edit the pyproject and sign again."""
     target = sign_app_dir(app_dir.expanduser().resolve(), _creds(ctx, directory))

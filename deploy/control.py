@@ -317,10 +317,21 @@ def store_flwr_token(creds: Credentials, superlink: str, *, ttl: float) -> Path:
     return path
 
 
+def _app_config(manifest: Path) -> dict[str, Any]:
+    import tomllib
+
+    try:
+        config = tomllib.loads(manifest.read_text())["tool"]["flwr"]["app"].get("config", {})
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError, KeyError, TypeError, AttributeError):
+        return {}  # stamp_pyproject says what is wrong with it
+    return config if isinstance(config, dict) else {}
+
+
 def sign_app_dir(directory: Path, creds: Credentials) -> Path:
     """Sign the Flower app in ``directory`` for one ``flwr run DIRECTORY`` (without ``-c``: the run
-    config is the one in its pyproject.toml): a fresh run nonce, expiry and roster version are first
-    written into that config (nodes serve a signed run once: sign again for the next run), and the
+    config is the one in its pyproject.toml): a fresh run nonce, expiry and roster version (and, for
+    QuorumFL's app, the departments' current keys as its roster) are first written into that config
+    (nodes serve a signed run once: sign again for the next run), and the
     signature covers the files exactly as Flower's builder puts them in the bundle, written as
     ``directory/quorumfl-signature.json``."""
     import io
@@ -333,9 +344,10 @@ def sign_app_dir(directory: Path, creds: Credentials) -> Path:
     if not (directory / "pyproject.toml").is_file():
         raise ConfigError(f"{directory} holds no pyproject.toml; point at a Flower app directory")
     manifest = directory / "pyproject.toml"
-    manifest.write_bytes(stamp_pyproject(manifest.read_bytes(), run_stamp(now=time.time(),
-                                                                           roster_version=roster_version(creds)),
-                                         source=str(manifest)))
+    stamp = run_stamp(now=time.time(), roster_version=roster_version(creds))
+    if ROSTER_KEY in _app_config(manifest):  # QuorumFL's app: the departments' keys now, as 'runs start' signs them
+        stamp[ROSTER_KEY] = roster_json(creds)
+    manifest.write_bytes(stamp_pyproject(manifest.read_bytes(), stamp, source=str(manifest)))
     files = {name: path for name, path in collect_files(directory).items() if name != SIGNATURE_FILE}
     fab, _ = build_fab_from_files(files)
     with zipfile.ZipFile(io.BytesIO(fab)) as archive:

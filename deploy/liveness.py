@@ -98,4 +98,12 @@ def stop_below_on_exit() -> None:
 
     from quorumfl.deploy.processes import stop_descendants
 
-    add_exit_handler(lambda: stop_descendants(os.getpid()))
+    def stop_below() -> None:
+        # Flower's handler put the default handlers back: another SIGINT (its heartbeat thread sends one
+        # when the SuperLink drops this node's key) must not cut the clean-up short or change the exit code.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop_descendants(os.getpid())
+
+    add_exit_handler(stop_below)

@@ -101,7 +101,7 @@ def test_ten_nodes_threshold_ckks_with_killed_nodes(tmp_path: Path) -> None:
         third = _decryption(repo, flower_run_id, 3, federation)
         run = follow_run(repo, flower_run_id, timeout=900, alive=lambda: federation.alive(flower_run_id))
 
-    assert run.status == RunStatus.COMPLETED, f"{run.error}\n{federation.logs()}"
+    assert run.status == RunStatus.PARTIAL, f"{run.error}\n{federation.logs()}"  # round 3 is lost, below
     r1, r2, r3 = run.rounds
     story = _story(run)
     if len(contributors) < len(DEPARTMENTS):

@@ -57,6 +57,7 @@ def test_killed_clientapps_resume_from_their_checkpoints(tmp_path: Path) -> None
     with local_federation(home, parts, db_url=db_url, node_config={"checkpoint-every": 5}) as federation:
         flower_run_id = federation.control.start_run({
             "state-url": db_url, "model-dir": str(home / "models"), "start-from": "fresh", "num-rounds": 1,
+            "secure-aggregation": "none",  # each node's retry and resumed step are read per node below
             "local-epochs": 60, "batch-size": 8, "round-timeout": 400.0, "train-retries": 1, "min-nodes": 3,
         })
         supernodes = {child.process.pid for child in federation.nodes.values()}

@@ -114,7 +114,7 @@ def test_ten_nodes_masked_rounds_with_killed_nodes(tmp_path: Path) -> None:
         _kill(federation, DEPARTMENTS[3:8])
         run = follow_run(repo, flower_run_id, timeout=900, alive=lambda: federation.alive(flower_run_id))
 
-    assert run.status == RunStatus.COMPLETED, f"{run.error}\n{federation.logs()}"
+    assert run.status == RunStatus.PARTIAL, f"{run.error}\n{federation.logs()}"  # round 3 is lost, below
     r1, r2, r3, r4 = run.rounds
     story = f"{_story(run)}\n{federation.logs()}"
     assert r1.status == RoundStatus.COMPLETED and len(r1.participants) == 10, story

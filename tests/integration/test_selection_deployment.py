@@ -43,7 +43,7 @@ def test_rl_selector_with_a_deadline_and_a_slow_department(tmp_path: Path) -> No
             flower_run_id = federation.control.start_run({
                 "state-url": db_url, "model-dir": str(home / "models"), "start-from": "fresh",
                 "selector": "rl", "selection-epochs": "1,2", "local-epochs": 1, "round-deadline": DEADLINE,
-                "fraction-train": 0.6, "min-nodes": 1, "num-rounds": 4,
+                "fraction-train": 0.6, "min-nodes": 1, "num-rounds": 4, "secure-aggregation": "none",
             })
             run = follow_run(repo, flower_run_id, timeout=600, alive=lambda: federation.alive(flower_run_id))
 
