@@ -67,7 +67,7 @@ def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
             ("tax-office", None), ("parks", None)}
         # A run config that names only num-rounds: private by default (masking), and every output says so.
         config = tmp_path / "run.toml"
-        config.write_text("num-rounds = 2\n")
+        config.write_text("num-rounds = 1\n")
         run = subprocess.run(
             _cli(home, "runs", "start", str(config), "--superlink", f"127.0.0.1:{port}", "--follow", "--timeout", "300"),
             capture_output=True, text=True, timeout=400, check=False,
@@ -77,7 +77,7 @@ def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
         assert "completed" in said and "masked: the server learns only sums of at least t = 60%" in said
         listed = subprocess.run(_cli(home, "runs", "list", "--format", "json"), capture_output=True, text=True, timeout=120, check=False)
         [record] = json.loads(listed.stdout)
-        assert record["status"] == "completed" and record["rounds_completed"] == 2 and record["strategy"] == "fedprox"
+        assert record["status"] == "completed" and record["rounds_completed"] == 1 and record["strategy"] == "fedprox"
         assert record["secure_aggregation"] == "masked" and record["dp"] == "none" and record["threshold"] == "60% of each round's nodes"
         assert "masked" in subprocess.run(_cli(home, "runs", "list"), capture_output=True, text=True, timeout=120,
                                           check=True).stdout
@@ -94,7 +94,7 @@ def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
             samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                        for family in text_string_to_metric_families(response.read().decode()) for s in family.samples}
-        assert samples[("quorumfl_rounds_total", (("status", "completed"),))] == 2
+        assert samples[("quorumfl_rounds_total", (("status", "completed"),))] == 1
         assert samples[("quorumfl_runs", (("status", "completed"),))] == 1
         assert samples[("quorumfl_nodes", (("state", "known"),))] == 2
         assert samples[("quorumfl_nodes", (("state", "seen_5m"),))] == 2  # both connected during the run
