@@ -17,14 +17,20 @@ from __future__ import annotations
 import codecs
 import csv
 import io
-import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from quorumfl.core.tasks.tables import FORMATS, cell_text, check_header, check_parquet_type
+from quorumfl.core.tasks.tables import (
+    FORMATS,
+    cell_text,
+    check_header,
+    check_parquet_type,
+    file_error,
+    json_record,
+)
 from quorumfl.errors import DataError
 
 __all__ = ["Batch", "BATCH_BYTES", "file_batches"]
@@ -65,12 +71,8 @@ def _open(path: Path) -> IO[bytes]:
         if path.is_dir():
             raise IsADirectoryError
         return open(path, "rb")  # noqa: SIM115  (closed by file_batches)
-    except FileNotFoundError:
-        raise DataError(f"{path} does not exist; pass the department's CSV, JSONL or Parquet file") from None
-    except IsADirectoryError:
-        raise DataError(f"{path} is a folder; pass the department's CSV, JSONL or Parquet file") from None
     except OSError as exc:
-        raise DataError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        raise file_error(path, exc) from None
 
 
 def _first_bad_utf8_line(path: Path) -> int:
@@ -153,24 +155,12 @@ def _jsonl_batches(path: Path, f: IO[bytes]) -> Iterator[Batch]:
             raise DataError(f"{path}: line {_first_bad_utf8_line(path)} is not UTF-8; re-save the file as UTF-8") from None
         if not raw.strip():
             continue
-        try:
-            record = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}: line {line} is not JSON ({exc.msg}); one JSON object per line") from None
-        if not isinstance(record, dict):
-            raise DataError(f"{path}: line {line} is not a JSON object; one object per line")
+        record = json_record(path, line, raw, keys or None)
         if not keys:
-            keys = [str(k) for k in record]
+            keys = list(record)
             cells = {k: [] for k in keys}
-        if set(record) != set(keys):
-            missing = sorted(set(keys) - set(record)) or sorted(set(record) - set(keys))
-            raise DataError(f"{path}: line {line} has other keys than line 1 ({missing[0]!r}); give every line the "
-                            "same keys")
         for key, value in record.items():
-            if isinstance(value, (dict, list)):
-                raise DataError(f"{path}: line {line}, key '{key}' holds a {type(value).__name__}; give a string or "
-                                "a number")
-            cells[key].append(None if value is None else value if isinstance(value, str) else json.dumps(value))
+            cells[key].append(value)
         rows += 1
         if rows == JSONL_ROWS:
             yield Batch(path, first, {k: pa.array(v, pa.string()) for k, v in cells.items()}, rows)

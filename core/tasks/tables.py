@@ -26,8 +26,9 @@ from numpy.typing import NDArray
 from quorumfl.core.files import FileChangedError, read_unchanged
 from quorumfl.errors import DataError
 
-__all__ = ["FORMATS", "Table", "cell_text", "check_header", "check_parquet_type", "class_indices", "parse_number",
-           "read_table"]
+__all__ = ["FORMATS", "Table", "cell_text", "check_header", "check_parquet_type", "class_indices", "file_error",
+           "json_record",
+           "parse_number", "read_table"]
 
 FORMATS = (".csv", ".jsonl", ".ndjson", ".parquet")
 
@@ -62,17 +63,22 @@ class Table:
             )
 
 
+def file_error(path: Path, exc: OSError) -> DataError:
+    """The one line for a department's file that cannot be opened."""
+    if isinstance(exc, FileNotFoundError):
+        return DataError(f"{path} does not exist; pass the department's CSV, JSONL or Parquet file")
+    if isinstance(exc, IsADirectoryError):
+        return DataError(f"{path} is a folder; pass the department's CSV, JSONL or Parquet file")
+    return DataError(f"cannot read {path}: {exc.strerror or exc}")
+
+
 def _bytes(path: Path) -> bytes:
     try:
         raw = read_unchanged(path)
     except FileChangedError:
         raise DataError(f"{path} changed while it was read; import it again once it is complete") from None
-    except FileNotFoundError:
-        raise DataError(f"{path} does not exist; pass the department's CSV, JSONL or Parquet file") from None
-    except IsADirectoryError:
-        raise DataError(f"{path} is a folder; pass the department's CSV, JSONL or Parquet file") from None
     except OSError as exc:
-        raise DataError(f"cannot read {path}: {exc.strerror or exc}") from exc
+        raise file_error(path, exc) from None
     if not raw.strip():
         raise DataError(f"{path} is empty; export the department's table with a header row and data rows")
     return raw
@@ -122,29 +128,39 @@ def _csv(path: Path, text: str) -> Table:
     return Table(path, columns, rows)
 
 
+def json_record(path: Path, line: int, raw: str, keys: list[str] | None) -> dict[str, str | None]:
+    """One JSON-lines record as cell strings (None for null); its keys must be ``keys`` (those of
+    line 1) when given."""
+    try:
+        record = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}: line {line} is not JSON ({exc.msg}); one JSON object per line") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{path}: line {line} is not a JSON object; one object per line")
+    if keys is not None and set(record) != set(keys):
+        missing = sorted(set(keys) - set(record)) or sorted(set(record) - set(keys))
+        raise DataError(f"{path}: line {line} has other keys than line 1 ({missing[0]!r}); give every line the same "
+                        "keys")
+    cells: dict[str, str | None] = {}
+    for key, value in record.items():
+        if isinstance(value, (dict, list)):
+            raise DataError(f"{path}: line {line}, key '{key}' holds a {type(value).__name__}; give a string or a "
+                            "number")
+        cells[str(key)] = None if value is None else value if isinstance(value, str) else json.dumps(value)
+    return cells
+
+
 def _jsonl(path: Path, text: str) -> Table:
     columns: dict[str, list[str | None]] = {}
     rows = 0
     for line, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue
-        try:
-            record = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}: line {line} is not JSON ({exc.msg}); one JSON object per line") from None
-        if not isinstance(record, dict):
-            raise DataError(f"{path}: line {line} is not a JSON object; one object per line")
+        record = json_record(path, line, raw, list(columns) if rows else None)
         if rows == 0:
-            columns = {str(k): [] for k in record}
-        if set(record) != set(columns):
-            missing = sorted(set(columns) - set(record)) or sorted(set(record) - set(columns))
-            raise DataError(f"{path}: line {line} has other keys than line 1 ({missing[0]!r}); give every line "
-                            "the same keys")
+            columns = {k: [] for k in record}
         for key, value in record.items():
-            if isinstance(value, (dict, list)):
-                raise DataError(f"{path}: line {line}, key '{key}' holds a {type(value).__name__}; give a string "
-                                "or a number")
-            columns[key].append(None if value is None else value if isinstance(value, str) else json.dumps(value))
+            columns[key].append(value)
         rows += 1
     if rows == 0:
         raise DataError(f"{path} holds no JSON objects")

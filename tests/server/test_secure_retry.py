@@ -123,13 +123,8 @@ def test_the_ledger_releases_only_unconfirmed_slots_and_never_confirms_a_release
         ledger.admit("c" * 64, [1, 2], run="7", round_number=2, slot=first)
 
 
-def test_after_a_failed_round_the_next_trains_with_the_same_departments(tmp_path: Path) -> None:
-    """Four of six are sampled each round. Round 1's unmask replies are all lost after every node
-    consented: its sum may be known. Round 2 trains from the same model, so a fresh sample of four
-    would be refused by every node of round 1 that the sample kept; it asks round 1's four again,
-    which their ledgers admit (same model, same set), and completes."""
-    contexts, roster = signed_nodes(tmp_path, names=NAMES)
-    grid = LoopbackGrid(dict(contexts))
+def _lose_round_one_unmask_replies(grid: LoopbackGrid) -> None:
+    """Every reply to round 1's unmask requests is lost: the nodes consented, nothing was revealed."""
     trains = {"n": 0}
 
     def drop(sent: list[Message], replies: list[Message]) -> list[Message]:
@@ -138,6 +133,16 @@ def test_after_a_failed_round_the_next_trains_with_the_same_departments(tmp_path
         return [] if trains["n"] == 1 and kind == UNMASK else replies
 
     grid.drop = drop
+
+
+def test_after_a_failed_round_the_next_trains_with_the_same_departments(tmp_path: Path) -> None:
+    """Four of six are sampled each round. Round 1's unmask replies are all lost after every node
+    consented: its sum may be known. Round 2 trains from the same model, so a fresh sample of four
+    would be refused by every node of round 1 that the sample kept; it asks round 1's four again,
+    which their ledgers admit (same model, same set), and completes."""
+    contexts, roster = signed_nodes(tmp_path, names=NAMES)
+    grid = LoopbackGrid(dict(contexts))
+    _lose_round_one_unmask_replies(grid)
     federation, repo = _federation(tmp_path, grid, **{**MASKING, "roster": roster, "fraction-train": 0.66,
                                                       "num-rounds": 3})
     run = repo.get_run(federation.run())
@@ -191,14 +196,7 @@ def test_a_resumed_run_asks_the_departments_of_its_failed_attempt(tmp_path: Path
     ends partial (1 of 2 rounds lost), not with those departments refusing."""
     contexts, roster = signed_nodes(tmp_path, names=NAMES)
     grid = _StopsAfterRound(dict(contexts))
-    trains = {"n": 0}
-
-    def drop(sent: list[Message], replies: list[Message]) -> list[Message]:
-        kind = sent[0].metadata.message_type if sent else ""
-        trains["n"] += kind == "train"
-        return [] if trains["n"] == 1 and kind == UNMASK else replies
-
-    grid.drop = drop
+    _lose_round_one_unmask_replies(grid)
     settings = {**MASKING, "roster": roster, "fraction-train": 0.66}
     federation, repo = _federation(tmp_path, grid, **settings)
 
