@@ -4,7 +4,7 @@ Flower 1.42's SuperNode tells the SuperLink every ~20 s that it is alive (``HEAR
 30 s), and the SuperLink counts a node online for ``HEARTBEAT_PATIENCE`` (2) intervals after its last
 heartbeat: a department whose machine vanished was selected for about a minute, and a node started
 again with the same key was refused as "still online" for as long. Neither value is a setting.
-QuorumFL's SuperNode (``deploy.supernode``) announces a ``QUORUMFL_HEARTBEAT_S`` interval (3 s by
+QuorumFL's SuperNode (``deploy.supernode``) announces a ``QUORUMFL_HEARTBEAT_S`` interval (5 s by
 default) and beats at that pace, and QuorumFL's SuperLink (``deploy.admin_access``) accepts intervals
 down to 1 s (Flower's floor is 10 s): a vanished node leaves selection 2 intervals after its last
 beat. A node that stops cleanly (Ctrl-C, SIGTERM) tells the SuperLink at once: Flower's SuperNode
@@ -33,7 +33,7 @@ __all__ = ["HEARTBEAT_ENV", "PARENT_ENV", "accept_short_heartbeats", "end_with_p
            "offline_after", "shorten_node_heartbeat", "stop_below_on_exit"]
 
 HEARTBEAT_ENV = "QUORUMFL_HEARTBEAT_S"
-DEFAULT_HEARTBEAT_S = 3.0
+DEFAULT_HEARTBEAT_S = 5.0
 MIN_HEARTBEAT_S = 1.0
 PARENT_ENV = "QUORUMFL_PARENT_PID"
 PARENT_POLL_S = 0.2

@@ -259,7 +259,7 @@ class Child:
 
 # Flower's SuperLink answers "Failed to activate SuperNode" (exit 305) both to a key it does not know
 # and to a key whose SuperNode it still counts as online. A SuperNode that was killed stays online
-# there until its heartbeats have lapsed: two heartbeat intervals after the last one (6 s with
+# there until its heartbeats have lapsed: two heartbeat intervals after the last one (10 s with
 # QuorumFL's heartbeat, ``deploy.liveness``; a minute with Flower's own). A node started again within
 # that window is refused; starting it again until the window has passed lets a crashed department
 # rejoin under its own key. One that stopped cleanly was deactivated and rejoins at once.
