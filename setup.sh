@@ -43,6 +43,9 @@ echo "setup.sh: installing quorumfl${extras}"
 # folders map to quorumfl.* through package-dir), so tools that walk the package on disk
 # (import-linter's lint-imports, mypy) see it; a new module needs this script run again.
 "${pip[@]}" -e ".${extras}" --config-settings editable_mode=strict
+# byte-compiled once here, as pip does for an installed wheel: every command then starts without
+# compiling QuorumFL's modules (which it would redo each time where PYTHONDONTWRITEBYTECODE is set)
+.venv/bin/python -m compileall -q "$(.venv/bin/python -c 'import quorumfl; print(next(iter(quorumfl.__path__)))')"
 .venv/bin/quorumfl --help >/dev/null
 if [ "$city_data" = 1 ]; then
   data="${QUORUMFL_DATASETS:-.venv/share/quorumfl/datasets}"

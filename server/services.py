@@ -15,6 +15,7 @@ from quorumfl.server.following import follow_run, progress_line
 from quorumfl.server.run_labels import privacy_view, task_label
 from quorumfl.server.state.orm import Metric, ModelVersion, Round, Run
 from quorumfl.server.state.repository import Repository, RoundStatus, RunStatus
+from quorumfl.server.state.runs import RunFacts
 
 __all__ = [
     "export_model",
@@ -27,6 +28,7 @@ __all__ = [
     "round_view",
     "run_closing",
     "run_outcome_error",
+    "run_summaries",
     "run_summary",
     "run_view",
 ]
@@ -49,16 +51,29 @@ def round_metric(primary: str, names: Iterable[str]) -> str:
 
 
 def run_summary(repo: Repository, run: Run) -> dict[str, Any]:
-    completed = {r.number for r in run.rounds if r.status == RoundStatus.COMPLETED}
+    """One run's summary (its rounds loaded); ``run_summaries`` reads the same for every run at once."""
     metrics = repo.metrics(run.id)
-    primary = primary_among(m.name for m in metrics)
-    column = round_metric(primary, [m.name for m in metrics if m.node_id is None])
-    values = {m.round: m.value for m in metrics if m.node_id is None and m.name == column}
+    completed = len({r.number for r in run.rounds if r.status == RoundStatus.COMPLETED})
+    facts = RunFacts(run, completed, frozenset(m.name for m in metrics), [m for m in metrics if m.node_id is None])
+    return summarise(facts)
+
+
+def run_summaries(repo: Repository) -> list[dict[str, Any]]:
+    """Every run's summary, oldest first, read in a fixed number of queries."""
+    return [summarise(facts) for facts in repo.list_run_facts()]
+
+
+def summarise(facts: RunFacts) -> dict[str, Any]:
+    """A run's status, privacy, rounds and metric figures as the run list and the report show them."""
+    run = facts.run
+    primary = primary_among(facts.metric_names)
+    column = round_metric(primary, [m.name for m in facts.run_metrics])
+    values = {m.round: m.value for m in facts.run_metrics if m.name == column}
     last = max(values) if values else None
     final = values[last] if last is not None else None
     if column.startswith("federated-"):  # each round's figure is of the model it started from: the final
         # model's is the departments' final evaluation (none when it did not take place)
-        final = next((m.value for m in metrics if m.node_id is None and m.name == f"final-{column}"), None)
+        final = next((m.value for m in facts.run_metrics if m.name == f"final-{column}"), None)
     privacy = privacy_view(run.config)
     return {
         "id": run.id,
@@ -74,7 +89,7 @@ def run_summary(repo: Repository, run: Run) -> dict[str, Any]:
         "privacy": privacy["sentence"],
         "privacy_label": privacy["label"],
         "rounds_planned": run.num_rounds,
-        "rounds_completed": len(completed),
+        "rounds_completed": facts.rounds_completed,
         "primary_metric": primary,  # the task's: accuracy, or mae for regression
         "round_metric": column,  # the server's held-out figure, or the departments' federated evaluation
         "final_metric": final,  # the final model's
