@@ -114,7 +114,10 @@ def print_finished_run(repo: Repository, run: Run, began: float, *, label: str =
     departments = view["departments"]
     if department_limit is None or len(departments) <= department_limit:
         console.print(table("Final model per department (own test split)", departments,
-                            [c for c in department_columns(departments, view["primary_metric"]) if c != "loss"]))
+                            [c for c in department_columns(departments, view["primary_metric"]) if c != "loss"],
+                            optional=["num-examples", "cluster"]))
+        if view["joining"]:
+            console.print(view["joining"], highlight=False)
     closing = run_closing(repo, run, time.monotonic() - began)
     failure = run_outcome_error(run)
     if failure is not None:  # partial: exit 12; failed or stopped: the class it failed with
@@ -282,8 +285,10 @@ def show(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (Qu
     console.print(table("Global model per round", rows, columns, optional=[*([loss] if loss else []), "seconds"]))
     if view["departments"]:
         console.print(table("Final models per department (own test split): the federation's model (global, or "
-                            "its cluster's) and the personal one", view["departments"],
-                            department_columns(view["departments"], primary)))
+                            "its cluster's), the personal one, and the one it trained alone", view["departments"],
+                            department_columns(view["departments"], primary), optional=["num-examples", "loss"]))
+        if view["joining"]:
+            console.print(view["joining"], highlight=False)
 
 
 @runs_app.command("report")

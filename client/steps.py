@@ -20,10 +20,13 @@ from flwr.app import Context, Message
 from numpy.typing import NDArray
 from threadpoolctl import threadpool_limits
 
+from quorumfl.client.alone import KIND as ALONE
+from quorumfl.client.alone import advance_alone, alone_metrics, wanted
 from quorumfl.client.node_round import (
     Personalisation,
     PrivacyGate,
     evaluate_round,
+    model_spec,
     pick_round,
     train_round,
 )
@@ -192,6 +195,9 @@ def train_received(msg: Message, context: Context) -> LocalTraining:
                        privacy=_privacy_gate(context, config), fresh_seed=fresh_seed)
     if store is not None and work.personal is not None:
         store.save(run_state_key(context), work.personal)
+    if wanted(context.run_config, config) and "statistics-round" not in work.metrics:
+        advance_alone(PersonalStore.for_node(node_config, int(context.node_id), kind=ALONE),
+                      run_state_key(context), model_spec(config, part.train), config, part.train, engine)
     log.info("round %s: %s trained on %s examples", config.server_round, department, work.num_examples)
     objective = part.test.objective
     return LocalTraining(config, department, work.received, work.shared, work.num_examples, work.train_loss,
@@ -212,4 +218,9 @@ def evaluate_received(msg: Message, context: Context) -> tuple[dict[str, float],
     config = TrainConfig.from_record(msg.content.config_records[CONFIG])
     part, department = _fitting(context, config)
     _, personal = _personal(context, config)
-    return evaluate_round(config, candidate_models(msg.content), personal, part.train, part.test).metrics, department
+    metrics = evaluate_round(config, candidate_models(msg.content), personal, part.train, part.test).metrics
+    if wanted(context.run_config, config):
+        store = PersonalStore.for_node(dict(context.node_config), int(context.node_id), kind=ALONE)
+        metrics.update(alone_metrics(store, run_state_key(context), model_spec(config, part.train), config,
+                                     part.train, part.test))
+    return metrics, department

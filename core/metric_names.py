@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["CLASSIFICATION_PRIMARY", "PRIMARY_METRICS", "REGRESSION_PRIMARY", "primary_among"]
+__all__ = ["CLASSIFICATION_PRIMARY", "PRIMARY_METRICS", "REGRESSION_PRIMARY", "higher_is_better", "primary_among"]
 
 CLASSIFICATION_PRIMARY = "accuracy"
 REGRESSION_PRIMARY = "mae"
@@ -23,3 +23,8 @@ def primary_among(names: Iterable[str]) -> str:
         if any(n == primary or n.endswith(f"-{primary}") for n in names):
             return primary
     return CLASSIFICATION_PRIMARY
+
+
+def higher_is_better(primary: str) -> bool:
+    """Whether a larger value of the primary metric is the better model (accuracy), or a smaller (MAE)."""
+    return primary != REGRESSION_PRIMARY

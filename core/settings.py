@@ -77,6 +77,11 @@ def read(name: str, kind: Any, spec: Key, value: Any, problems: list[str]) -> An
             problems.append(f"{name} must be one of {list(spec.choices)}, got {value!r}")
             return spec.default
         return spec.parse(value, problems) if spec.parse is not None else value
+    if kind is bool:
+        if not isinstance(value, bool):
+            problems.append(f"{name} must be true or false, got {value!r}")
+            return spec.default
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         problems.append(f"{name} must be a number, got {value!r}")
         return spec.default
@@ -94,6 +99,8 @@ def read(name: str, kind: Any, spec: Key, value: Any, problems: list[str]) -> An
 
 
 def _shown(value: Any) -> str:
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return f"`{value}`" if value != "" else '`""`'

@@ -70,6 +70,7 @@ class TrainConfig:
     schema: str = ""  # the run's schema (JSON) every department's data must fit; "" = the node's image dataset's
     update_norm_bound: float = 0.0  # secure rounds: the node scales its update down to this L2 norm (0 = off)
     qat: bool = False  # a federated QAT round (run config qat-rounds): fine-tune with fake quantisation
+    local_baseline: bool = False  # the node also trains its department-alone model (client.alone)
 
     def to_record(self) -> ConfigRecord:
         return ConfigRecord(
@@ -102,6 +103,7 @@ class TrainConfig:
                 "schema": self.schema,
                 "update-norm-bound": self.update_norm_bound,
                 "qat": self.qat,
+                "local-baseline": self.local_baseline,
             }
         )
 
@@ -150,6 +152,7 @@ class TrainConfig:
             schema=get("schema", str, ""),
             update_norm_bound=get("update-norm-bound", float, 0.0),
             qat=get("qat", bool, False),
+            local_baseline=get("local-baseline", bool, False),
         )
 
 

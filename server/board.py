@@ -48,10 +48,10 @@ def round_scalars(data: dict[str, Any], number: int) -> dict[str, float]:
 
 
 def final_scalars(data: dict[str, Any]) -> dict[str, float]:
-    """Each department's final-model metrics, ``final/<department>/<name>``, and their example-weighted
-    means, ``final/final-federated-<name>``."""
+    """Each department's final-model metrics (its alone model's and the gain over it among them),
+    ``final/<department>/<name>``, and their example-weighted means, ``final/final-federated-<name>``."""
     return {**{f"final/{row['department']}/{k}": float(v) for row in data["departments"]
-               for k, v in row.items() if k not in ("department", "node_id")},
+               for k, v in row.items() if isinstance(v, (int, float)) and k != "node_id"},
             **{f"final/{name}": float(v) for name, v in data["final"].items()}}
 
 

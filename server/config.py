@@ -192,6 +192,10 @@ class RunConfig:
     warmup_steps: int = key(0, "linear learning-rate warm-up, in steps (0 = off)", low=0, node=True)
     lr_reference_batch: int = key(
         0, "linear scaling rule `lr × batch-size / lr-reference-batch` (0 = off)", low=0, node=True)
+    local_baseline: bool = key(
+        True, "each department also trains a model on its own data alone (same architecture, epochs and examples; "
+        "it never leaves the node) and reports its metric at the end, beside the federation's (README \"Federation "
+        "vs your own model\")", node=True)
     fraction_train: float = key(1.0, "share of enabled nodes sampled per round", low=0.0, high=1.0, open_low=True)
     min_nodes: int = key(2, "fewest valid updates for a round to count", low=1)
     round_timeout: float = key(300.0, "seconds to wait for replies", low=0.0, open_low=True)

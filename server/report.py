@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from quorumfl.errors import ConfigError
+from quorumfl.server.joining import alone_sentence, compare_alone
 from quorumfl.server.pages import figure, page, png, table, whole_rounds
 from quorumfl.server.services import (
     department_columns,
@@ -156,6 +157,7 @@ def report_data(repo: Repository, ref: int) -> dict[str, Any]:
             cells.setdefault(name(f.node_id), {})[str(number)] = participation_state(f.stage, f.reason)
     cells = {node: {r: s for r, s in row.items() if s != "selected"} for node, row in sorted(cells.items())}
 
+    finals = compare_alone(department_finals(metrics, names), primary)
     epsilon, budget = _per_node(metrics, "dp-epsilon"), _per_node(metrics, "dp-budget")
     privacy: dict[str, dict[str, Any]] = {}
     for number in sorted(epsilon):
@@ -171,7 +173,8 @@ def report_data(repo: Repository, ref: int) -> dict[str, Any]:
         "round_metric": round_metric(primary, [m.name for m in metrics if m.node_id is None]),
         "rounds": rounds,
         "participation": {"rounds": sorted(_last_attempts(run.rounds)), "nodes": cells},
-        "departments": department_finals(metrics, names),
+        "departments": finals,
+        "joining": alone_sentence(finals, primary),
         "final": final,
         "privacy": sorted(privacy.values(), key=lambda p: str(p["department"])),
         "federation_epsilon": federation_epsilon,
@@ -326,7 +329,8 @@ def render_html(data: dict[str, Any]) -> str:
                          "finished_at", "error"])),
         ("metric", f"{primary} and loss per round", _metric_figure(data)
          + table(round_rows, ["round", "attempt", "status", *metric_keys, "seconds", "failures"])),
-        ("departments", "Each department's final model", table(data["departments"], dept_columns)),
+        ("departments", "Each department's final model", table(data["departments"], dept_columns)
+         + (f"<p>{html.escape(data['joining'])}</p>" if data.get("joining") else "")),
         ("stages", "Time per round by stage", _stage_figure(data)),
         ("participation", "Who took part", _participation_figure(data)
          + (table(failures, ["round", "node", "state", "stage", "reason"]) if failures

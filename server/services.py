@@ -12,6 +12,7 @@ from typing import Any
 from quorumfl.core.metric_names import PRIMARY_METRICS, primary_among
 from quorumfl.errors import FederationError, QuorumError, RoundsLostError
 from quorumfl.server.following import follow_run, progress_line
+from quorumfl.server.joining import GAIN, VERDICT, alone_sentence, compare_alone
 from quorumfl.server.run_labels import privacy_view, task_label
 from quorumfl.server.state.orm import Metric, ModelVersion, Round, Run
 from quorumfl.server.state.repository import Repository, RoundStatus, RunStatus
@@ -145,7 +146,8 @@ def department_finals(metrics: list[Metric], departments: dict[int, str | None])
 def department_columns(rows: list[dict[str, Any]], primary: str) -> list[str]:
     """The per-department table's columns: the task's primary metric (and the personal model's, and the
     cluster, where a run has them), the loss and the example count."""
-    extra = [c for c in (f"personal-{primary}", "cluster") if any(c in d for d in rows)]
+    extra = [c for c in (f"personal-{primary}", f"alone-{primary}", GAIN, VERDICT, "cluster")
+             if any(c in d for d in rows)]
     return ["department", primary, *extra, "loss", "num-examples"]
 
 
@@ -163,11 +165,14 @@ def run_view(repo: Repository, ref: int) -> dict[str, Any]:
         # An aborted attempt has no metrics of its own: those of its number belong to the redo.
         view["metrics"] = global_metrics.get(rnd.number, {}) if rnd.status != RoundStatus.ABORTED else {}
         rounds.append(view)
+    summary = run_summary(repo, run)
+    finals = compare_alone(department_finals(metrics, departments), summary["primary_metric"])
     return {
-        **run_summary(repo, run),
+        **summary,
         "config": run.config,
         "rounds": rounds,
-        "departments": department_finals(metrics, departments),
+        "departments": finals,
+        "joining": alone_sentence(finals, summary["primary_metric"]),
     }
 
 
