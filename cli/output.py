@@ -59,8 +59,8 @@ SHORT_CELL = 12
 
 def table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[str], *,
           optional: Sequence[str] = (), width: int | None = None) -> Table:
-    """A table that fits the console (``width``, default the console's): the ``optional`` columns (a
-    subset of ``columns``) are left out, last first, until the rest fits; if it still does not fit,
+    """A table that fits the console (``width``, default the console's): the ``optional`` columns (those
+    of them in ``columns``) are left out, last first, until the rest fits; if it still does not fit,
     long text wraps at word boundaries, while ids, statuses (``WHOLE``), numbers and headers stay whole."""
     cells = [{c: _cell(row.get(c)) for c in columns} for row in rows]
     shown = list(columns)
@@ -72,7 +72,7 @@ def table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[str], *,
     def needed(names: Sequence[str]) -> int:  # Rich's default box: 3 characters per column, plus 1
         return 1 + sum(3 + max(len(n.replace("_", " ")), longest(n)) for n in names)
 
-    for name in reversed(list(optional)):
+    for name in reversed([o for o in optional if o in shown]):  # those a given table has
         if needed(shown) <= limit:
             break
         shown.remove(name)
