@@ -16,7 +16,7 @@ from quorumfl.core.data import read_partition
 from quorumfl.deploy.app_guard import app_guard_env
 from quorumfl.deploy.certs import Credentials, check_node_key, check_server
 from quorumfl.deploy.control import Control
-from quorumfl.deploy.demo import DemoSettings, demo_strategy, run_demo
+from quorumfl.deploy.demo import DemoSettings, run_demo
 from quorumfl.deploy.host_slots import host_slot_env
 from quorumfl.deploy.processes import (
     REJOIN_GRACE_S,
@@ -54,9 +54,9 @@ def demo(
     departments: Annotated[int, typer.Option(help="Number of department nodes (SuperNodes).")] = 4,
     rounds: Annotated[int, typer.Option(help="Training rounds.")] = 5,
     alpha: Annotated[float, typer.Option(help="Dirichlet α of the label skew (smaller = more skewed).")] = 0.5,
-    strategy: Annotated[str, typer.Option(help="fedprox, fedavg, ifca (clustered), fedper or ditto (personalised); "
-                                               "default fedprox, fedavg for --task text.")] = "",
-    mu: Annotated[float, typer.Option(help="FedProx proximal coefficient μ.")] = 0.1,
+    strategy: Annotated[str, typer.Option(help="fedavg, fedprox, ifca (clustered), fedper or ditto (personalised); "
+                                               "default the run config's (fedavg with server momentum).")] = "",
+    mu: Annotated[float | None, typer.Option(help="FedProx proximal coefficient μ (default the run config's).")] = None,
     seed: Annotated[int, typer.Option(help="Seed for the split, the model and the sampling.")] = 0,
     secure_aggregation: Annotated[
         SecureMode, typer.Option(help="masking: the server sees only the sum of a quorum's updates; ckks: it adds "
@@ -72,12 +72,9 @@ def demo(
     started = time.monotonic()
     repo = state.repository(migrate=True)
     with progress:
-        chosen, why = demo_strategy(learning_task, strategy)
-        if why:
-            progress.console.print(f"[dim]{why}[/dim]")
         run = run_demo(
             DemoSettings(home=state.home, departments=departments, rounds=rounds, alpha=alpha, seed=seed,
-                         strategy=chosen, proximal_mu=mu, secure_aggregation=secure_aggregation.value,
+                         strategy=strategy, proximal_mu=mu, secure_aggregation=secure_aggregation.value,
                          db_url=state.db_url, task=learning_task),
             repo,
             on_status=lambda msg: progress.console.print(f"[dim]{msg}[/dim]"),

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from quorumfl.client.personal_store import PersonalStore
+from quorumfl.client.tuned import extra_job
 from quorumfl.core.data.datasets import Dataset
 from quorumfl.core.models import arrays_to_model, model_to_arrays
 from quorumfl.core.tasks import ModelSpec
@@ -66,6 +67,7 @@ def advance_alone(store: PersonalStore, run: str, spec: ModelSpec, config: Train
     if stored is not None:
         arrays_to_model(model, stored)
     job = TrainJob(epochs=config.local_epochs, batch_size=config.batch_size, learning_rate=config.learning_rate,
+                   optimizer=config.optimizer,
                    seed=config.seed + 7919 * config.server_round, clip_norm=config.clip_norm,
                    warmup_steps=config.warmup_steps, lr_reference_batch=config.lr_reference_batch)
     train_model(model, train_data, job, engine)
@@ -73,12 +75,15 @@ def advance_alone(store: PersonalStore, run: str, spec: ModelSpec, config: Train
 
 
 def alone_metrics(store: PersonalStore, run: str, spec: ModelSpec, config: TrainConfig, train_data: Dataset,
-                  test_data: Dataset) -> dict[str, float]:
-    """``alone-<metric>`` for each of the task's metrics on the test split; nothing before the alone
-    model has trained (a node that never trained in the run has nothing to compare)."""
+                  test_data: Dataset, *, extra_epochs: int = 0, engine: EngineSettings | None = None) -> dict[str, float]:
+    """``alone-<metric>`` for each of the task's metrics on the test split, after ``extra_epochs`` more
+    on its own data (those the federation's model was fine-tuned for: ``client.tuned``); nothing before
+    the alone model has trained (a node that never trained in the run has nothing to compare)."""
     stored = store.load(run)
     if stored is None:
         return {}
     model = _fresh(spec, config, train_data)
     arrays_to_model(model, stored)
+    if extra_epochs:
+        train_model(model, train_data, extra_job(config, extra_epochs, seed=config.seed + 104729), engine)
     return {f"{ALONE_PREFIX}{k}": v for k, v in evaluate(model, test_data).metrics.items()}

@@ -244,7 +244,8 @@ def _qat_round(
     if any(pair != (0.0, 0.0) for pair in received_ranges.values()):  # all zero: no QAT round has set them yet
         qat.set_activation_ranges(prepared, received_ranges, freeze=False)
     loss = qat.fine_tune(prepared, features, labels, train_data.objective, epochs=config.local_epochs,
-                         batch_size=config.batch_size, learning_rate=config.learning_rate, momentum=0.9, seed=seed)
+                         batch_size=config.batch_size, learning_rate=config.learning_rate, momentum=0.9, seed=seed,
+                         optimizer=config.optimizer)
     qat.load_trained(prepared, model)
     seen = qat.activation_ranges(prepared)
     if set(seen) != set(received_ranges):
@@ -298,8 +299,13 @@ class PrivacyGate:
 def train_job(config: TrainConfig, *, seed: int) -> TrainJob:
     """The engine's job for this round. SCAFFOLD steps with plain SGD: its control-variate update
     (x − y)/(K·η) reads the average corrected gradient off the steps, which momentum would inflate."""
-    momentum = 0.0 if _mode(config) is Personalisation.SCAFFOLD else 0.9
+    scaffold = _mode(config) is Personalisation.SCAFFOLD
+    if scaffold and config.optimizer != "sgd":
+        raise ConfigError(f"SCAFFOLD's control variates assume plain SGD steps; the run asks for optimizer "
+                          f"{config.optimizer!r}: set optimizer = \"sgd\" for a SCAFFOLD run")
+    momentum = 0.0 if scaffold else 0.9
     return TrainJob(epochs=config.local_epochs, batch_size=config.batch_size, learning_rate=config.learning_rate,
+                    optimizer=config.optimizer,
                     proximal_mu=config.proximal_mu, seed=seed, clip_norm=config.clip_norm,
                     warmup_steps=config.warmup_steps, lr_reference_batch=config.lr_reference_batch, momentum=momentum)
 
@@ -409,7 +415,8 @@ def train_round(
         arrays_to_model(model, dict(personal) if personal is not None else start)
         _global_statistics(model, start)
         train(model, train_data, epochs=config.local_epochs, batch_size=config.batch_size,
-              learning_rate=config.learning_rate, proximal_mu=config.ditto_lambda, seed=seed + 1, anchor=anchor)
+              learning_rate=config.learning_rate, proximal_mu=config.ditto_lambda, seed=seed + 1, anchor=anchor,
+              optimizer=config.optimizer)
         kept = model_to_arrays(model)
         personal_eval = evaluate(model, test_data)
         metrics[f"personal-{personal_eval.primary}"] = personal_eval.value
@@ -417,6 +424,14 @@ def train_round(
     if cluster is not None:
         metrics["cluster"] = float(cluster)
     return NodeRound(cluster, received, shared, kept, result.num_examples, result.loss, metrics)
+
+
+def federation_model(config: TrainConfig, candidates: Sequence[Mapping[str, NDArray[np.generic]]],
+                     personal: Arrays | None, train_data: Dataset) -> torch.nn.Module:
+    """The federation's model for this department (global, its cluster's, or shared + its personal layers)."""
+    model = _build(config, train_data)
+    arrays_to_model(model, _pick(config, model, candidates, personal, train_data)[1])
+    return model
 
 
 def evaluate_round(

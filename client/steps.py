@@ -26,6 +26,7 @@ from quorumfl.client.node_round import (
     Personalisation,
     PrivacyGate,
     evaluate_round,
+    federation_model,
     model_spec,
     pick_round,
     train_round,
@@ -33,6 +34,8 @@ from quorumfl.client.node_round import (
 from quorumfl.client.personal_store import PersonalStore, node_state_dir
 from quorumfl.client.secure import signed_slot
 from quorumfl.client.signed_config import check_train_request
+from quorumfl.client.tuned import KIND as TUNED
+from quorumfl.client.tuned import finetune_epochs, tune
 from quorumfl.core.data.store import Partition, read_partition
 from quorumfl.core.tasks import ModelSpec, check_schema_fits, parse_schema
 from quorumfl.errors import ConfigError, DataError, PrivacyBudgetError
@@ -218,9 +221,26 @@ def evaluate_received(msg: Message, context: Context) -> tuple[dict[str, float],
     config = TrainConfig.from_record(msg.content.config_records[CONFIG])
     part, department = _fitting(context, config)
     _, personal = _personal(context, config)
-    metrics = evaluate_round(config, candidate_models(msg.content), personal, part.train, part.test).metrics
-    if wanted(context.run_config, config):
-        store = PersonalStore.for_node(dict(context.node_config), int(context.node_id), kind=ALONE)
-        metrics.update(alone_metrics(store, run_state_key(context), model_spec(config, part.train), config,
-                                     part.train, part.test))
+    models = candidate_models(msg.content)
+    metrics = evaluate_round(config, models, personal, part.train, part.test).metrics
+    metrics.update(_own_models(context, config, models, personal, part))
     return metrics, department
+
+
+def _own_models(context: Context, config: TrainConfig, models: list[Arrays], personal: Arrays | None,
+                part: Partition) -> dict[str, float]:
+    """The department's own final models beside the federation's: the federation's fine-tuned on its data
+    (``client.tuned``) and the one it trained alone (``client.alone``), with the same extra epochs."""
+    node_config, node, run = dict(context.node_config), int(context.node_id), run_state_key(context)
+    engine = EngineSettings.from_node_config(node_config)
+    epochs = finetune_epochs(context.run_config, config)
+    metrics: dict[str, float] = {}
+    if epochs:
+        model = federation_model(config, models, personal, part.train)
+        metrics.update(tune(model, PersonalStore.for_node(node_config, node, kind=TUNED), run, config, epochs,
+                            part.train, part.test, engine))
+    if wanted(context.run_config, config):
+        metrics.update(alone_metrics(PersonalStore.for_node(node_config, node, kind=ALONE), run,
+                                     model_spec(config, part.train), config, part.train, part.test,
+                                     extra_epochs=epochs, engine=engine))
+    return metrics

@@ -25,7 +25,7 @@ from quorumfl.server.services import follow_run
 from quorumfl.server.state.orm import Round, Run
 from quorumfl.server.state.repository import Repository, RunStatus
 
-__all__ = ["DEPARTMENTS", "DemoSettings", "demo_strategy", "run_demo"]
+__all__ = ["DEPARTMENTS", "DemoSettings", "run_demo"]
 
 DEPARTMENTS = [
     "tax-office",
@@ -47,22 +47,11 @@ class DemoSettings:
     rounds: int = 5
     alpha: float = 0.5
     seed: int = 0
-    strategy: str = "fedprox"
-    proximal_mu: float = 0.1
+    strategy: str = ""  # "": the run config's default (FedAvg with server momentum)
+    proximal_mu: float | None = None  # None: the run config's default
     secure_aggregation: str = "masking"
     timeout: float = 900.0
     task: str = "image"  # image (digits), tabular (Ames sales), text (WordNet glosses)
-
-
-def demo_strategy(task: str, strategy: str) -> tuple[str, str]:
-    """The demo's strategy when none is given, and why: FedProx, except for the text task. Measured
-    (5 rounds, 4 departments, seed 0, federated accuracy): FedAvg 0.505, FedProx μ = 0.1 0.202,
-    μ = 0.004 0.381: the embedding bag learns at rate 0.5 and its few rounds cannot spare the pull."""
-    if strategy:
-        return strategy, ""
-    if task == "text":
-        return "fedavg", "strategy fedavg (the text model's default: FedProx's pull slows its few demo rounds)"
-    return "fedprox", ""
 
 
 TEXT_DEMO_GLOSSES = 6000  # a seeded subset of the 82,115 noun glosses: a few seconds per round
@@ -77,14 +66,8 @@ def _city_partitions(settings: DemoSettings, names: list[str], on_status: Callab
     parts, schema = split_packaged(dataset, root, names, split=split, seed=settings.seed, alpha=settings.alpha,
                                    limit=0 if dataset == "ames" else TEXT_DEMO_GLOSSES)
     model = "mlp" if dataset == "ames" else "fasttext"
-    rate = 0.02 if dataset == "ames" else 0.5  # benchmarks/tasks.py's: an embedding bag learns at a higher rate
-    task_settings = {"task": settings.task, "task-schema": json.dumps(schema, sort_keys=True), "model": model,
-                     "learning-rate": rate}
-    # FedAvgM for the text model (5 rounds, plaintext: the round-5 starting model's federated accuracy
-    # 0.497 with it, 0.425 without); the 5-round tabular run overshoots with it (MAE 283k vs 37k)
-    if dataset == "wordnet" and settings.strategy in ("fedavg", "fedprox", "fedper", "ditto"):
-        task_settings["server-momentum"] = 0.9
-    return parts, task_settings
+    # the training recipe is the run config's defaults (the task's optimizer and rate), as a city's first run's
+    return parts, {"task": settings.task, "task-schema": json.dumps(schema, sort_keys=True), "model": model}
 
 
 def run_demo(
@@ -113,9 +96,11 @@ def run_demo(
     db_url = settings.db_url
     with local_federation(home / "demo", parts, db_url=db_url) as federation:
         on_status(f"SuperLink on {federation.address}; {len(names)} SuperNodes online: {', '.join(names)}")
+        chosen: dict[str, Any] = {"strategy": settings.strategy} if settings.strategy else {}
+        if settings.proximal_mu is not None:
+            chosen["proximal-mu"] = settings.proximal_mu
         overrides: dict[str, Any] = {
-            "strategy": settings.strategy,
-            "proximal-mu": settings.proximal_mu,
+            **chosen,
             "secure-aggregation": settings.secure_aggregation,
             "num-rounds": settings.rounds,
             "seed": settings.seed,

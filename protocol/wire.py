@@ -71,6 +71,8 @@ class TrainConfig:
     update_norm_bound: float = 0.0  # secure rounds: the node scales its update down to this L2 norm (0 = off)
     qat: bool = False  # a federated QAT round (run config qat-rounds): fine-tune with fake quantisation
     local_baseline: bool = False  # the node also trains its department-alone model (client.alone)
+    optimizer: str = "sgd"  # the local optimizer: sgd (momentum 0.9) or adam
+    finetune_epochs: int = 0  # final evaluation: fine-tune the federation's model on the node's data (client.tuned)
 
     def to_record(self) -> ConfigRecord:
         return ConfigRecord(
@@ -104,6 +106,8 @@ class TrainConfig:
                 "update-norm-bound": self.update_norm_bound,
                 "qat": self.qat,
                 "local-baseline": self.local_baseline,
+                "optimizer": self.optimizer,
+                "finetune-epochs": self.finetune_epochs,
             }
         )
 
@@ -153,6 +157,8 @@ class TrainConfig:
             update_norm_bound=get("update-norm-bound", float, 0.0),
             qat=get("qat", bool, False),
             local_baseline=get("local-baseline", bool, False),
+            optimizer=get("optimizer", str, "sgd"),
+            finetune_epochs=get("finetune-epochs", int, 0),
         )
 
 

@@ -29,6 +29,7 @@ from typing import Any, Self
 from quorumfl.aggregation.ckks import MAX_DECRYPTIONS, CkksParams
 from quorumfl.aggregation.monitor import RobustRule
 from quorumfl.core.settings import Key, declared, defaults, key, markdown_table, read, setting
+from quorumfl.core.tasks import OPTIMIZERS, get_task, training_defaults
 from quorumfl.errors import ConfigError
 
 __all__ = [
@@ -134,13 +135,16 @@ def _roster_problems(text: str) -> list[str]:
     return []
 
 
+USUAL_RATE = {"sgd": 0.05, "adam": 0.003}  # a named optimizer's rate where the run gives none
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """One run's settings. Each field is a run-config key, declared here once (``key``)."""
 
     # ---- strategy
     strategy: StrategyName = key(
-        StrategyName.FEDPROX, "`fedavg`, `fedprox`, `scaffold` (control variates), `ifca` (clustered), `fedper` or "
+        StrategyName.FEDAVG, "`fedavg`, `fedprox`, `scaffold` (control variates), `ifca` (clustered), `fedper` or "
         "`ditto` (personalised); see below")
     proximal_mu: float = key(
         0.1, "FedProx μ: nodes minimise `loss + μ/2·‖w − w_global‖²` (ignored by `fedavg`; `ifca`, `fedper` and "
@@ -158,11 +162,12 @@ class RunConfig:
     ditto_lambda: float = key(0.1, "Ditto: λ of the personal model's pull `λ/2·‖v − w_global‖²`", low=0.0,
                               applies="ditto")
     server_momentum: float = key(
-        0.0, "FedAvgM: the server's momentum β over rounds (`m ← β·m + Δ`, Δ = the round's mean minus the global "
-        "model; the model moves by `server-lr·m`); 0.9 helps hashed-n-gram text. Restarts from 0 on a resume",
-        low=0.0, high=0.99, applies="fedavg, fedprox, fedper, ditto")
+        0.5, "FedAvgM: the server's momentum β over rounds (`m ← β·m + Δ`, Δ = the round's mean minus the global "
+        "model; the model moves by `server-lr·m`; 0 = plain averaging). Ignored by `ifca` and `scaffold` (cluster "
+        "models, control variates). Restarts from 0 on a resume", low=0.0, high=0.99,
+        applies="fedavg, fedprox, fedper, ditto")
     server_lr: float = key(1.0, "the server's step on the round's mean change (FedOpt's η; 1 with `server-momentum` "
-                           "0 is plain averaging)", low=0.0, open_low=True, high=10.0,
+                           "0 is plain averaging; ignored by `ifca` and `scaffold`)", low=0.0, open_low=True, high=10.0,
                            applies="fedavg, fedprox, fedper, ditto")
     robust_aggregation: RobustRule = key(
         RobustRule.NONE, "plaintext rounds: combine the updates by `norm-bound` (each change scaled to at most "
@@ -185,13 +190,21 @@ class RunConfig:
     model: str = key("mlp", "image: `mlp`, `mlp-tanh` (the same with tanh; the one to pick with `dp = \"local\"`), "
                      "`mlp-wide` (~1.1M params on 8×8), `cnn`, `cnn-wide`; tabular: `mlp`, `linear`; text: `fasttext`",
                      node=True)
-    local_epochs: int = key(5, "local SGD epochs per round (momentum 0.9)", low=1, high=1000, node=True)
-    batch_size: int = key(32, "local SGD batch size", low=1, node=True)
-    learning_rate: float = key(0.05, "local SGD learning rate", low=0.0, open_low=True, node=True)
+    local_epochs: int = key(5, "local epochs per round", low=1, high=1000, node=True)
+    batch_size: int = key(32, "local batch size", low=1, node=True)
+    optimizer: str = key("auto", "local optimizer: `sgd` (momentum 0.9), `adam`, or `auto`: the task's (image `sgd`; "
+                         "tabular and text `adam`)", choices=("auto", *OPTIMIZERS), node=True)
+    learning_rate: float = key(0.0, "local learning rate; 0: the task's (image 0.05 with SGD; tabular 0.003 and text "
+                               "0.01 with Adam), or 0.05 for `sgd` and 0.003 for `adam` named against the task's",
+                               low=0.0, node=True)
     clip_norm: float = key(0.0, "per-step gradient clipping (0 = off)", low=0.0, node=True)
     warmup_steps: int = key(0, "linear learning-rate warm-up, in steps (0 = off)", low=0, node=True)
     lr_reference_batch: int = key(
         0, "linear scaling rule `lr × batch-size / lr-reference-batch` (0 = off)", low=0, node=True)
+    finetune_epochs: int = key(
+        5, "at the end of a run each department fine-tunes the federation's model on its own data for this many "
+        "epochs and keeps it as its own (`tuned-<metric>`; 0 = off; README \"Federation vs your own model\")",
+        low=0, high=1000, node=True)
     local_baseline: bool = key(
         True, "each department also trains a model on its own data alone (same architecture, epochs and examples; "
         "it never leaves the node) and reports its metric at the end, beside the federation's (README \"Federation "
@@ -404,11 +417,6 @@ class RunConfig:
         if config.strategy is StrategyName.SCAFFOLD and config.compression is not Compression.NONE:
             problems.append("strategy scaffold with compression is not supported yet: the control variates must arrive "
                             "whole; set compression = 'none'")
-        if (config.server_momentum or config.server_lr != 1.0) and config.strategy in (StrategyName.IFCA,
-                                                                                      StrategyName.SCAFFOLD):
-            problems.append(f"server-momentum and server-lr apply to one global model; strategy "
-                            f"{config.strategy.value} keeps cluster models or control variates, so set "
-                            "server-momentum = 0 and server-lr = 1")
         if config.dp is DpMode.DISTRIBUTED and config.compression is not Compression.NONE:
             problems.append("dp 'distributed' with compression is not supported; set compression = 'none'")
         problems.extend(_qat_problems(config))
@@ -430,8 +438,26 @@ class RunConfig:
         return {name: setting(spec, getattr(self, attr)) for name, (attr, _, spec) in self.declared().items()}
 
     def node_settings(self) -> dict[str, Any]:
-        """The settings the node's train config carries as they are (declared ``node=True``), by field name."""
-        return {attr: setting(spec, getattr(self, attr)) for attr, _, spec in self.declared().values() if spec.node}
+        """The settings the node's train config carries (declared ``node=True``), by field name, with
+        ``optimizer = "auto"`` and ``learning-rate = 0`` resolved to the task's (``training_defaults``)."""
+        settings = {attr: setting(spec, getattr(self, attr)) for attr, _, spec in self.declared().values() if spec.node}
+        settings["optimizer"], settings["learning_rate"] = self.training()
+        return settings
+
+    def server_step(self) -> tuple[float, float]:
+        """The server's momentum and step size over rounds: the run's, or plain averaging (0, 1) for the
+        strategies they do not apply to (IFCA's cluster models, SCAFFOLD's control variates)."""
+        if self.strategy in (StrategyName.IFCA, StrategyName.SCAFFOLD):
+            return 0.0, 1.0
+        return self.server_momentum, self.server_lr
+
+    def training(self) -> tuple[str, float]:
+        """The local optimizer and learning rate: those the run names, else the task's; a run that names
+        another optimizer than the task's and no rate gets that optimizer's usual one."""
+        optimizer, rate = training_defaults(get_task(self.task))
+        if self.optimizer not in ("auto", optimizer):
+            optimizer, rate = self.optimizer, USUAL_RATE[self.optimizer]
+        return optimizer, self.learning_rate or rate
 
     def ckks_params(self) -> CkksParams:
         """The threshold-CKKS parameter set: N from the config, a (60, 60, 60)-bit chain, Δ = 2^100."""

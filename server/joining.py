@@ -2,8 +2,9 @@
 
 Each node reports ``alone-<metric>`` at the end of a run (``quorumfl.client.alone``): its own model,
 trained on its own data only with the same budget. Beside it the department's figure for what the
-federation gave it: the better of the federation's model for it (global, or its cluster's) and its
-personal model (FedPer, Ditto), since either is the department's to use. ``gain-vs-alone`` is that
+federation gave it: the best of the federation's model for it (global, or its cluster's), its
+personal model (FedPer, Ditto) and the federation's model fine-tuned on its data (``tuned-<metric>``,
+``quorumfl.client.tuned``), since each is the department's to use. ``gain-vs-alone`` is that
 figure's advantage (positive: the federation did better; for MAE, the error it saved), and
 ``better-alone`` flags a department whose gain is not positive.
 """
@@ -29,7 +30,7 @@ def compare_alone(rows: Sequence[dict[str, Any]], primary: str) -> list[dict[str
     for row in rows:
         row = dict(row)
         alone = row.get(f"alone-{primary}")
-        ours = [v for v in (row.get(primary), row.get(f"personal-{primary}")) if v is not None]
+        ours = _ours(row, primary)
         if alone is not None and ours:
             best = max(ours) if higher else min(ours)
             row[GAIN] = best - alone if higher else alone - best
@@ -53,7 +54,12 @@ def alone_sentence(rows: Sequence[dict[str, Any]], primary: str) -> str | None:
     return f"{head}. Better alone: {names}."
 
 
+def _ours(row: dict[str, Any], primary: str) -> list[float]:
+    """The department's figures for what the federation gave it: global (or cluster), personal, tuned."""
+    return [v for v in (row.get(primary), row.get(f"personal-{primary}"), row.get(f"tuned-{primary}")) if v is not None]
+
+
 def _figure(row: dict[str, Any], primary: str) -> str:
-    ours = [v for v in (row.get(primary), row.get(f"personal-{primary}")) if v is not None]
+    ours = _ours(row, primary)
     best = max(ours) if higher_is_better(primary) else min(ours)
     return f"{best:.4g} federated vs {row[f'alone-{primary}']:.4g} alone"

@@ -120,7 +120,8 @@ class Federation:
         self.feedback = SelectionFeedback(config, self.strategy, repo, self.exchange)
         self.model = self.task.spec.build(seed=0)  # the server's instance: it loads each model it evaluates
         # FedAvgM's buffer lives in this process: a resumed run or a rollback starts it again from 0
-        self.momentum = ServerMomentum(momentum=config.server_momentum, learning_rate=config.server_lr,
+        momentum, step = config.server_step()
+        self.momentum = ServerMomentum(momentum=momentum, learning_rate=step,
                                        names=[name for name, _ in self.model.named_parameters()])
         self._qat_template: Arrays | None = None  # a QAT round's unset activation ranges (built once)
         self.dp_noise = distributed_noise(config)  # distributed DP: σ on each revealed sum, else None

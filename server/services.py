@@ -146,7 +146,7 @@ def department_finals(metrics: list[Metric], departments: dict[int, str | None])
 def department_columns(rows: list[dict[str, Any]], primary: str) -> list[str]:
     """The per-department table's columns: the task's primary metric (and the personal model's, and the
     cluster, where a run has them), the loss and the example count."""
-    extra = [c for c in (f"personal-{primary}", f"alone-{primary}", GAIN, VERDICT, "cluster")
+    extra = [c for c in (f"personal-{primary}", f"tuned-{primary}", f"alone-{primary}", GAIN, VERDICT, "cluster")
              if any(c in d for d in rows)]
     return ["department", primary, *extra, "loss", "num-examples"]
 

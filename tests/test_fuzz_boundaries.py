@@ -327,7 +327,8 @@ def test_run_config_mappings_parse_or_name_the_bad_key(values: dict[str, Any]) -
     except ConfigError as exc:
         assert exc.problems and all(isinstance(p, str) and p for p in exc.problems)
         return
-    assert config.num_rounds >= 1 and config.min_nodes >= 1 and config.learning_rate > 0
+    assert config.num_rounds >= 1 and config.min_nodes >= 1 and config.learning_rate >= 0
+    assert config.training()[1] > 0  # 0 is the task's rate: what the nodes are told is positive
 
 
 @FUZZ

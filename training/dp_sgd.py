@@ -109,7 +109,7 @@ def private_loop(module: nn.Module, wrapped: nn.Module, data: Dataset, job: Trai
     generator = torch.Generator().manual_seed(secrets.randbits(63))
     dataset = TensorDataset(torch.from_numpy(data.x), torch.from_numpy(data.y))
     loader = DataLoader(dataset, batch_size=job.batch_size, generator=generator)
-    optimizer = torch.optim.SGD(module.parameters(), lr=job.base_lr(), momentum=job.momentum)
+    optimizer = job.make_optimizer(module.parameters())  # Opacus clips and noises any optimizer's gradients
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Secure RNG turned off")
         engine = PrivacyEngine(accountant="prv")

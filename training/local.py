@@ -60,15 +60,16 @@ def train(
     seed: int = 0,
     momentum: float = 0.9,
     anchor: list[torch.Tensor] | None = None,
+    optimizer: str = "sgd",
 ) -> TrainResult:
-    """SGD with momentum over ``epochs`` passes in this process (the engine with default settings);
+    """SGD with momentum (or Adam) over ``epochs`` passes in this process (the engine with default settings);
     returns the mean loss of the last epoch.
 
     The proximal term pulls towards ``anchor`` (one tensor per parameter) when given, else towards
     the model's own parameters at the start.
     """
     job = TrainJob(epochs=epochs, batch_size=batch_size, learning_rate=learning_rate, momentum=momentum,
-                   proximal_mu=proximal_mu, seed=seed)
+                   proximal_mu=proximal_mu, seed=seed, optimizer=optimizer)
     result = train_model(model, data, job, EngineSettings(device="cpu"), anchor=anchor).loop
     return TrainResult(loss=result.loss, num_examples=result.num_examples, steps=result.steps)
 

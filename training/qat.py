@@ -227,12 +227,13 @@ def decode_ranges(arrays: Mapping[str, NDArray[np.generic]]) -> Ranges:
 
 def fine_tune(prepared: torch.fx.GraphModule, features: torch.Tensor, labels: torch.Tensor, objective: Objective, *,
               epochs: int, batch_size: int, learning_rate: float, momentum: float, seed: int,
-              keep_zeros: bool = False) -> float:
-    """SGD with fake quantisation in the loop under the task's objective; the mean loss of the last
-    epoch. ``keep_zeros``: weights that are exactly zero (pruned) are re-zeroed after every step.
+              keep_zeros: bool = False, optimizer: str = "sgd") -> float:
+    """SGD (or Adam: ``optimizer``) with fake quantisation in the loop under the task's objective; the
+    mean loss of the last epoch. ``keep_zeros``: weights that are exactly zero (pruned) are re-zeroed after every step.
     With ``epochs`` = 0 the observers see the data once (calibration only)."""
     generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.SGD(prepared.parameters(), lr=learning_rate, momentum=momentum)
+    opt = (torch.optim.Adam(prepared.parameters(), lr=learning_rate) if optimizer == "adam"
+           else torch.optim.SGD(prepared.parameters(), lr=learning_rate, momentum=momentum))
     masks = [(p, p != 0) for p in prepared.parameters() if p.dim() >= 2] if keep_zeros else []
     _set_mode(prepared, train=True)
     losses: list[float] = []
@@ -241,12 +242,12 @@ def fine_tune(prepared: torch.fx.GraphModule, features: torch.Tensor, labels: to
         order = torch.randperm(len(features), generator=generator)
         for start in range(0, len(features), batch_size):
             index = order[start: start + batch_size]
-            optimizer.zero_grad()
+            opt.zero_grad()
             loss = objective.loss(prepared(features[index]), labels[index], reduction="mean")
             if not torch.isfinite(loss):
                 raise EdgeError("QAT loss became NaN/Inf; lower the QAT learning rate")
             loss.backward()  # type: ignore[no-untyped-call]
-            optimizer.step()
+            opt.step()
             losses.append(float(loss.detach()))
             with torch.no_grad():
                 for parameter, keep in masks:

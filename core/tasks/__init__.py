@@ -16,7 +16,14 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from quorumfl.core.tasks.base import Schema, Task, schema_difference, schema_digest, stable_split
+from quorumfl.core.tasks.base import (
+    OPTIMIZERS,
+    Schema,
+    Task,
+    schema_difference,
+    schema_digest,
+    stable_split,
+)
 from quorumfl.core.tasks.image import ImageTask, image_schema
 from quorumfl.core.tasks.objective import CLASSIFICATION, Classification, Objective, Regression
 from quorumfl.core.tasks.tabular import TabularTask
@@ -27,9 +34,9 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = [
-    "BUILTIN_TASKS", "CLASSIFICATION", "Classification", "ModelSpec", "Objective", "Regression", "Schema", "Task",
+    "BUILTIN_TASKS", "CLASSIFICATION", "OPTIMIZERS", "Classification", "ModelSpec", "Objective", "Regression", "Schema", "Task",
     "check_schema_fits", "get_task", "image_schema", "parse_schema", "read_schema", "schema_difference", "schema_digest",
-    "stable_split",
+    "stable_split", "training_defaults",
 ]
 
 BUILTIN_TASKS: dict[str, Task] = {"image": ImageTask(), "tabular": TabularTask(), "text": TextTask()}
@@ -43,6 +50,16 @@ def _check(task: object, name: str) -> Task:
         raise ConfigError(f"task: '{name}' is not a QuorumFL task (it lacks {', '.join(missing)}); see the README's "
                           "'Your own task'")
     return task
+
+
+DEFAULT_TRAINING = ("sgd", 0.05)  # a plug-in task that declares no ``training_defaults``
+
+
+def training_defaults(task: Task) -> tuple[str, float]:
+    """The task's local optimizer and learning rate (``training_defaults``; SGD at 0.05 if it names none)."""
+    declared = getattr(task, "training_defaults", DEFAULT_TRAINING)
+    optimizer, rate = declared
+    return str(optimizer), float(rate)
 
 
 def get_task(name: str) -> Task:

@@ -26,9 +26,10 @@ from quorumfl.core.tasks.objective import Objective
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["Schema", "Task", "schema_difference", "schema_digest"]
+__all__ = ["OPTIMIZERS", "Schema", "Task", "schema_difference", "schema_digest"]
 
 Schema = Mapping[str, Any]
+OPTIMIZERS = ("sgd", "adam")  # the local optimizers a run may name (a task's ``training_defaults`` among them)
 
 
 @runtime_checkable

@@ -50,6 +50,8 @@ class ImageTask:
     name = "image"
     version = "1"
     default_model = "mlp"
+    # the local optimizer and learning rate a run takes unless it names them (run config "auto" / 0)
+    training_defaults = ("sgd", 0.05)
     needs_statistics = False
 
     def model_names(self) -> Sequence[str]:

@@ -96,6 +96,8 @@ class TabularTask:
     name = "tabular"
     version = "1"
     default_model = "mlp"
+    # Adam: one rate serves tables whose columns and targets differ by orders of magnitude (SGD's did not)
+    training_defaults = ("adam", 0.003)
     needs_statistics = True  # the first round of a fresh run computes the federation's standardisation
 
     def model_names(self) -> Sequence[str]:

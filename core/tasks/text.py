@@ -73,6 +73,8 @@ class TextTask:
     name = "text"
     version = "1"
     default_model = "fasttext"
+    # Adam: the sparse embedding bag's rare n-grams get steps SGD's single rate starves
+    training_defaults = ("adam", 0.01)
     needs_statistics = False
 
     def model_names(self) -> Sequence[str]:

@@ -239,11 +239,3 @@ def test_interrupt_exits_130_under_python_m(tmp_path: Path, source: str) -> None
     assert "interrupted" in done.stderr
 
 
-def test_the_demo_trains_text_with_fedavg_unless_told_otherwise() -> None:
-    from quorumfl.deploy.demo import demo_strategy
-
-    assert demo_strategy("image", "") == ("fedprox", "")
-    assert demo_strategy("tabular", "") == ("fedprox", "")
-    chosen, why = demo_strategy("text", "")
-    assert chosen == "fedavg" and "FedProx" in why
-    assert demo_strategy("text", "fedprox") == ("fedprox", "")

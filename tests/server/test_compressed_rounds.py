@@ -64,7 +64,8 @@ def _topk_delta(reply: object, shapes: dict[str, tuple[int, ...]]) -> dict[str, 
 def test_topk_rounds_average_the_decoded_updates_and_record_bytes(tmp_path: Path) -> None:
     contexts = _contexts(tmp_path)
     grid = LoopbackGrid(contexts)
-    federation, repo = _federation(tmp_path, grid, **{"num-rounds": 3, "compression": "topk",
+    # plain averaging (no server momentum): each model is the last one plus the round's mean update
+    federation, repo = _federation(tmp_path, grid, **{"num-rounds": 3, "compression": "topk", "server-momentum": 0.0,
                                                       "compression-fraction": 0.01, "compression-sync-every": 3})
     run_id = federation.run()
     assert repo.get_run(run_id).status == RunStatus.COMPLETED

@@ -7,6 +7,7 @@ import shutil
 import tomllib
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,8 +29,31 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_defaults_resolve() -> None:
     config = RunConfig.from_mapping({})
-    assert config.strategy is StrategyName.FEDPROX and config.num_rounds == 5
+    assert config.strategy is StrategyName.FEDAVG and config.num_rounds == 5 and config.server_step() == (0.5, 1.0)
     assert config.resolved()["proximal-mu"] == DEFAULTS["proximal-mu"]
+
+
+@pytest.mark.parametrize(("given", "expected"), [
+    ({}, ("sgd", 0.05)),  # the image task's
+    ({"optimizer": "adam"}, ("adam", 0.003)),  # another optimizer than the task's: its usual rate
+    ({"optimizer": "adam", "learning-rate": 0.01}, ("adam", 0.01)),
+    ({"learning-rate": 0.2}, ("sgd", 0.2)),
+])
+def test_the_optimizer_and_rate_are_the_tasks_unless_the_run_names_them(given: dict[str, Any],
+                                                                         expected: tuple[str, float]) -> None:
+    config = RunConfig.from_mapping(given)
+    assert config.training() == expected
+    settings = config.node_settings()
+    assert (settings["optimizer"], settings["learning_rate"]) == expected  # what the nodes are told
+
+
+def test_tables_and_texts_train_with_adam_by_default() -> None:
+    from quorumfl.core.tasks import get_task, training_defaults
+
+    assert training_defaults(get_task("tabular")) == ("adam", 0.003)
+    assert training_defaults(get_task("text")) == ("adam", 0.01)
+    with pytest.raises(ConfigError, match="optimizer must be one of"):
+        RunConfig.from_mapping({"optimizer": "rmsprop"})
 
 
 def test_all_problems_reported_together() -> None:
@@ -39,7 +63,7 @@ def test_all_problems_reported_together() -> None:
         )
     text = str(info.value)
     for needle in ("strategy must be one of", "num-rounds must be >= 1", "model must be one of",
-                   "learning-rate must be > 0.0", "unknown key 'colour'", "batch-size must be a whole number"):
+                   "learning-rate must be >= 0.0", "unknown key 'colour'", "batch-size must be a whole number"):
         assert needle in text
     assert len(info.value.problems) == 6
 
@@ -119,9 +143,8 @@ def test_node_settings_are_train_config_fields() -> None:
 
 
 @pytest.mark.parametrize("strategy", ["ifca", "scaffold"])
-def test_server_momentum_needs_one_global_model(strategy: str) -> None:
-    with pytest.raises(ConfigError, match=f"strategy {strategy} keeps cluster models or control variates"):
-        RunConfig.from_mapping({"strategy": strategy, "server-momentum": 0.9})
+def test_server_momentum_is_ignored_where_there_is_no_one_global_model(strategy: str) -> None:
+    assert RunConfig.from_mapping({"strategy": strategy, "server-momentum": 0.9}).server_step() == (0.0, 1.0)
     with pytest.raises(ConfigError, match="server-momentum must be"):
         RunConfig.from_mapping({"server-momentum": 1.0})
-    assert RunConfig.from_mapping({"strategy": "fedper", "server-momentum": 0.9, "server-lr": 0.5}).server_lr == 0.5
+    assert RunConfig.from_mapping({"strategy": "fedper", "server-momentum": 0.9, "server-lr": 0.5}).server_step() == (0.9, 0.5)

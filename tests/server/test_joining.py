@@ -19,9 +19,12 @@ from rich.console import Console
 from quorumfl.cli.output import table
 from quorumfl.client.alone import KIND
 from quorumfl.client.personal_store import PersonalStore, node_state_dir
+from quorumfl.client.tuned import KIND as TUNED
+from quorumfl.client.tuned import finetune_epochs
 from quorumfl.core.data.store import prepare_partitions, read_partition, write_partition
 from quorumfl.core.models import arrays_to_model
 from quorumfl.core.tasks import ModelSpec, image_schema
+from quorumfl.protocol.wire import TrainConfig
 from quorumfl.server.joining import GAIN, VERDICT, alone_sentence, compare_alone
 from quorumfl.server.report import render_html, report_data
 from quorumfl.server.services import department_columns, run_view
@@ -45,10 +48,10 @@ def _city(root: Path) -> dict[str, Path]:
     return parts
 
 
-def _reference_accuracy(node_id: int, part_dir: Path, run_key: str) -> float:
-    """The stored alone model's accuracy on the department's test split, by plain torch and numpy."""
+def _reference_accuracy(node_id: int, part_dir: Path, run_key: str, kind: str = KIND) -> float:
+    """A stored model's (alone, or tuned) accuracy on the department's test split, by plain torch and numpy."""
     part = read_partition(part_dir)
-    stored = PersonalStore(node_state_dir({}, node_id), kind=KIND).load(run_key)
+    stored = PersonalStore(node_state_dir({}, node_id), kind=kind).load(run_key)
     assert stored is not None
     schema = image_schema(part.test.name, part.test.input_shape, part.test.num_classes)
     import json
@@ -64,8 +67,9 @@ def _reference_accuracy(node_id: int, part_dir: Path, run_key: str) -> float:
 def test_the_department_better_alone_is_flagged_and_its_figure_is_its_own_models(tmp_path: Path) -> None:
     parts = _city(tmp_path / "city")
     contexts = _contexts(parts)
+    # the federation's one model against the alone model (no fine-tuning: that is the next test's)
     federation, repo = _federation(tmp_path, LoopbackGrid(contexts), **{"num-rounds": 4, "local-epochs": 5, "batch-size": 8,
-                                                                        "seed": 2})
+                                                                        "seed": 2, "finetune-epochs": 0})
     run_id = federation.run()
     view = run_view(repo, run_id)
     rows = {r["department"]: r for r in view["departments"]}
@@ -91,6 +95,27 @@ def test_the_department_better_alone_is_flagged_and_its_figure_is_its_own_models
 
     data = report_data(repo, run_id)
     assert data["joining"] == view["joining"] and "Better alone" in render_html(data)
+
+
+def test_each_department_keeps_the_federations_model_fine_tuned_on_its_data(tmp_path: Path) -> None:
+    parts = _city(tmp_path / "city")
+    contexts = _contexts(parts)
+    federation, repo = _federation(tmp_path, LoopbackGrid(contexts), **{"num-rounds": 4, "local-epochs": 5, "batch-size": 8,
+                                                                        "seed": 2, "finetune-epochs": 3})
+    rows = {r["department"]: r for r in run_view(repo, federation.run())["departments"]}
+    for node_id, context in contexts.items():  # the reported figure is the kept tuned model's (reference)
+        name = str(context.node_config["department"])
+        assert rows[name]["tuned-accuracy"] == pytest.approx(_reference_accuracy(node_id, parts[name], "99", TUNED))
+    # fine-tuning adapts the city's model to the planted department's own rule
+    assert rows[PLANTED]["tuned-accuracy"] > rows[PLANTED]["accuracy"] + 0.3
+
+
+def test_the_signed_fine_tuning_epochs_bound_what_the_server_asks() -> None:
+    asked = TrainConfig(server_round=1, model="mlp", local_epochs=1, batch_size=8, learning_rate=0.05, proximal_mu=0.0,
+                        seed=0, finetune_epochs=500)
+    assert finetune_epochs({"finetune-epochs": 2}, asked) == 2  # the admin signed 2: a server asking 500 gets 2
+    assert finetune_epochs({"finetune-epochs": 0}, asked) == 0
+    assert finetune_epochs({}, asked) == 500  # an unsigned in-process federation: the request's
 
 
 def test_a_signed_run_that_turns_the_baseline_off_keeps_no_alone_model(tmp_path: Path) -> None:

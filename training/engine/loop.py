@@ -7,7 +7,8 @@ gradient of the global batch. The update therefore does not depend on how many w
 micro-batches the node uses (up to float rounding). Micro-batches before the last run under
 ``no_sync`` so DDP all-reduces once per step.
 
-Per step: AMP autocast (bf16, or fp16 with a GradScaler), the FedProx/Ditto proximal term, grad-norm
+The optimizer is SGD with momentum or Adam (``TrainJob.optimizer``); either starts afresh each job
+(a round), as local optimizers in FedAvg do. Per step: AMP autocast (bf16, or fp16 with a GradScaler), the FedProx/Ditto proximal term, grad-norm
 tracking with a spike flag, clipping, linear warm-up of the learning rate (after the linear scaling
 rule for the global batch), and a checkpoint every N steps (rank 0 writes it).
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from quorumfl.core.data.datasets import Dataset
+from quorumfl.core.tasks.base import OPTIMIZERS
 from quorumfl.errors import ConfigError
 from quorumfl.training.engine.checkpoint import Checkpoint, CheckpointFile
 from quorumfl.training.engine.settings import Amp, EngineSettings
@@ -45,6 +47,7 @@ class TrainJob:
     clip_norm: float = 0.0  # 0 = no clipping
     warmup_steps: int = 0  # linear warm-up over this many optimizer steps
     lr_reference_batch: int = 0  # linear scaling rule: lr × batch_size / this (0 = off)
+    optimizer: str = "sgd"  # sgd (with ``momentum``) or adam (its state starts afresh each round)
 
     def __post_init__(self) -> None:
         problems = []
@@ -62,6 +65,8 @@ class TrainJob:
             problems.append(f"clip-norm must be >= 0 (0 = off), got {self.clip_norm}")
         if self.warmup_steps < 0:
             problems.append(f"warmup-steps must be >= 0, got {self.warmup_steps}")
+        if self.optimizer not in OPTIMIZERS:
+            problems.append(f"optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.lr_reference_batch < 0:
             problems.append(f"lr-reference-batch must be >= 0 (0 = off), got {self.lr_reference_batch}")
         if problems:
@@ -71,6 +76,12 @@ class TrainJob:
         if self.lr_reference_batch:
             return self.learning_rate * self.batch_size / self.lr_reference_batch
         return self.learning_rate
+
+    def make_optimizer(self, parameters: Iterable[nn.Parameter], *, momentum: float | None = None) -> torch.optim.Optimizer:
+        """The job's optimizer at its base rate; ``momentum`` overrides the job's (SGD)."""
+        if self.optimizer == "adam":
+            return torch.optim.Adam(parameters, lr=self.base_lr())
+        return torch.optim.SGD(parameters, lr=self.base_lr(), momentum=self.momentum if momentum is None else momentum)
 
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step ``step`` (0-based)."""
@@ -156,7 +167,9 @@ def run_loop(
     correction_t = [c.to(device) for c in correction] if correction is not None else None
     if correction_t is not None and len(correction_t) != len(anchor_t):
         raise ConfigError(f"correction has {len(correction_t)} tensors, the model {len(anchor_t)} parameters")
-    optimizer = torch.optim.SGD(module.parameters(), lr=job.lr_at(0), momentum=job.momentum)
+    optimizer = job.make_optimizer(module.parameters())
+    for group in optimizer.param_groups:
+        group["lr"] = job.lr_at(0)
     amp_dtype = {Amp.BF16: torch.bfloat16, Amp.FP16: torch.float16}.get(settings.amp)
     scaler = torch.amp.GradScaler("cuda") if settings.amp is Amp.FP16 else None
     # summed over the batch (cross-entropy, or squared error for regression); torch's backward() is untyped
