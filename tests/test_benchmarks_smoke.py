@@ -180,3 +180,16 @@ def test_big_import_smoke() -> None:
     keys = {"check_mb_s_5mb", "import_mb_s_5mb", "check_peak_rss_mb_5mb", "import_peak_rss_mb_5mb",
             "partition_mb_5mb", "rows_5mb"}
     assert keys <= set(figures) and all(float(figures[k]) > 0 for k in keys)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_own_data_smoke() -> None:
+    """Real packaged data (./setup.sh --city-data), masked, the defaults: the issue's keys per data set."""
+    figures = _run("own_data.py")
+    datasets = figures["datasets"]
+    assert isinstance(datasets, list) and [d["name"] for d in datasets] == ["salaries", "credit", "reviews", "digits"]
+    for d in datasets:
+        assert {"name", "metric", "higher_is_better", "federated", "local_weighted", "local_worst", "central"} <= set(d)
+        assert d["statuses"] == ["completed"] and d["higher_is_better"] == (d["metric"] == "accuracy")
+        for key in ("federated", "local_weighted", "local_worst", "central"):
+            assert (d[key] > 0) if d["metric"] == "mae" else (0.0 <= d[key] <= 1.0)

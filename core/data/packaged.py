@@ -32,7 +32,7 @@ import numpy as np
 from quorumfl.core.data.partition import partition_dirichlet, partition_iid
 from quorumfl.errors import ConfigError, DataError
 
-__all__ = ["PACKAGED", "ames_rows", "datasets_dir", "wordnet_rows", "write_department_files"]
+__all__ = ["PACKAGED", "ames_rows", "datasets_dir", "modeldata_rows", "wordnet_rows", "write_department_files"]
 
 SETUP_HINT = ("run './setup.sh --city-data' (unpacks Debian's r-cran-modeldata and wordnet-base into "
               ".venv/share/quorumfl/datasets)")
@@ -78,12 +78,25 @@ def _lazyload(base: Path, name: str) -> Any:
     return rdata.conversion.convert(rdata.parser.parse_data(raw))
 
 
+def modeldata_rows(name: str, root: Path | None = None) -> list[dict[str, Any]]:
+    """A data frame of r-cran-modeldata as records (column → value, missing values as None), in the
+    package's order: ``ames`` (property sales), ``stackoverflow`` (developer survey: salary, country),
+    ``credit_data`` (credit applications: status, housing), ``training_data`` and ``testing_data``
+    (Amazon fine-food reviews: product, review, score), and the package's other frames."""
+    base = (root or datasets_dir()) / "usr/lib/R/site-library/modeldata/data/Rdata"
+    frame = _lazyload(base, name)
+    records: list[dict[str, Any]] = frame.to_dict(orient="records")
+    return [{str(k): _plain(v) for k, v in r.items()} for r in records]
+
+
+def _plain(value: Any) -> Any:
+    value = value.item() if hasattr(value, "item") else value
+    return None if isinstance(value, float) and value != value else value  # NaN: missing
+
+
 def ames_rows(root: Path | None = None) -> list[dict[str, Any]]:
     """The Ames sales as records (column → value), in the package's order."""
-    base = (root or datasets_dir()) / "usr/lib/R/site-library/modeldata/data/Rdata"
-    frame = _lazyload(base, "ames")
-    records: list[dict[str, Any]] = frame.to_dict(orient="records")
-    return [{str(k): (v.item() if hasattr(v, "item") else v) for k, v in r.items()} for r in records]
+    return modeldata_rows("ames", root)
 
 
 # WordNet's lexicographer files of nouns by number (lexnames(5WN); fixed since WordNet 1.5)
