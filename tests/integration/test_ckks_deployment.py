@@ -82,7 +82,7 @@ def test_ten_nodes_threshold_ckks_with_killed_nodes(tmp_path: Path) -> None:
     with local_federation(home, parts, db_url=db_url, connect_timeout=300,
                           node_config={"reproducible-training": True}) as federation:  # retrained below
         flower_run_id = federation.control.start_run(
-            {"model": MODEL, "num-rounds": 3, "local-epochs": EPOCHS, "strategy": "fedavg", "min-nodes": 2,
+            {"model": MODEL, "num-rounds": 3, "local-epochs": EPOCHS, "strategy": "fedavg", "server-momentum": 0.0, "min-nodes": 2,
              "start-from": "fresh", "state-url": db_url, "model-dir": str(home / "models"), "round-timeout": 150.0,
              "secure-aggregation": "ckks", "secagg-threshold": 6, "secagg-stage-timeout": 90.0}
         )

@@ -77,7 +77,7 @@ def test_server_nodes_and_run_from_the_cli(tmp_path: Path) -> None:
         assert "completed" in said and "masked: the server learns only sums of at least t = 60%" in said
         listed = subprocess.run(_cli(home, "runs", "list", "--format", "json"), capture_output=True, text=True, timeout=120, check=False)
         [record] = json.loads(listed.stdout)
-        assert record["status"] == "completed" and record["rounds_completed"] == 1 and record["strategy"] == "fedprox"
+        assert record["status"] == "completed" and record["rounds_completed"] == 1 and record["strategy"] == "fedavg"
         assert record["secure_aggregation"] == "masked" and record["dp"] == "none" and record["threshold"] == "60% of each round's nodes"
         assert "masked" in subprocess.run(_cli(home, "runs", "list"), capture_output=True, text=True, timeout=120,
                                           check=True).stdout

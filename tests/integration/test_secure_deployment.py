@@ -100,7 +100,7 @@ def test_ten_nodes_masked_rounds_with_killed_nodes(tmp_path: Path) -> None:
     with local_federation(home, parts, db_url=db_url, connect_timeout=300,
                           node_config={"reproducible-training": True}) as federation:
         flower_run_id = federation.control.start_run(
-            {"model": "mlp-wide", "num-rounds": 4, "local-epochs": EPOCHS, "strategy": "fedavg", "min-nodes": 2,
+            {"model": "mlp-wide", "num-rounds": 4, "local-epochs": EPOCHS, "strategy": "fedavg", "server-momentum": 0.0, "min-nodes": 2,
              "start-from": "fresh", "state-url": db_url, "model-dir": str(home / "models"), "round-timeout": 240.0,
              "secure-aggregation": "masking", "secagg-threshold": 0.6, "secagg-stage-timeout": 120.0}
         )

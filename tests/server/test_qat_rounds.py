@@ -29,7 +29,9 @@ from .test_rounds import (
     task_identity,  # noqa: F401  (an autouse fixture)
 )
 
-RUN = {"num-rounds": 2, "qat-rounds": 1, "local-epochs": 1, "batch-size": 32, "learning-rate": 0.05, "seed": 5}
+# plain averaging (no server momentum): the stored model is the mean of what the departments sent
+RUN = {"num-rounds": 2, "qat-rounds": 1, "local-epochs": 1, "batch-size": 32, "learning-rate": 0.05, "seed": 5,
+       "server-momentum": 0.0}
 
 
 @pytest.fixture
