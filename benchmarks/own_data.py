@@ -46,12 +46,13 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' in-process grid
-from _cli import parser, peak_rss_mb, report  # noqa: E402
 from flwr.app import Context, RecordDict  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+
+from _cli import parser, peak_rss_mb, report  # noqa: E402
 from quorumfl.core.data import import_partition, propose_schema, read_partition  # noqa: E402
 from quorumfl.core.data.datasets import Dataset  # noqa: E402
-from quorumfl.core.data.packaged import _natural_groups, modeldata_rows  # noqa: E402
+from quorumfl.core.data.packaged import modeldata_rows, natural_groups  # noqa: E402
 from quorumfl.core.data.store import prepare_partitions  # noqa: E402
 from quorumfl.server.config import RunConfig  # noqa: E402
 from quorumfl.server.model_store import ModelStore  # noqa: E402
@@ -102,7 +103,7 @@ def partitions(name: str, root: Path, *, seed: int, limit: int) -> tuple[dict[st
     rows = _rows(spec, limit, seed)
     text = spec["task"] == "text"
     suffix = ".jsonl" if text else ".csv"
-    groups = _natural_groups([str(r[spec["key"]]) for r in rows], spec["departments"])
+    groups = natural_groups([str(r[spec["key"]]) for r in rows], spec["departments"])
     root.mkdir(parents=True, exist_ok=True)
     pool = _write(root / f"pool{suffix}", rows, text)
     schema = propose_schema(pool, spec["task"], spec["options"])

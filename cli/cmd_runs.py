@@ -271,6 +271,9 @@ def show(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (Qu
     console.print(f"[bold]Run {view['id']}[/bold] (Flower {view['flower_run_id']}): {view['status']}, "
                   f"{view['strategy']}, {view['task']}", highlight=False)
     console.print(view["privacy"], highlight=False)
+    if view["stopped_early_after"] is not None:
+        console.print(f"stopped early after round {view['stopped_early_after']}: no better {view['round_metric']} in "
+                      f"{view['config'].get('early-stop-patience')} rounds", highlight=False)
     if view["error"]:
         console.print(f"[red]{view['error']}[/red]")
     metric, primary = view["round_metric"], view["primary_metric"]

@@ -179,7 +179,11 @@ class RunConfig:
     norm_bound_factor: float = key(2.0, "`norm-bound`: the largest change kept, as a multiple of the round's median "
                                    "change norm", low=1.0, applies="norm-bound")
     # ---- rounds and training
-    num_rounds: int = key(5, "training rounds", low=1, high=10_000, node=True)
+    num_rounds: int = key(5, "training rounds (the most, with `early-stop-patience`)", low=1, high=10_000, node=True)
+    early_stop_patience: int = key(
+        0, "stop after this many rounds without a better round metric (the server's held-out figure, or the "
+        "departments' federated evaluation); the stop is recorded (README \"Stopping early\"); 0 = every round",
+        low=0)
     task: str = key("image", "what is learned: `image`, `tabular`, `text`, your own task as `module:attribute`, or "
                     "a `quorumfl.tasks` entry point (README \"Your department's data\")")
     task_schema: str = key("", "the departments' shared schema (`quorumfl data schema`): its JSON, or a file on the "

@@ -29,6 +29,7 @@ from numpy.typing import NDArray
 from quorumfl.aggregation.compression import warmup_fraction
 from quorumfl.aggregation.momentum import ServerMomentum
 from quorumfl.aggregation.secagg.identity import Roster
+from quorumfl.core.metric_names import higher_is_better
 from quorumfl.core.models import (
     QAT_PREFIX,
     arrays_to_model,
@@ -46,6 +47,7 @@ from quorumfl.protocol.wire import (
     department_of,
 )
 from quorumfl.server.config import DpMode, RunConfig, SecureMode, StartFrom
+from quorumfl.server.early_stop import EARLY_STOP, EarlyStop, round_figure
 from quorumfl.server.exchange import Exchange, requests
 from quorumfl.server.feedback import SelectionFeedback
 from quorumfl.server.model_store import ModelStore
@@ -238,6 +240,7 @@ class Federation:
             self.feedback.restore()
             value, self.feedback.loss = self._server_evaluation(model, models[0])
             self.feedback.accuracy = self.task.objective.score(value)
+            stop, last = EarlyStop(config.early_stop_patience, higher_is_better(self.task.primary)), first - 1
             for number in range(first, config.num_rounds + 1):
                 if self.repo.run_status(run.id) is RunStatus.STOPPED:
                     log.info("run %s was stopped by the admin before round %s", run.id, number)
@@ -249,15 +252,20 @@ class Federation:
                         models[k], parents[k] = self.store.load(head.path, head.sha256), head.id
                         self.momentum.buffer.clear()
                 models, parents, metrics = self._round(run.id, number, lineages, models, parents, model, seen)
-                completed += bool(metrics)
+                completed, last = completed + bool(metrics), number
                 if on_round is not None:
                     on_round(run.id, number, metrics)
+                if stop.update(round_figure(metrics, self.task.primary)):
+                    self.repo.add_metrics(run.id, number, {EARLY_STOP: float(number)})
+                    log.info("run %s: no better %s in %s rounds; stopping after round %s", run.id,
+                             self.task.primary, config.early_stop_patience, number)
+                    break
             if completed == 0:
                 raise FederationError(
                     f"none of the {config.num_rounds} round(s) completed; 'quorumfl rounds list' shows why"
                 )
             self._final_evaluation(run.id, models, sorted(seen))
-            lost = config.num_rounds - completed
+            lost = last - completed
         except RunStoppedError as exc:
             # An admin's 'runs stop' was recorded while this ServerApp was between rounds (Flower ends
             # it soon after): the run stays stopped, and no round is left running.
@@ -278,7 +286,7 @@ class Federation:
             self.repo.finish_run(run.id, RunStatus.FAILED, error=reason)
             raise
         if lost:  # the model is what the completed rounds made: say so, with its own status and exit code
-            self.repo.finish_run(run.id, RunStatus.PARTIAL, error=f"{lost} of {config.num_rounds} round(s) failed; "
+            self.repo.finish_run(run.id, RunStatus.PARTIAL, error=f"{lost} of {last} round(s) failed; "
                                  "'quorumfl rounds list' shows why")
         else:
             self.repo.finish_run(run.id, RunStatus.COMPLETED)

@@ -11,6 +11,7 @@ from typing import Any
 
 from quorumfl.core.metric_names import PRIMARY_METRICS, primary_among
 from quorumfl.errors import FederationError, QuorumError, RoundsLostError
+from quorumfl.server.early_stop import EARLY_STOP
 from quorumfl.server.following import follow_run, progress_line
 from quorumfl.server.joining import GAIN, VERDICT, alone_sentence, compare_alone
 from quorumfl.server.run_labels import privacy_view, task_label
@@ -95,6 +96,8 @@ def summarise(facts: RunFacts) -> dict[str, Any]:
         "round_metric": column,  # the server's held-out figure, or the departments' federated evaluation
         "final_metric": final,  # the final model's
         "final_accuracy": final if primary == "accuracy" else None,
+        # the round after which the run stopped early (early-stop-patience), else None
+        "stopped_early_after": next((int(m.value) for m in facts.run_metrics if m.name == EARLY_STOP), None),
         "started_at": _iso(run.started_at),
         "finished_at": _iso(run.finished_at),
         "error": run.error,
@@ -353,6 +356,8 @@ def run_closing(repo: Repository, run: Run, elapsed: float) -> str:
     line = (f"run {run.id} {run.status} in {elapsed:.0f} s ({summary['privacy_label']}): "
             f"{summary['rounds_completed']}/{run.num_rounds} rounds, "
             f"{len(took_part)} node(s) took part, {failures} node failure(s)")
+    if summary["stopped_early_after"] is not None:
+        line += f" (stopped early: no better {summary['round_metric']} in {run.config.get('early-stop-patience')} rounds)"
     if summary["final_metric"] is not None:
         line += f"; {summary['round_metric']} {summary['final_metric']:.3f}"
     versions = repo.list_model_versions(run_id=run.id)

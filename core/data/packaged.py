@@ -32,7 +32,7 @@ import numpy as np
 from quorumfl.core.data.partition import partition_dirichlet, partition_iid
 from quorumfl.errors import ConfigError, DataError
 
-__all__ = ["PACKAGED", "ames_rows", "datasets_dir", "modeldata_rows", "wordnet_rows", "write_department_files"]
+__all__ = ["PACKAGED", "ames_rows", "datasets_dir", "modeldata_rows", "natural_groups", "wordnet_rows", "write_department_files"]
 
 SETUP_HINT = ("run './setup.sh --city-data' (unpacks Debian's r-cran-modeldata and wordnet-base into "
               ".venv/share/quorumfl/datasets)")
@@ -126,7 +126,7 @@ def wordnet_rows(root: Path | None = None) -> list[dict[str, str]]:
 PACKAGED = {"ames": "tabular", "wordnet": "text"}
 
 
-def _natural_groups(keys: list[str], departments: int) -> list[np.ndarray]:
+def natural_groups(keys: list[str], departments: int) -> list[np.ndarray]:
     """Whole groups (neighbourhoods) to departments, largest first to the least loaded: balanced sizes,
     deterministic."""
     values, counts = np.unique(np.asarray(keys), return_counts=True)
@@ -155,7 +155,7 @@ def write_department_files(dataset: str, out: Path, departments: int, *, split: 
     if split == "natural":
         if dataset != "ames":
             raise ConfigError("split 'natural' is Ames' neighbourhoods; use 'dirichlet' or 'iid' for wordnet")
-        parts = _natural_groups([str(r["Neighborhood"]) for r in rows], departments)
+        parts = natural_groups([str(r["Neighborhood"]) for r in rows], departments)
     elif split == "dirichlet":
         labels = np.unique([str(r[label]) for r in rows], return_inverse=True)[1] if dataset == "wordnet" else \
             np.digitize([float(r[label]) for r in rows], np.quantile([float(r[label]) for r in rows], [0.25, 0.5, 0.75]))
