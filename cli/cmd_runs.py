@@ -25,6 +25,7 @@ from quorumfl.cli.output import (
 )
 from quorumfl.core.metric_names import primary_among
 from quorumfl.errors import ConfigError, FederationError, NotFoundError, StateError
+from quorumfl.server.joining import GAIN
 from quorumfl.server.services import (
     department_columns,
     follow_run,
@@ -42,6 +43,9 @@ from quorumfl.server.state.repository import STOPPED_BY_ADMIN, Repository, RunSt
 
 if TYPE_CHECKING:  # rich.progress, secrets and tomllib load only for the commands that use them:
     from rich.progress import Progress  # the read-only commands start faster without them
+
+# left out, last first, where a department table does not fit: the verdict and the figures stay
+DEPARTMENT_OPTIONAL = [GAIN, "cluster", "loss", "num-examples"]
 
 runs_app = typer.Typer(help="Start, follow, inspect and stop federated training runs.", no_args_is_help=True)
 rounds_app = typer.Typer(help="Inspect the rounds of a run.", no_args_is_help=True)
@@ -115,7 +119,7 @@ def print_finished_run(repo: Repository, run: Run, began: float, *, label: str =
     if department_limit is None or len(departments) <= department_limit:
         console.print(table("Final model per department (own test split)", departments,
                             [c for c in department_columns(departments, view["primary_metric"]) if c != "loss"],
-                            optional=["num-examples", "cluster"]))
+                            optional=DEPARTMENT_OPTIONAL))
         if view["joining"]:
             console.print(view["joining"], highlight=False)
     closing = run_closing(repo, run, time.monotonic() - began)
@@ -288,8 +292,8 @@ def show(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (Qu
     console.print(table("Global model per round", rows, columns, optional=[*([loss] if loss else []), "seconds"]))
     if view["departments"]:
         console.print(table("Final models per department (own test split): the federation's model (global, or "
-                            "its cluster's), the personal one, and the one it trained alone", view["departments"],
-                            department_columns(view["departments"], primary), optional=["num-examples", "loss"]))
+                            "its cluster's), the personal and tuned ones, and the one it trained alone", view["departments"],
+                            department_columns(view["departments"], primary), optional=DEPARTMENT_OPTIONAL))
         if view["joining"]:
             console.print(view["joining"], highlight=False)
 

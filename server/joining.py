@@ -6,7 +6,7 @@ federation gave it: the best of the federation's model for it (global, or its cl
 personal model (FedPer, Ditto) and the federation's model fine-tuned on its data (``tuned-<metric>``,
 ``quorumfl.client.tuned``), since each is the department's to use. ``gain-vs-alone`` is that
 figure's advantage (positive: the federation did better; for MAE, the error it saved), and
-``better-alone`` flags a department whose gain is not positive.
+``joining-paid`` says "yes" where the gain is positive and "no" where it is not (a tie included).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from quorumfl.core.metric_names import higher_is_better
 __all__ = ["GAIN", "VERDICT", "alone_sentence", "compare_alone"]
 
 GAIN = "gain-vs-alone"
-VERDICT = "better-alone"
+VERDICT = "joining-paid"
 
 
 def compare_alone(rows: Sequence[dict[str, Any]], primary: str) -> list[dict[str, Any]]:
     """``rows`` (one per department, as ``department_finals`` makes them) with ``gain-vs-alone`` and
-    ``better-alone`` ("yes"/"no") where the department reported its alone model's figure."""
+    ``joining-paid`` ("yes"/"no") where the department reported its alone model's figure."""
     higher = higher_is_better(primary)
     out = []
     for row in rows:
@@ -34,7 +34,7 @@ def compare_alone(rows: Sequence[dict[str, Any]], primary: str) -> list[dict[str
         if alone is not None and ours:
             best = max(ours) if higher else min(ours)
             row[GAIN] = best - alone if higher else alone - best
-            row[VERDICT] = "yes" if row[GAIN] <= 0 else "no"
+            row[VERDICT] = "yes" if row[GAIN] > 0 else "no"
         out.append(row)
     return out
 
@@ -45,13 +45,13 @@ def alone_sentence(rows: Sequence[dict[str, Any]], primary: str) -> str | None:
     compared = [r for r in rows if VERDICT in r]
     if not compared:
         return None
-    alone = [r for r in compared if r[VERDICT] == "yes"]
+    alone = [r for r in compared if r[VERDICT] == "no"]
     head = (f"Joining paid for {len(compared) - len(alone)} of {len(compared)} departments: their {primary} with "
             f"the federation's model against a model each trained alone on its own data with the same budget")
     if not alone:
         return head + "."
     names = ", ".join(f"{r['department']} ({primary} {_figure(r, primary)})" for r in alone)
-    return f"{head}. Better alone: {names}."
+    return f"{head}. It did not pay for: {names}."
 
 
 def _ours(row: dict[str, Any], primary: str) -> list[float]:

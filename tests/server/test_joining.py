@@ -16,6 +16,7 @@ import pytest
 import torch
 from rich.console import Console
 
+from quorumfl.cli.cmd_runs import DEPARTMENT_OPTIONAL
 from quorumfl.cli.output import table
 from quorumfl.client.alone import KIND
 from quorumfl.client.personal_store import PersonalStore, node_state_dir
@@ -75,9 +76,9 @@ def test_the_department_better_alone_is_flagged_and_its_figure_is_its_own_models
     rows = {r["department"]: r for r in view["departments"]}
     assert set(rows) == set(parts)
     # the planted department: near chance with the city's model, most of its digits right alone
-    assert rows[PLANTED][VERDICT] == "yes" and rows[PLANTED][GAIN] < -0.5
+    assert rows[PLANTED][VERDICT] == "no" and rows[PLANTED][GAIN] < -0.5
     assert rows[PLANTED]["alone-accuracy"] > 0.6 > 0.2 > rows[PLANTED]["accuracy"]
-    flagged = [d for d, r in sorted(rows.items()) if r[VERDICT] == "yes"]
+    flagged = [d for d, r in sorted(rows.items()) if r[VERDICT] == "no"]
     assert view["joining"] is not None and f"{PLANTED} (accuracy" in view["joining"]
     assert view["joining"].startswith(f"Joining paid for {4 - len(flagged)} of 4 departments")
     assert all(f"{d} (accuracy" in view["joining"] for d in flagged)
@@ -89,12 +90,13 @@ def test_the_department_better_alone_is_flagged_and_its_figure_is_its_own_models
     shown = io.StringIO()
     Console(file=shown, width=80).print(table("Final models", view["departments"],
                                               department_columns(view["departments"], "accuracy"),
-                                              optional=["num-examples", "loss"]))
+                                              optional=DEPARTMENT_OPTIONAL))
     text = shown.getvalue()
-    assert PLANTED in text and "better" in text and "alone" in text
+    assert PLANTED in text and "joining-paid" in text and "alone-accuracy" in text  # whole at 80 columns
+    assert max(len(line) for line in text.splitlines()) <= 80
 
     data = report_data(repo, run_id)
-    assert data["joining"] == view["joining"] and "Better alone" in render_html(data)
+    assert data["joining"] == view["joining"] and "It did not pay for" in render_html(data)
 
 
 def test_each_department_keeps_the_federations_model_fine_tuned_on_its_data(tmp_path: Path) -> None:
@@ -134,8 +136,8 @@ def test_the_comparison_takes_the_better_of_global_and_personal_and_knows_which_
     rows = [{"department": "a", "accuracy": 0.7, "personal-accuracy": 0.9, "alone-accuracy": 0.8},
             {"department": "b", "accuracy": 0.6, "alone-accuracy": 0.6}]
     a, b = compare_alone(rows, "accuracy")
-    assert a[GAIN] == pytest.approx(0.1) and a[VERDICT] == "no"
-    assert b[GAIN] == 0 and b[VERDICT] == "yes"  # no gain: joining did not pay
+    assert a[GAIN] == pytest.approx(0.1) and a[VERDICT] == "yes"
+    assert b[GAIN] == 0 and b[VERDICT] == "no"  # no gain: joining did not pay
     mae = compare_alone([{"department": "c", "mae": 900.0, "alone-mae": 1000.0}], "mae")[0]
-    assert mae[GAIN] == pytest.approx(100.0) and mae[VERDICT] == "no"
+    assert mae[GAIN] == pytest.approx(100.0) and mae[VERDICT] == "yes"
     assert alone_sentence([{"department": "d", "accuracy": 0.5}], "accuracy") is None
