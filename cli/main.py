@@ -73,6 +73,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "selection": ("cmd_selection:selection_app", "Client selection: choices, rewards and the selector's learned state."),
     "edge": ("cmd_edge:edge_app", "Edge devices: signed INT8 artifacts and model sync."),
     "certs": ("cmd_certs:certs_app", "TLS certificates and SuperNode keys of the federation."),
+    "tune": ("cmd_tune:tune_app", "Federated hyper-parameter search: each trial a federated run (Optuna)."),
 }
 _BUILDERS: dict[str, Callable[[], typer.Typer]] = {"demo": _demo_app, "simulate": _simulate_app,
                                                     "models": _models_app}

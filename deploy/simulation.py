@@ -26,7 +26,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,7 @@ from quorumfl.server.config import RunConfig
 from quorumfl.server.state.orm import Run
 from quorumfl.server.state.repository import Repository
 
-__all__ = ["SimulationSettings", "department_speeds", "simulate", "virtual_departments"]
+__all__ = ["RunHooks", "SimulationSettings", "department_speeds", "partitions_of", "simulate", "virtual_departments"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,15 @@ class SimulationSettings:
             raise ConfigError(f"--dropout must be a probability in [0, 1), got {self.dropout}")
         if not 0.0 <= self.availability < math.inf:
             raise ConfigError(f"--availability must be a period in seconds (0: always online), got {self.availability}")
+
+
+@dataclass(frozen=True)
+class RunHooks:
+    """What an in-process caller hears of the simulated run (``quorumfl tune`` follows and prunes its
+    trials with them): its Flower run id as it starts, and each round as it ends, in the round loop."""
+
+    on_start: Callable[[int], None] | None = None
+    on_round: Callable[[int, int, dict[str, float]], None] | None = None
 
 
 MAX_SIGMA = 4.0  # a log-normal σ past this puts most departments below a millionth of this machine's speed
@@ -133,7 +142,9 @@ def virtual_departments(count: int) -> list[str]:
     return [f"dept-{i:0{width}d}" for i in range(count)]
 
 
-def _partitions(settings: SimulationSettings, config: RunConfig) -> list[tuple[str, Path]]:
+def partitions_of(settings: SimulationSettings, config: RunConfig) -> list[tuple[str, Path]]:
+    """Each virtual department's partition folder: from ``--data``, else the built-in dataset split
+    into ``settings.root / "parts"``."""
     if settings.data is not None:
         if not settings.data.is_dir():
             raise ConfigError(f"--data {settings.data} is not a folder; give the folder holding one partition "
@@ -169,12 +180,13 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _server_app(values: Mapping[str, Any], seen: list[int]) -> Any:
-    """QuorumFL's ServerApp with this run config (``run_simulation`` hands the app an empty one)."""
+def _server_app(values: Mapping[str, Any], seen: list[int], hooks: RunHooks) -> Any:
+    """QuorumFL's ServerApp with this run config (``run_simulation`` hands the app an empty one) and
+    the caller's hooks."""
     from flwr.app import Context
     from flwr.serverapp import Grid, ServerApp
 
-    from quorumfl.server.app import main as server_main
+    from quorumfl.server.app import serve
 
     app = ServerApp()
 
@@ -182,12 +194,15 @@ def _server_app(values: Mapping[str, Any], seen: list[int]) -> Any:
     def main(grid: Grid, context: Context) -> None:
         context.run_config = {**context.run_config, **values}
         seen.append(int(context.run_id))
-        server_main(grid, context)
+        if hooks.on_start is not None:
+            hooks.on_start(int(context.run_id))
+        serve(grid, context, on_round=hooks.on_round)
 
     return app
 
 
-def simulate(values: Mapping[str, Any], settings: SimulationSettings, repo: Repository) -> Run:
+def simulate(values: Mapping[str, Any], settings: SimulationSettings, repo: Repository, *,
+             hooks: RunHooks | None = None) -> Run:
     """Run the run config ``values`` on ``settings.departments`` virtual departments; the recorded run."""
     if importlib.util.find_spec("ray") is None:
         raise ConfigError("'quorumfl simulate' needs Flower's simulation engine (Ray), which is not installed: "
@@ -196,18 +211,18 @@ def simulate(values: Mapping[str, Any], settings: SimulationSettings, repo: Repo
     if settings.root.exists() and any(settings.root.iterdir()):
         raise ConfigError(f"simulation folder {settings.root} is not empty; give another one")
     try:
-        partitions = _partitions(settings, config)
+        partitions = partitions_of(settings, config)
         extra = {**settings.node_config, DROPOUT_KEY: settings.dropout, SEED_KEY: config.seed,
                  AVAILABILITY_KEY: settings.availability, START_KEY: time.time()}
         speeds = department_speeds(settings.speeds, [name for name, _ in partitions], seed=config.seed)
         write_layout(settings.root, partitions, extra, speeds)
-        return _run(values, settings, repo)
+        return _run(values, settings, repo, hooks or RunHooks())
     finally:
         if not settings.keep:
             shutil.rmtree(settings.root, ignore_errors=True)
 
 
-def _run(values: Mapping[str, Any], settings: SimulationSettings, repo: Repository) -> Run:
+def _run(values: Mapping[str, Any], settings: SimulationSettings, repo: Repository, hooks: RunHooks) -> Run:
     from flwr.server.superlink.fleet.vce.backend.backend import BackendConfig
     from flwr.simulation import run_simulation
 
@@ -232,7 +247,7 @@ def _run(values: Mapping[str, Any], settings: SimulationSettings, repo: Reposito
     started = time.monotonic()
     try:
         with _environment(env), one_pass_dispatch():
-            run_simulation(server_app=_server_app(values, seen), client_app=client_app,
+            run_simulation(server_app=_server_app(values, seen, hooks), client_app=client_app,
                            num_supernodes=settings.departments, backend_config=backend)
     except QuorumError:
         raise

@@ -19,6 +19,7 @@ The writer is torch's ``SummaryWriter`` (TensorBoard's own event format).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,9 @@ from quorumfl.server.report import PARTICIPATION, report_data
 from quorumfl.server.rounds import Federation
 from quorumfl.server.state.repository import Repository, RoundStatus
 
-__all__ = ["TensorBoardSink", "final_scalars", "round_scalars", "run_observed"]
+__all__ = ["RoundHook", "TensorBoardSink", "final_scalars", "round_scalars", "run_observed"]
+
+RoundHook = Callable[[int, int, dict[str, float]], None]  # (run id, round number, the round's metrics)
 
 
 def round_scalars(data: dict[str, Any], number: int) -> dict[str, float]:
@@ -87,14 +90,20 @@ class TensorBoardSink:
         self.writer = None
 
 
-def run_observed(federation: Federation) -> int:
+def run_observed(federation: Federation, on_round: RoundHook | None = None) -> int:
     """``federation.run()`` with the run config's observers: TensorBoard scalars when ``tensorboard-dir``
-    is set (the event file is closed whether the run completes or fails)."""
+    is set (the event file is closed whether the run completes or fails), and ``on_round``."""
     folder = federation.config.tensorboard_dir
     if not folder:
-        return federation.run()
+        return federation.run(on_round=on_round)
     sink = TensorBoardSink(Path(folder).expanduser(), federation.repo)
+
+    def both(run_id: int, number: int, metrics: dict[str, float]) -> None:
+        sink.on_round(run_id, number, metrics)
+        if on_round is not None:
+            on_round(run_id, number, metrics)
+
     try:
-        return federation.run(on_round=sink.on_round)
+        return federation.run(on_round=both)
     finally:
         sink.close()

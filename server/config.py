@@ -43,6 +43,7 @@ __all__ = [
     "StrategyName",
     "key",
     "load_run_config_file",
+    "read_config_toml",
     "run_config_table",
 ]
 
@@ -549,6 +550,16 @@ def _task_problems(config: RunConfig) -> list[str]:
 
 def load_run_config_file(path: Path) -> dict[str, Any]:
     """Read a run-config TOML file (UTF-8, at most 1 MiB): run keys at top level or under ``[run]``."""
+    data = read_config_toml(path)
+    values = data.get("run", data)
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: [run] must be a table of run-config keys")
+    RunConfig.from_mapping(values)  # report every problem before anything is submitted
+    return values
+
+
+def read_config_toml(path: Path) -> dict[str, Any]:
+    """A config TOML file's tables (UTF-8, at most 1 MiB), each problem one line naming the file."""
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
@@ -564,11 +575,7 @@ def load_run_config_file(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
-    values = data.get("run", data)
-    if not isinstance(values, dict):
-        raise ConfigError(f"{path}: [run] must be a table of run-config keys")
-    RunConfig.from_mapping(values)  # report every problem before anything is submitted
-    return values
+    return data
 
 
 if __name__ == "__main__":  # python -m quorumfl.server.config --write (from the repository root)

@@ -27,7 +27,7 @@ MIGRATIONS = Path(__file__).parent / "migrations"
 # The newest migration's revision: what a current database's alembic_version holds. Kept here so that
 # checking a database needs no Alembic import; tests/server/test_migrations.py checks it is the head
 # of the migrations folder.
-HEAD = "0005"
+HEAD = "0006"
 
 
 def default_url(home: Path | None = None) -> str:

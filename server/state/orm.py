@@ -1,7 +1,7 @@
 """SQLAlchemy 2 typed ORM: runs, rounds, round failures, nodes, metrics, model versions, heads,
 key ceremonies and threshold decryptions (the audit trail of who could decrypt what), and client
-selection (each selector's learned state, and what it chose each round with its reward), and
-the signed edge artifacts made from promoted model versions.
+selection (each selector's learned state, and what it chose each round with its reward), the
+signed edge artifacts made from promoted model versions, and the trials of hyper-parameter searches.
 
 The schema is created and changed only by the Alembic migrations in ``migrations/``; a test checks
 that the migrations and these classes agree.
@@ -41,6 +41,7 @@ __all__ = [
     "Round",
     "RoundFailure",
     "Run",
+    "SearchTrial",
     "SelectionRecord",
     "SelectorState",
     "UInt64",
@@ -272,3 +273,26 @@ class EdgeArtifact(Base):
     model_version_id: Mapped[int] = mapped_column(ForeignKey("model_versions.id"), index=True)
     path: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class SearchTrial(Base):
+    """One trial of a hyper-parameter search (``quorumfl tune``): the run-config values it tried, the
+    run that tried them, each round's federated figure and the final one. ``state``: running,
+    complete, pruned (stopped by the pruner after a round) or failed."""
+
+    __tablename__ = "search_trials"
+    __table_args__ = (UniqueConstraint("study", "number", name="uq_search_trials_study_number"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    study: Mapped[str] = mapped_column(String(64), index=True)
+    number: Mapped[int] = mapped_column(Integer)  # 0, 1, … within the study
+    state: Mapped[str] = mapped_column(String(16))
+    params: Mapped[dict[str, Any]] = mapped_column(JSON)  # run-config key -> value tried
+    space: Mapped[dict[str, Any]] = mapped_column(JSON)  # run-config key -> its search dimension
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="SET NULL"), index=True)
+    metric: Mapped[str | None] = mapped_column(String(64))  # the figure's name, e.g. federated-accuracy
+    higher_is_better: Mapped[bool] = mapped_column(default=True)
+    figures: Mapped[dict[str, float]] = mapped_column(JSON)  # round number (as text) -> that round's figure
+    value: Mapped[float | None] = mapped_column(Float)  # the final model's figure (complete trials)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -3,7 +3,7 @@
 ``Repository`` is the records of each aggregate put together, one module each: runs
 (``runs.py``), rounds (``rounds.py``), CKKS key ceremonies and decryptions (``ceremonies.py``), nodes
 (``nodes.py``), metrics (``metrics.py``), model versions (``versions.py``), client selection
-(``selection.py``) and totals for the metrics endpoint (``totals.py``); transactions and status values are in ``access.py``.
+(``selection.py``), hyper-parameter search trials (``trials.py``) and totals for the metrics endpoint (``totals.py``); transactions and status values are in ``access.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from quorumfl.server.state.nodes import NodeRecords
 from quorumfl.server.state.rounds import RoundRecords
 from quorumfl.server.state.selection import SelectionRecords
 from quorumfl.server.state.totals import TotalRecords
+from quorumfl.server.state.trials import TrialRecords
 from quorumfl.server.state.versions import ModelRecords
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
 ]
 
 
-class Repository(RoundRecords, KeyRecords, NodeRecords, MetricRecords, ModelRecords, SelectionRecords, TotalRecords):
-    """Typed access to runs, rounds, CKKS ceremonies, nodes, metrics, model versions and selection, and
-    totals over all of them."""
+class Repository(RoundRecords, KeyRecords, NodeRecords, MetricRecords, ModelRecords, SelectionRecords, TotalRecords,
+                 TrialRecords):
+    """Typed access to runs, rounds, CKKS ceremonies, nodes, metrics, model versions, selection and
+    search trials, and totals over all of them."""
