@@ -73,6 +73,7 @@ class SearchPlan:
     prune: bool = True
     min_rounds: int = 2  # the pruner's first rung: rounds every trial runs before it can be stopped
     seed: int = 0  # the sampler's
+    startup_trials: int = 0  # TPE's first trials drawn at random (0: a third of ``trials``, 2 to 10)
     dp_budget: float = 10.0  # under DP: the ε per department the search may take them to (a node's default budget)
 
     def __post_init__(self) -> None:
@@ -93,13 +94,17 @@ def run_search(repo: Repository, plan: SearchPlan, runner: TrialRunner, *, spent
     ``plan.dp_budget``, or nothing runs."""
     check_budget(privacy_plan(RunConfig.from_mapping(dict(plan.base)), plan.trials), spent, plan.dp_budget)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(direction="maximize", sampler=_sampler(plan), pruner=_pruner(plan))
+    # a continued study's sampler is seeded past its recorded trials, so it does not draw them again
+    sampler = _sampler(plan, seed=plan.seed + len(repo.trials(plan.study)))
+    study = optuna.create_study(direction="maximize", sampler=sampler, pruner=_pruner(plan))
     _replay(repo, plan, study)
     for _ in range(plan.trials):
         trial = study.ask(dict(plan.space.dimensions))
         record = repo.start_trial(plan.study, trial.params, plan.space.to_record())
         watch = _Watch(repo, trial, record.id, prune=plan.prune, poll=poll)
-        state, score = watch.run(runner, {**plan.base, **trial.params})
+        # a trial's figure is the federation's model's: each node's department-alone model would
+        # double its training for nothing the search reads, unless the search config asks for it
+        state, score = watch.run(runner, {"local-baseline": False, **plan.base, **trial.params})
         study.tell(trial, score, state=state)
         done = next(t for t in repo.trials(plan.study) if t.id == record.id)
         log.info("search %s: trial %s %s (%s = %s)", plan.study, done.number, done.state, done.metric, done.value)
@@ -120,11 +125,11 @@ def _score(value: float | None, higher: bool) -> float:
     return math.nan if value is None else (value if higher else -value)
 
 
-def _sampler(plan: SearchPlan) -> BaseSampler:
+def _sampler(plan: SearchPlan, *, seed: int) -> BaseSampler:
     if plan.sampler == "random":
-        return RandomSampler(seed=plan.seed)
+        return RandomSampler(seed=seed)
     # TPE models good and bad values from the trials so far; its first ones are drawn at random
-    return TPESampler(seed=plan.seed, n_startup_trials=max(2, min(10, plan.trials // 3)))
+    return TPESampler(seed=seed, n_startup_trials=plan.startup_trials or max(2, min(10, plan.trials // 3)))
 
 
 def _pruner(plan: SearchPlan) -> BasePruner:

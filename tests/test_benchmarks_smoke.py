@@ -193,3 +193,17 @@ def test_own_data_smoke() -> None:
         assert d["statuses"] == ["completed"] and d["higher_is_better"] == (d["metric"] == "accuracy")
         for key in ("federated", "local_weighted", "local_worst", "central"):
             assert (d[key] > 0) if d["metric"] == "mae" else (0.0 <= d[key] <= 1.0)
+
+
+@pytest.mark.slow
+def test_tuning_smoke() -> None:
+    """``quorumfl tune``'s path on the simulation engine (credit applications, masked): random search and
+    TPE at the same budget of rounds, against the defaults, with the issue's keys."""
+    figures = _run("tuning.py")
+    assert {"tpe_over_default_pt", "tpe_over_random_pt", "rounds_to_best_fraction", "peak_rss_mb"} <= set(figures)
+    (credit,) = figures["datasets"]  # type: ignore[misc]
+    (seed,) = credit["per_seed"]
+    assert seed["tpe_rounds"] >= seed["budget_rounds"] == 2 * 2  # two random trials of two rounds
+    for key in ("default", "random", "tpe"):
+        assert 0.0 <= seed[key] <= 1.0
+    assert figures["tpe_over_random_pt"] == pytest.approx(100 * (seed["tpe"] - seed["random"]))
