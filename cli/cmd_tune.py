@@ -63,14 +63,22 @@ def run_command(
     run config. Trials are recorded in the state DB; under DP the search's ε must fit the budget first."""
     from quorumfl.server.config import RunConfig
     from quorumfl.server.search import SearchPlan, run_search
-    from quorumfl.server.search_space import load_search_file
+    from quorumfl.server.search_space import check_budget, load_search_file, privacy_plan
 
     base, space = load_search_file(config)
     state = settings(ctx)
-    base.setdefault("state-url", state.db_url)
-    base.setdefault("model-dir", str(state.home / "models"))
+    if federation:  # the server keeps its own state DB and models; it need not share our files
+        from quorumfl.server.run_task import inline_schema
+
+        schema = RunConfig.from_mapping(base).task_schema
+        if schema and not schema.lstrip().startswith("{"):
+            base["task-schema"] = inline_schema(Path(schema))
+    else:
+        base.setdefault("state-url", state.db_url)
+        base.setdefault("model-dir", str(state.home / "models"))
     plan = SearchPlan(study=study or config.stem, base=base, space=space, trials=trials, sampler=sampler,
                       prune=prune, min_rounds=min_rounds, seed=seed, dp_budget=dp_budget)
+    check_budget(privacy_plan(RunConfig.from_mapping(base), trials), 0.0, dp_budget)  # before anything is made
     repo = state.repository(migrate=True)
     spent = 0.0  # on the federation only the nodes know theirs (their ledgers refuse past their own budget)
     if federation:

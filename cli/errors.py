@@ -15,6 +15,7 @@
 | 10   | edge artifact refused or sync failed (ArtifactError); other edge errors (EdgeError) |
 | 11   | TLS or node credentials missing, invalid or expired (CredentialError) |
 | 12   | the run ended with some rounds failed: status ``partial`` (RoundsLostError) |
+| 13   | a department's privacy budget would be passed (PrivacyBudgetError) |
 | 130  | interrupted (Ctrl-C) |
 """
 
@@ -31,6 +32,7 @@ from quorumfl.errors import (
     ModelError,
     ModelStoreError,
     NotFoundError,
+    PrivacyBudgetError,
     QuorumError,
     RoundsLostError,
     StateError,
@@ -52,6 +54,7 @@ EXIT_CODES: list[tuple[type[QuorumError], int]] = [
     (ArtifactError, 10),
     (EdgeError, 10),
     (CredentialError, 11),
+    (PrivacyBudgetError, 13),
 ]
 
 
