@@ -85,6 +85,9 @@ class SearchPlan:
             raise ConfigError(f"--sampler must be one of {list(SAMPLERS)}, got {self.sampler!r}")
         if self.min_rounds < 1:
             raise ConfigError(f"--min-rounds must be at least 1, got {self.min_rounds}")
+        if self.base.get("start-from", "fresh") != "fresh":
+            raise ConfigError("every trial of a search starts from new weights drawn from the seed, so trials "
+                              "compare from the same start; remove start-from from [run]")
 
 
 def run_search(repo: Repository, plan: SearchPlan, runner: TrialRunner, *, spent: float = 0.0, poll: float = 1.0,
@@ -98,19 +101,47 @@ def run_search(repo: Repository, plan: SearchPlan, runner: TrialRunner, *, spent
     sampler = _sampler(plan, seed=plan.seed + len(repo.trials(plan.study)))
     study = optuna.create_study(direction="maximize", sampler=sampler, pruner=_pruner(plan))
     _replay(repo, plan, study)
-    for _ in range(plan.trials):
-        trial = study.ask(dict(plan.space.dimensions))
-        record = repo.start_trial(plan.study, trial.params, plan.space.to_record())
-        watch = _Watch(repo, trial, record.id, prune=plan.prune, poll=poll)
-        # a trial's figure is the federation's model's: each node's department-alone model would
-        # double its training for nothing the search reads, unless the search config asks for it
-        state, score = watch.run(runner, {"local-baseline": False, **plan.base, **trial.params})
-        study.tell(trial, score, state=state)
-        done = next(t for t in repo.trials(plan.study) if t.id == record.id)
-        log.info("search %s: trial %s %s (%s = %s)", plan.study, done.number, done.state, done.metric, done.value)
-        if on_trial is not None:
-            on_trial(done)
+    heads = repo.heads()
+    try:
+        for _ in range(plan.trials):
+            _one_trial(repo, plan, runner, study, poll, on_trial)
+    finally:
+        _restore_heads(repo, heads, {t.run_id for t in repo.trials(plan.study) if t.run_id is not None})
     return repo.trials(plan.study)
+
+
+def _one_trial(repo: Repository, plan: SearchPlan, runner: TrialRunner, study: optuna.Study, poll: float,
+               on_trial: Callable[[SearchTrial], None] | None) -> None:
+    trial = study.ask(dict(plan.space.dimensions))
+    record = repo.start_trial(plan.study, trial.params, plan.space.to_record())
+    watch = _Watch(repo, trial, record.id, prune=plan.prune, poll=poll)
+    # Every trial starts from new weights drawn from the run config's seed, so trials are independent
+    # and compared from the same start. Its figure is the federation's model's: each node's
+    # department-alone model would double its training for nothing the search reads, unless the
+    # search config asks for it.
+    values = {"local-baseline": False, **plan.base, **trial.params, "start-from": "fresh"}
+    state, score = watch.run(runner, values)
+    study.tell(trial, score, state=state)
+    done = next(t for t in repo.trials(plan.study) if t.id == record.id)
+    log.info("search %s: trial %s %s (%s = %s)", plan.study, done.number, done.state, done.metric, done.value)
+    if on_trial is not None:
+        on_trial(done)
+
+
+def _restore_heads(repo: Repository, before: dict[str, int], trial_runs: set[int]) -> None:
+    """Trials leave the model lineages as they found them: a head a trial's run moved goes back to
+    where it was before the search (or away, where there was none); the best trial's models stay in
+    the model store ('models list --run RUN'), for 'models rollback' to make one the head."""
+    now = repo.heads()
+    wanted = dict(now)
+    for architecture, version_id in now.items():
+        if repo.get_model_version(version_id).run_id in trial_runs:
+            if architecture in before:
+                wanted[architecture] = before[architecture]
+            else:
+                del wanted[architecture]
+    if wanted != now:
+        repo.restore_heads(wanted)
 
 
 def best_trial(trials: list[SearchTrial]) -> SearchTrial | None:

@@ -103,6 +103,19 @@ class ModelRecords(StateAccess):
         self._write(lambda s: self._set_head(s, version.architecture, version.id))
         return version
 
+    def restore_heads(self, heads: Mapping[str, int]) -> None:
+        """Make the heads what ``heads`` (an earlier ``heads()``) says, in one transaction: each
+        architecture's head back to its version then, and no head for one that had none."""
+
+        def op(s: Session) -> None:
+            for head in list(s.scalars(select(ModelHead))):
+                if head.architecture not in heads:
+                    s.delete(head)
+            for architecture, version_id in heads.items():
+                self._set_head(s, architecture, version_id)
+
+        self._write(op)
+
     def add_tag(self, version_id: int, tag: str) -> None:
         """Add ``tag`` to a model version's tags (idempotent)."""
 

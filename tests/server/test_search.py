@@ -68,9 +68,18 @@ def test_a_masked_dp_search_charges_its_trials_to_every_ledger_and_records_them(
         tmp_path: Path, three_parts: dict[str, Path]) -> None:
     repo = Repository(connect(f"sqlite:///{tmp_path / 'state.db'}", migrate=True))
     runs: list[int] = []
-    plan = SearchPlan(study="digits-lr", base=MASKED_DP, space=SearchSpace.parse(SPACE, MASKED_DP), trials=4,
+    # the city's model before the search: a plaintext run's, the head its next run would continue from
+    plain = {k: v for k, v in MASKED_DP.items() if not k.startswith(("dp", "secagg"))}
+    runner = _loopback(tmp_path, repo, three_parts, runs)
+    runner({**plain, "secure-aggregation": "none"}, TrialHooks(started=lambda _: None, round_ended=lambda: None))
+    heads = repo.heads()
+    runs.clear()
+    assert heads
+    base = {k: v for k, v in MASKED_DP.items() if k != "start-from"}  # trials start fresh whatever the default
+    plan = SearchPlan(study="digits-lr", base=base, space=SearchSpace.parse(SPACE, base), trials=4,
                       min_rounds=1, dp_budget=10.0)
-    trials = run_search(repo, plan, _loopback(tmp_path, repo, three_parts, runs), poll=0.05)
+    trials = run_search(repo, plan, runner, poll=0.05)
+    assert repo.heads() == heads  # the trials' models did not become the city's model
 
     assert [t.number for t in trials] == [0, 1, 2, 3] and len(runs) == 4
     for trial, run_id in zip(trials, runs, strict=True):
@@ -80,6 +89,7 @@ def test_a_masked_dp_search_charges_its_trials_to_every_ledger_and_records_them(
         run = repo.get_run(run_id)
         assert run.config["learning-rate"] == trial.params["learning-rate"]  # the run trained what the trial drew
         assert run.config["secure-aggregation"] == "masking" and run.config["dp"] == "local"
+        assert run.config["start-from"] == "fresh"
         assert trial.figures and set(trial.figures) <= {"1", "2"}
         if trial.state == "pruned":  # stopped before the round after the pruner's decision
             assert run.status == RunStatus.STOPPED and "pruned" in (run.error or "")
@@ -93,7 +103,7 @@ def test_a_masked_dp_search_charges_its_trials_to_every_ledger_and_records_them(
     # Opacus' accountant gives for all of it, within the plan (4 trials × dp-epsilon 2).
     for folder in three_parts.values():
         ledger = Ledger.open(folder)
-        assert {r.run for r in ledger.by_run(1e-5)} == {str(700 + i) for i in range(4)}
+        assert {r.run for r in ledger.by_run(1e-5)} == {str(701 + i) for i in range(4)}
         schedule = [(s.noise_multiplier, s.sample_rate, s.steps) for s in ledger.spends()]
         assert ledger.spent(1e-5) == pytest.approx(epsilon(schedule, 1e-5))
         assert 2.0 < ledger.spent(1e-5) <= 4 * 2.0 * 1.001
@@ -105,9 +115,9 @@ def test_a_masked_dp_search_charges_its_trials_to_every_ledger_and_records_them(
     # The study goes on from its records: one more trial is numbered after the first four, and is
     # admitted against what the ledgers hold now (at most 8 of 10, plus 2).
     spent = max(Ledger.open(folder).spent(1e-5) for folder in three_parts.values())
-    more = run_search(repo, SearchPlan(study="digits-lr", base=MASKED_DP, space=plan.space, trials=1, min_rounds=1,
+    more = run_search(repo, SearchPlan(study="digits-lr", base=base, space=plan.space, trials=1, min_rounds=1,
                                        dp_budget=10.0),
-                      _loopback(tmp_path, repo, three_parts, runs), spent=spent, poll=0.05)
+                      runner, spent=spent, poll=0.05)
     assert [t.number for t in more] == [0, 1, 2, 3, 4]
 
 
@@ -135,6 +145,9 @@ def test_a_search_past_the_budget_runs_nothing(tmp_path: Path, three_parts: dict
     fixed = {**MASKED_DP, "dp-epsilon": 0.0, "dp-noise-multiplier": 1.0}
     with pytest.raises(ConfigError, match="needs each trial's target ε"):
         run_search(repo, SearchPlan(study="s", base=fixed, space=space, trials=1), runner)
+    # trials that went on from the city's head model (which each trial moves) would not compare
+    with pytest.raises(ConfigError, match="remove start-from"):
+        SearchPlan(study="s", base={**MASKED_DP, "start-from": "head"}, space=space, trials=1)
 
 
 def test_the_space_refuses_what_a_search_must_not_vary_and_values_a_run_would_refuse() -> None:
