@@ -10,7 +10,7 @@ runner of ``deploy.tuning``):
 - ``default``: one run of the defaults (the task's optimizer and rate, server momentum 0.5);
 - ``random``: ``--trials`` trials drawn at random, no pruning: its budget is the rounds they ran;
 - ``tpe``: Optuna's TPE sampler with successive-halving pruning, trial after trial until it has run
-  the same number of rounds (pruned trials cost the rounds they ran).
+  the same number of rounds (``--rounds-budget``; pruned trials cost the rounds they ran).
 
 The figure of a trial is its final model's federated accuracy (the departments' example-weighted
 evaluation on their own test rows), as ``tune show`` reports it. Reported, as means over the seeds:
@@ -57,9 +57,9 @@ SPACE = {"learning-rate": {"low": 0.0001, "high": 0.1, "log": True}, "local-epoc
 
 
 def _search(repo: Repository, runner: Any, base: dict[str, Any], *, study: str, sampler: str, trials: int,
-            prune: bool, seed: int, startup: int) -> list[SearchTrial]:
+            prune: bool, seed: int, startup: int, max_rounds: int = 0) -> list[SearchTrial]:
     plan = SearchPlan(study=study, base=base, space=SearchSpace.parse(SPACE, base), trials=trials, sampler=sampler,
-                      prune=prune, min_rounds=2, seed=seed, startup_trials=startup)
+                      prune=prune, min_rounds=2, seed=seed, startup_trials=startup, max_rounds=max_rounds)
     return run_search(repo, plan, runner, poll=0.2)
 
 
@@ -91,10 +91,8 @@ def one(name: str, seed: int, *, rounds: int, trials: int, limit: int) -> dict[s
         randoms = _search(repo, runner, base, study="random", sampler="random", trials=trials, prune=False, seed=seed,
                           startup=0)
         budget = sum(len(t.figures) for t in randoms)
-        tpe: list[SearchTrial] = []
-        while sum(len(t.figures) for t in tpe) < budget:
-            tpe = _search(repo, runner, base, study="tpe", sampler="tpe", trials=1, prune=True, seed=seed,
-                          startup=max(2, trials // 3))
+        tpe = _search(repo, runner, base, study="tpe", sampler="tpe", trials=10 * budget, prune=True, seed=seed,
+                      startup=max(2, trials // 3), max_rounds=budget)
         random_best, tpe_best = best_trial(randoms), best_trial(tpe)
         assert random_best is not None and tpe_best is not None and default_value is not None
         reached = next((used for used, best in _best_curve(tpe) if best >= random_best.value), None)

@@ -42,6 +42,8 @@ def run_command(
     sampler: Annotated[str, typer.Option(help="tpe (learns from the trials so far) or random.")] = "tpe",
     prune: Annotated[bool, typer.Option(help="Stop trials whose rounds trail the others' (successive halving).")] = True,
     min_rounds: Annotated[int, typer.Option(help="Rounds every trial runs before it can be stopped.")] = 2,
+    rounds_budget: Annotated[int, typer.Option(help="Start no more trials once this search's trials have run this "
+                                                    "many rounds in all (0: --trials alone decides).")] = 0,
     seed: Annotated[int, typer.Option(help="The sampler's seed.")] = 0,
     departments: Annotated[int, typer.Option(help="Virtual departments of the simulation.")] = 4,
     split: Annotated[str, typer.Option(help="How the built-in dataset is split: iid, dirichlet or shards.")] = "iid",
@@ -77,7 +79,7 @@ def run_command(
         base.setdefault("state-url", state.db_url)
         base.setdefault("model-dir", str(state.home / "models"))
     plan = SearchPlan(study=study or config.stem, base=base, space=space, trials=trials, sampler=sampler,
-                      prune=prune, min_rounds=min_rounds, seed=seed, dp_budget=dp_budget)
+                      prune=prune, min_rounds=min_rounds, seed=seed, dp_budget=dp_budget, max_rounds=rounds_budget)
     check_budget(privacy_plan(RunConfig.from_mapping(base), trials), 0.0, dp_budget)  # before anything is made
     repo = state.repository(migrate=True)
     spent = 0.0  # on the federation only the nodes know theirs (their ledgers refuse past their own budget)

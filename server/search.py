@@ -74,6 +74,7 @@ class SearchPlan:
     min_rounds: int = 2  # the pruner's first rung: rounds every trial runs before it can be stopped
     seed: int = 0  # the sampler's
     startup_trials: int = 0  # TPE's first trials drawn at random (0: a third of ``trials``, 2 to 10)
+    max_rounds: int = 0  # start no trial once this search's trials have run this many rounds (0: no limit)
     dp_budget: float = 10.0  # under DP: the ε per department the search may take them to (a node's default budget)
 
     def __post_init__(self) -> None:
@@ -83,6 +84,8 @@ class SearchPlan:
             raise ConfigError(f"--trials must be at least 1, got {self.trials}")
         if self.sampler not in SAMPLERS:
             raise ConfigError(f"--sampler must be one of {list(SAMPLERS)}, got {self.sampler!r}")
+        if self.max_rounds < 0:
+            raise ConfigError(f"--rounds-budget must be 0 (none) or more, got {self.max_rounds}")
         if self.min_rounds < 1:
             raise ConfigError(f"--min-rounds must be at least 1, got {self.min_rounds}")
         if self.base.get("start-from", "fresh") != "fresh":
@@ -101,17 +104,19 @@ def run_search(repo: Repository, plan: SearchPlan, runner: TrialRunner, *, spent
     sampler = _sampler(plan, seed=plan.seed + len(repo.trials(plan.study)))
     study = optuna.create_study(direction="maximize", sampler=sampler, pruner=_pruner(plan))
     _replay(repo, plan, study)
-    heads = repo.heads()
+    heads, rounds = repo.heads(), 0
     try:
         for _ in range(plan.trials):
-            _one_trial(repo, plan, runner, study, poll, on_trial)
+            if plan.max_rounds and rounds >= plan.max_rounds:
+                break
+            rounds += len(_one_trial(repo, plan, runner, study, poll, on_trial).figures)
     finally:
         _restore_heads(repo, heads, {t.run_id for t in repo.trials(plan.study) if t.run_id is not None})
     return repo.trials(plan.study)
 
 
 def _one_trial(repo: Repository, plan: SearchPlan, runner: TrialRunner, study: optuna.Study, poll: float,
-               on_trial: Callable[[SearchTrial], None] | None) -> None:
+               on_trial: Callable[[SearchTrial], None] | None) -> SearchTrial:
     trial = study.ask(dict(plan.space.dimensions))
     record = repo.start_trial(plan.study, trial.params, plan.space.to_record())
     watch = _Watch(repo, trial, record.id, prune=plan.prune, poll=poll)
@@ -122,10 +127,13 @@ def _one_trial(repo: Repository, plan: SearchPlan, runner: TrialRunner, study: o
     values = {"local-baseline": False, **plan.base, **trial.params, "start-from": "fresh"}
     state, score = watch.run(runner, values)
     study.tell(trial, score, state=state)
+    frozen = next(t for t in study.get_trials(deepcopy=False) if t.number == trial.number)
+    repo.note_trial(record.id, {k: v for k, v in frozen.system_attrs.items() if isinstance(v, int | float | str)})
     done = next(t for t in repo.trials(plan.study) if t.id == record.id)
     log.info("search %s: trial %s %s (%s = %s)", plan.study, done.number, done.state, done.metric, done.value)
     if on_trial is not None:
         on_trial(done)
+    return done
 
 
 def _restore_heads(repo: Repository, before: dict[str, int], trial_runs: set[int]) -> None:
@@ -186,7 +194,8 @@ def _replay(repo: Repository, plan: SearchPlan, study: optuna.Study) -> None:
         study.add_trial(optuna.trial.create_trial(
             params=dict(record.params), distributions=dict(plan.space.dimensions), state=state,
             value=score if state is OptunaState.COMPLETE else None,
-            intermediate_values={int(k): _score(v, record.higher_is_better) for k, v in record.figures.items()}))
+            intermediate_values={int(k): _score(v, record.higher_is_better) for k, v in record.figures.items()},
+            system_attrs=dict(record.notes)))
 
 
 class _Watch:

@@ -294,5 +294,8 @@ class SearchTrial(Base):
     higher_is_better: Mapped[bool] = mapped_column(default=True)
     figures: Mapped[dict[str, float]] = mapped_column(JSON)  # round number (as text) -> that round's figure
     value: Mapped[float | None] = mapped_column(Float)  # the final model's figure (complete trials)
+    # what the sampler and pruner noted on the trial (Optuna's system attributes, e.g. the pruner's
+    # rungs it passed), so that a continued study samples and prunes as one search
+    notes: Mapped[dict[str, Any]] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -32,7 +32,7 @@ class TrialRecords(StateAccess):
         def op(s: Session) -> SearchTrial:
             number = s.scalar(select(func.count()).select_from(SearchTrial).where(SearchTrial.study == study)) or 0
             trial = SearchTrial(study=study, number=number, state=TrialState.RUNNING, params=dict(params),
-                                space=dict(space), figures={}, created_at=utcnow())
+                                space=dict(space), figures={}, notes={}, created_at=utcnow())
             s.add(trial)
             s.flush()
             return trial
@@ -60,6 +60,14 @@ class TrialRecords(StateAccess):
         def op(s: Session) -> None:
             trial = self._trial(s, trial_id)
             trial.state, trial.value, trial.finished_at = state, value, utcnow()
+
+        self._write(op)
+
+    def note_trial(self, trial_id: int, notes: Mapping[str, Any]) -> None:
+        """Keep what the sampler and pruner noted on the trial (JSON values)."""
+
+        def op(s: Session) -> None:
+            self._trial(s, trial_id).notes = dict(notes)
 
         self._write(op)
 

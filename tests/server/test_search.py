@@ -96,6 +96,8 @@ def test_a_masked_dp_search_charges_its_trials_to_every_ledger_and_records_them(
             assert len(run.rounds) == len(trial.figures) == 1 and "after round 1" in (run.error or "")
         else:
             assert run.status == RunStatus.COMPLETED and trial.value is not None
+    # the pruner's notes (the rung each trial reached, with its figure) are kept for a continued study
+    assert all("completed_rung_0" in t.notes for t in trials)
     best = best_trial(trials)
     assert best is not None and best.value == max(t.value for t in trials if t.value is not None)
 
@@ -119,6 +121,16 @@ def test_a_masked_dp_search_charges_its_trials_to_every_ledger_and_records_them(
                                        dp_budget=10.0),
                       runner, spent=spent, poll=0.05)
     assert [t.number for t in more] == [0, 1, 2, 3, 4]
+
+
+def test_a_budget_of_rounds_ends_the_search(tmp_path: Path, three_parts: dict[str, Path]) -> None:
+    repo = Repository(connect(f"sqlite:///{tmp_path / 'state.db'}", migrate=True))
+    runs: list[int] = []
+    base = {"num-rounds": 2, "local-epochs": 1, "min-nodes": 3, "secure-aggregation": "none"}
+    plan = SearchPlan(study="short", base=base, space=SearchSpace.parse(SPACE, base), trials=5, prune=False,
+                      max_rounds=3)
+    trials = run_search(repo, plan, _loopback(tmp_path, repo, three_parts, runs), poll=0.05)
+    assert len(trials) == len(runs) == 2 and [len(t.figures) for t in trials] == [2, 2]  # 2 + 2 ≥ 3: no third
 
 
 def test_a_search_past_the_budget_runs_nothing(tmp_path: Path, three_parts: dict[str, Path]) -> None:

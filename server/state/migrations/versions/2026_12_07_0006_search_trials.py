@@ -30,6 +30,7 @@ def upgrade() -> None:
         sa.Column('higher_is_better', sa.Boolean(), nullable=False),
         sa.Column('figures', sa.JSON(), nullable=False),
         sa.Column('value', sa.Float(), nullable=True),
+        sa.Column('notes', sa.JSON(), nullable=False),
         sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
         sa.Column('finished_at', sa.DateTime(timezone=True), nullable=True),
         sa.ForeignKeyConstraint(['run_id'], ['runs.id'], name=op.f('fk_search_trials_run_id_runs'),
