@@ -19,7 +19,7 @@ evaluation on their own test rows), as ``tune show`` reports it. Reported, as me
 search's best (1.0 or more: not within the budget). Goals: TPE ≥ 1 point over random at equal
 rounds, and random's best reached in ≤ 0.65 of the rounds.
 
-    python benchmarks/tuning.py              # seeds 0, 1, 2; 10 random trials of 6 rounds
+    python benchmarks/tuning.py              # seeds 0, 1, 2; 8 random trials of 5 rounds
     python benchmarks/tuning.py --smoke      # one seed, credit only, 2 + 2 trials of 2 rounds
     python benchmarks/tuning.py --json       # last line: one JSON object
 """
@@ -116,8 +116,8 @@ def main() -> None:
     ap = parser(__doc__ or "")
     ap.add_argument("--datasets", default=",".join(DATASETS))
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--trials", type=int, default=10, help="random search's trials (its budget of rounds)")
-    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--trials", type=int, default=8, help="random search's trials (its budget of rounds)")
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     seeds = [0] if args.smoke else [int(s) for s in args.seeds.split(",")]
     names = ["credit"] if args.smoke else args.datasets.split(",")
