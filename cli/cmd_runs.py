@@ -26,23 +26,14 @@ from quorumfl.cli.output import (
 from quorumfl.core.metric_names import primary_among
 from quorumfl.errors import ConfigError, FederationError, NotFoundError, StateError
 from quorumfl.server.joining import GAIN
-from quorumfl.server.services import (
-    department_columns,
-    follow_run,
-    progress_line,
-    round_flags,
-    round_metric,
-    round_view,
-    run_closing,
-    run_outcome_error,
-    run_summaries,
-    run_view,
-)
-from quorumfl.server.state.orm import Round, Run
-from quorumfl.server.state.repository import STOPPED_BY_ADMIN, Repository, RunStatus
+from quorumfl.server.run_summary import round_metric, run_summaries
 
-if TYPE_CHECKING:  # rich.progress, secrets and tomllib load only for the commands that use them:
-    from rich.progress import Progress  # the read-only commands start faster without them
+if TYPE_CHECKING:  # rich.progress, the ORM and the views over it, secrets and tomllib load only for
+    # the commands that use them: 'runs list' starts faster without them
+    from rich.progress import Progress
+
+    from quorumfl.server.state.orm import Round, Run
+    from quorumfl.server.state.repository import Repository
 
 # left out, last first, where a department table does not fit: the verdict and the figures stay
 DEPARTMENT_OPTIONAL = [GAIN, "cluster", "loss", "num-examples"]
@@ -98,6 +89,8 @@ def round_reporter(repo: Repository, progress: Progress, task: Any) -> Callable[
 
 def stage_reporter(progress: Progress, task: Any) -> Callable[[Run, Round], None]:
     """A ``follow_run`` ``on_progress`` callback: the running round's stage and nodes beside the bar."""
+    from quorumfl.server.services import progress_line
+
 
     def on_progress(_run: Run, rnd: Round) -> None:
         progress.update(task, description=progress_line(rnd))
@@ -109,6 +102,13 @@ def print_finished_run(repo: Repository, run: Run, began: float, *, label: str =
                        department_limit: int | None = None) -> None:
     """A finished run's global model per round, each department's final model (up to
     ``department_limit`` of them) and the closing line; a run that did not complete raises."""
+    from quorumfl.server.services import (
+        department_columns,
+        run_closing,
+        run_outcome_error,
+        run_view,
+    )
+
     view = run_view(repo, run.id)
     metric = view["round_metric"]
     rows = [{"round": r["round"], "status": r["status"], metric: r["metrics"].get(metric),
@@ -171,6 +171,14 @@ def start(
 def _follow(ctx: typer.Context, control: Any, flower_run_id: int, ref: int, rounds: int, timeout: float) -> None:
     """Show the run's rounds until it ends; exit with the code of what it ended with (``ref``: the
     run's number, as messages name it)."""
+    from quorumfl.server.services import (
+        department_columns,
+        follow_run,
+        run_closing,
+        run_outcome_error,
+        run_view,
+    )
+
     repo = settings(ctx).repository()
     progress, task = round_progress(rounds)
     began = time.monotonic()
@@ -250,7 +258,7 @@ def resume(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (
 @runs_app.command("list")
 def list_runs(ctx: typer.Context, fmt: FormatOpt = Format.TABLE) -> None:
     """All runs: status, privacy (masked, ckks or plaintext; +dp), rounds, the final model's metric, task."""
-    rows = run_summaries(settings(ctx).repository())
+    rows = run_summaries(settings(ctx).reader())
     if fmt is Format.JSON:
         print_json(rows)
         return
@@ -268,6 +276,8 @@ def list_runs(ctx: typer.Context, fmt: FormatOpt = Format.TABLE) -> None:
 @runs_app.command("show")
 def show(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (QuorumFL or Flower).")], fmt: FormatOpt = Format.TABLE) -> None:
     """One run: config, rounds with the global model's metric, each department's metric of the final model."""
+    from quorumfl.server.services import department_columns, run_view
+
     view = run_view(settings(ctx).repository(), run)
     if fmt is Format.JSON:
         print_json(view)
@@ -335,6 +345,8 @@ def compare(
 def stop(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (QuorumFL or Flower).")],
          superlink: SuperlinkOpt = DEFAULT_SUPERLINK, insecure: InsecureOpt = False, ca_cert: CaCertOpt = None) -> None:
     """Stop a running run at the SuperLink and record it as stopped."""
+    from quorumfl.server.state.repository import STOPPED_BY_ADMIN, RunStatus
+
     repo = settings(ctx).repository()
     record = repo.get_run(run)
     if record.status != RunStatus.RUNNING:  # nothing to stop: what the admin wanted already holds
@@ -355,6 +367,8 @@ def stop(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (Qu
 @rounds_app.command("list")
 def list_rounds(ctx: typer.Context, run: Annotated[int, typer.Argument(help="Run id (QuorumFL or Flower).")], fmt: FormatOpt = Format.TABLE) -> None:
     """Rounds of a run: status, participants, phase timings, node failures with reasons."""
+    from quorumfl.server.services import round_flags, round_view
+
     repo = settings(ctx).repository()
     departments = {n.node_id: n.department for n in repo.list_nodes()}
     rounds = repo.list_rounds(run)

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import typer
 
 if TYPE_CHECKING:  # imported where used: a command loads only what it needs (startup time)
+    from sqlalchemy import Engine
+
     from quorumfl.deploy.certs import Credentials
     from quorumfl.deploy.control import Control
     from quorumfl.server.state.repository import Repository
@@ -30,6 +32,12 @@ class Settings:
     home: Path
     db_url: str
     debug: bool = False
+
+    def reader(self) -> Engine:
+        """The state DB for a Core read (``runs list``): checked, nothing created, no ORM imported."""
+        from quorumfl.server.state.database import reader
+
+        return reader(self.db_url)
 
     def repository(self, *, migrate: bool = False) -> Repository:
         from quorumfl.server.state.database import connect

@@ -5,19 +5,17 @@ plain dicts (rendered as Rich tables or JSON by the CLI), and the operations tha
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from quorumfl.core.metric_names import PRIMARY_METRICS, primary_among
+from quorumfl.core.metric_names import PRIMARY_METRICS
 from quorumfl.errors import FederationError, QuorumError, RoundsLostError
-from quorumfl.server.early_stop import EARLY_STOP
 from quorumfl.server.following import follow_run, progress_line
 from quorumfl.server.joining import GAIN, VERDICT, alone_sentence, compare_alone
-from quorumfl.server.run_labels import privacy_view, task_label
+from quorumfl.server.run_summary import iso, round_metric, run_summaries, summarise
+from quorumfl.server.state.listing import MetricRow, RunFacts, RunRow
 from quorumfl.server.state.orm import Metric, ModelVersion, Round, Run
 from quorumfl.server.state.repository import Repository, RoundStatus, RunStatus
-from quorumfl.server.state.runs import RunFacts
 
 __all__ = [
     "export_model",
@@ -30,78 +28,21 @@ __all__ = [
     "round_view",
     "run_closing",
     "run_outcome_error",
+    "round_metric",
     "run_summaries",
     "run_summary",
+    "summarise",
     "run_view",
 ]
-
-
-def _iso(value: Any) -> str | None:
-    return value.isoformat(timespec="seconds") if value is not None else None
-
-
-def round_metric(primary: str, names: Iterable[str]) -> str:
-    """Which per-round figure a run has: the server's own (``accuracy`` on its held-out set); for a task
-    whose data only the departments hold, ``federated-<primary>`` (the model each round started from,
-    as the departments measured it on their own test splits; a secure round reveals only its securely
-    averaged value); else (runs recorded before secure rounds carried it) the averaged ``train-loss``."""
-    present = set(names)
-    for name in (primary, f"federated-{primary}"):
-        if name in present:
-            return name
-    return "train-loss" if "train-loss" in present else primary
 
 
 def run_summary(repo: Repository, run: Run) -> dict[str, Any]:
     """One run's summary (its rounds loaded); ``run_summaries`` reads the same for every run at once."""
     metrics = repo.metrics(run.id)
     completed = len({r.number for r in run.rounds if r.status == RoundStatus.COMPLETED})
-    facts = RunFacts(run, completed, frozenset(m.name for m in metrics), [m for m in metrics if m.node_id is None])
+    facts = RunFacts(RunRow.of(run), completed, frozenset(m.name for m in metrics),
+                     [MetricRow(m.round, m.name, m.value) for m in metrics if m.node_id is None])
     return summarise(facts)
-
-
-def run_summaries(repo: Repository) -> list[dict[str, Any]]:
-    """Every run's summary, oldest first, read in a fixed number of queries."""
-    return [summarise(facts) for facts in repo.list_run_facts()]
-
-
-def summarise(facts: RunFacts) -> dict[str, Any]:
-    """A run's status, privacy, rounds and metric figures as the run list and the report show them."""
-    run = facts.run
-    primary = primary_among(facts.metric_names)
-    column = round_metric(primary, [m.name for m in facts.run_metrics])
-    values = {m.round: m.value for m in facts.run_metrics if m.name == column}
-    last = max(values) if values else None
-    final = values[last] if last is not None else None
-    if column.startswith("federated-"):  # each round's figure is of the model it started from: the final
-        # model's is the departments' final evaluation (none when it did not take place)
-        final = next((m.value for m in facts.run_metrics if m.name == f"final-{column}"), None)
-    privacy = privacy_view(run.config)
-    return {
-        "id": run.id,
-        "flower_run_id": str(run.flower_run_id) if run.flower_run_id is not None else None,
-        "status": run.status,
-        "strategy": run.strategy,
-        "task": task_label(run.config),
-        "dataset": run.config.get("dataset"),
-        "model": run.config.get("model"),
-        "secure_aggregation": privacy["mode"],  # masked, ckks or plaintext
-        "dp": privacy["dp"],
-        "threshold": privacy["threshold"],
-        "privacy": privacy["sentence"],
-        "privacy_label": privacy["label"],
-        "rounds_planned": run.num_rounds,
-        "rounds_completed": facts.rounds_completed,
-        "primary_metric": primary,  # the task's: accuracy, or mae for regression
-        "round_metric": column,  # the server's held-out figure, or the departments' federated evaluation
-        "final_metric": final,  # the final model's
-        "final_accuracy": final if primary == "accuracy" else None,
-        # the round after which the run stopped early (early-stop-patience), else None
-        "stopped_early_after": next((int(m.value) for m in facts.run_metrics if m.name == EARLY_STOP), None),
-        "started_at": _iso(run.started_at),
-        "finished_at": _iso(run.finished_at),
-        "error": run.error,
-    }
 
 
 def round_view(rnd: Round, departments: dict[int, str | None]) -> dict[str, Any]:
@@ -204,8 +145,8 @@ def nodes_view(repo: Repository, run_ref: int | None = None) -> list[dict[str, A
             "node_id": str(n.node_id),
             "department": n.department,
             "enabled": n.enabled,
-            "first_seen": _iso(n.first_seen),
-            "last_seen": _iso(n.last_seen),
+            "first_seen": iso(n.first_seen),
+            "last_seen": iso(n.last_seen),
             **per_node.get(n.node_id, {}),
         })
     return rows
@@ -226,8 +167,8 @@ def keys_view(repo: Repository, ref: int) -> dict[str, Any]:
             "key_id": c.key_id,
             "threshold": f"{c.threshold} of {len(c.members)}" if c.threshold else None,
             "holders": named(c.holders),
-            "requested_at": _iso(c.requested_at),
-            "finished_at": _iso(c.finished_at),
+            "requested_at": iso(c.requested_at),
+            "finished_at": iso(c.finished_at),
             "error": c.error,
         }
         for c in repo.ceremonies(run.id)
@@ -302,7 +243,7 @@ def model_view(version: ModelVersion, heads: dict[str, int]) -> dict[str, Any]:
         "metrics": version.metrics,
         "tags": version.tags,
         "path": version.path,
-        "created_at": _iso(version.created_at),
+        "created_at": iso(version.created_at),
     }
 
 

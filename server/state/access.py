@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import TypeVar
 
+from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -82,6 +83,13 @@ class StateAccess:
     @property
     def sessions(self) -> sessionmaker[Session]:
         return self._sessions
+
+    @property
+    def engine(self) -> Engine:
+        """The engine the sessions are bound to (for Core reads: ``listing.py``)."""
+        bind = self._sessions.kw["bind"]
+        assert isinstance(bind, Engine)
+        return bind
 
     def _write(self, fn: Callable[[Session], T]) -> T:
         return write(self._sessions, fn)

@@ -13,15 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, create_engine, event, inspect, make_url, text
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
-from sqlalchemy.orm import Session, sessionmaker
 
 from quorumfl.core.files import default_home
 from quorumfl.errors import ConfigError, StateError
 
-if TYPE_CHECKING:  # Alembic is imported only to migrate: reading commands start faster without it
+if TYPE_CHECKING:  # Alembic is imported only to migrate, the ORM only by what uses sessions: reading
+    # commands start faster without them
     from alembic.config import Config
+    from sqlalchemy.orm import Session, sessionmaker
 
-__all__ = ["HEAD", "connect", "default_url", "migration_config", "upgrade", "require_current"]
+__all__ = ["HEAD", "connect", "default_url", "migration_config", "reader", "require_current", "upgrade"]
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 # The newest migration's revision: what a current database's alembic_version holds. Kept here so that
@@ -119,9 +120,18 @@ def require_current(engine: Engine) -> None:
 def connect(url: str | None = None, *, migrate: bool = False) -> sessionmaker[Session]:
     """A session factory for ``url`` (default: ``default_url()``), migrated (created if missing) or
     checked (a missing SQLite file is refused: reading never creates a database)."""
-    engine = create(url or default_url(), create_missing=migrate)
+    from sqlalchemy.orm import sessionmaker
+
     if migrate:
+        engine = create(url or default_url())
         upgrade(engine)
     else:
-        require_current(engine)
+        engine = reader(url)
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def reader(url: str | None = None) -> Engine:
+    """An engine for reading ``url`` with Core: checked as ``connect`` checks (nothing is created)."""
+    engine = create(url or default_url(), create_missing=False)
+    require_current(engine)
+    return engine

@@ -25,9 +25,9 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
 )
-from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
-from sqlalchemy.types import TypeDecorator
+
+from quorumfl.server.state.types import UInt64
 
 __all__ = [
     "Base",
@@ -54,25 +54,6 @@ NAMING = {
     "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
     "pk": "pk_%(table_name)s",
 }
-
-
-class UInt64(TypeDecorator[int]):
-    """Flower's node and run ids are unsigned 64-bit; stored two's-complement in a BIGINT."""
-
-    impl = BigInteger
-    cache_ok = True
-
-    def process_bind_param(self, value: int | None, dialect: Dialect) -> int | None:
-        if value is None:
-            return None
-        if not 0 <= value < 2**64:
-            raise ValueError(f"id {value} is outside the unsigned 64-bit range")
-        return value - 2**64 if value >= 2**63 else value
-
-    def process_result_value(self, value: int | None, dialect: Dialect) -> int | None:
-        if value is None:
-            return None
-        return value + 2**64 if value < 0 else value
 
 
 class Base(DeclarativeBase):

@@ -1,14 +1,14 @@
-"""State records, one aggregate: Runs: create, finish, resume, look up (by QuorumFL or Flower run id), list.
+"""State records, one aggregate: Runs: create, finish, resume, look up (by QuorumFL or Flower run id), list (a
+listing of every run's facts reads them with Core alone: ``listing.py``).
 
 Part of ``Repository`` (``repository.py``); every method is one transaction (``access.write``/``read``)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import distinct, func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
 from quorumfl.errors import ConfigError, NotFoundError
@@ -19,24 +19,11 @@ from quorumfl.server.state.access import (
     utcnow,
 )
 from quorumfl.server.state.orm import (
-    Metric,
     Round,
     Run,
 )
 
-__all__ = ["RunFacts", "RunRecords"]
-
-
-@dataclass(frozen=True)
-class RunFacts:
-    """What a listing shows of one run, read for all runs at once: the run (its rounds not loaded), how
-    many distinct rounds completed, the names of every metric it recorded (run-level or a node's) and
-    its run-level metrics in (round, id) order."""
-
-    run: Run
-    rounds_completed: int
-    metric_names: frozenset[str]
-    run_metrics: list[Metric]
+__all__ = ["RunRecords"]
 
 
 class RunRecords(StateAccess):
@@ -127,22 +114,3 @@ class RunRecords(StateAccess):
                 s.scalars(select(Run).options(selectinload(Run.rounds)).order_by(Run.id))
             )
         )
-
-    def list_run_facts(self) -> list[RunFacts]:
-        """Every run with its facts, in four queries whatever the number of runs (a listing is read often)."""
-
-        def op(s: Session) -> list[RunFacts]:
-            runs = list(s.scalars(select(Run).order_by(Run.id)))
-            completed = {run_id: count for run_id, count in s.execute(
-                select(Round.run_id, func.count(distinct(Round.number)))
-                .where(Round.status == RoundStatus.COMPLETED).group_by(Round.run_id))}
-            names: dict[int, set[str]] = {}
-            for run_id, name in s.execute(select(Metric.run_id, Metric.name).distinct()):
-                names.setdefault(run_id, set()).add(name)
-            values: dict[int, list[Metric]] = {}
-            for metric in s.scalars(select(Metric).where(Metric.node_id.is_(None)).order_by(Metric.round, Metric.id)):
-                values.setdefault(metric.run_id, []).append(metric)
-            return [RunFacts(r, completed.get(r.id, 0), frozenset(names.get(r.id, ())), values.get(r.id, []))
-                    for r in runs]
-
-        return self._read(op)

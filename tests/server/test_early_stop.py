@@ -55,5 +55,5 @@ def test_a_run_that_stops_improving_stops_and_says_so(tmp_path: Path, federation
     assert [m.round for m in repo.metrics(run.id, name=EARLY_STOP)] == [3]
     summary = run_summary(repo, run)
     assert summary["stopped_early_after"] == 3 and summary["rounds_completed"] == 3
-    assert run_summaries(repo) == [summary]
+    assert run_summaries(repo.engine) == [summary]
     assert "stopped early: no better accuracy in 2 rounds" in run_closing(repo, run, 1.0)

@@ -154,3 +154,24 @@ def test_schema_comes_from_migrations(db_url: str) -> None:
 def test_unreachable_database_is_a_clear_error() -> None:
     with pytest.raises(StateError, match="cannot reach the state database"):
         connect("postgresql+psycopg://nobody@127.0.0.1:1/none")
+
+
+def test_the_core_run_listing_reads_what_the_orm_reads(repo: Repository) -> None:
+    """``runs list`` reads with Core and reflected tables (no ORM import): on both backends it gives
+    each run's summary exactly as the ORM path does, ids past 2^63 and JSON configs included."""
+    from quorumfl.server.services import run_summaries, run_summary
+
+    for number, flower_id in enumerate((BIG_ID, 7, None)):
+        run = repo.create_run(flower_run_id=flower_id, config={"num-rounds": 2, "secure-aggregation": "masking"},
+                              strategy="fedavg", num_rounds=2)
+        for r in range(1, number + 2):
+            rnd = repo.start_round(run.id, r, [1, 2])
+            repo.finish_round(rnd.id, RoundStatus.COMPLETED, participants=[1, 2], timings={"train": 1.0})
+            repo.add_metrics(run.id, r, {"accuracy": 0.5 + r / 10, "loss": 1.0 / r})
+            repo.add_metrics(run.id, r, {"accuracy": 0.1}, node_id=BIG_ID)
+        if number < 2:
+            repo.finish_run(run.id, RunStatus.COMPLETED)
+    expected = [run_summary(repo, repo.get_run(r.id)) for r in repo.list_runs()]
+    assert run_summaries(repo.engine) == expected
+    assert [row["flower_run_id"] for row in expected] == [str(BIG_ID), "7", None]
+    assert [row["rounds_completed"] for row in expected] == [1, 2, 3]

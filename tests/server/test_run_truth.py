@@ -53,7 +53,7 @@ def test_a_run_that_lost_a_round_is_partial_and_its_final_is_the_last_models(
     assert summary["round_metric"] == "accuracy" and last.round == 3
     assert summary["final_metric"] == last.metrics["accuracy"]  # the held-out figure of the final model
     assert summary["secure_aggregation"] == "plaintext" and summary["privacy_label"] == "plaintext"
-    assert run_summaries(repo) == [summary]  # the run list, read for all runs at once, says the same
+    assert run_summaries(repo.engine) == [summary]  # the run list, read for all runs at once, says the same
 
 
 def test_with_no_data_on_the_server_final_is_the_departments_evaluation_of_the_final_model(tmp_path: Path) -> None:
@@ -75,4 +75,4 @@ def test_with_no_data_on_the_server_final_is_the_departments_evaluation_of_the_f
     last_round = {m.round: m.value for m in repo.metrics(run_id, name=f"federated-{primary}") if m.node_id is None}[2]
     assert summary["final_metric"] != pytest.approx(last_round)  # that figure is of the model round 2 started from
     assert summary["task"] == "tabular regression of 'sale_price' (mlp)"
-    assert run_summaries(repo) == [summary]  # the run list, read for all runs at once, says the same
+    assert run_summaries(repo.engine) == [summary]  # the run list, read for all runs at once, says the same
