@@ -55,6 +55,7 @@ from quorumfl.server.strategies import ClusteredFedAvg, FedAvg, build_strategy
 
 METHODS = ("fedavg", "fedprox", "ifca", "fedper", "ditto", "local_only")
 PERSONALISED = ("ifca", "fedper", "ditto")
+PLAIN = "fedavg_plain_torch"  # the reference FedAvg (``plain_fedavg``), not a method of the product
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,51 @@ def run_method(method: str, setup: Setup, *, planted: bool = False) -> dict[str,
     return _summary(method, final, history, sent, started, groups=(picks, groups) if method == "ifca" else None)
 
 
+def plain_fedavg(setup: Setup) -> dict[str, Any]:
+    """FedAvg written out in plain torch on the same departments, model and initial weights, as the
+    reference the product's FedAvg is checked against: each round every department trains a copy of
+    the global model for the local epochs (SGD at the same rate with momentum 0.9, started afresh,
+    shuffled mini-batches, cross-entropy), the server takes the example-weighted mean of the weights,
+    and each department measures the new global model on its own test split."""
+    import torch
+
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    depts, _ = departments(setup, planted=False)
+    sample = depts[0][0]
+    model = build_model(setup.model, sample.input_shape, sample.num_classes, seed=setup.seed)
+    generator = torch.Generator().manual_seed(setup.seed)
+    history: list[float] = []
+    accs: list[float] = []
+    for _ in range(setup.rounds):
+        start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        total = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in start.items()}
+        weight = 0
+        for train, _test in depts:
+            model.load_state_dict(start)
+            model.train()
+            opt = torch.optim.SGD(model.parameters(), lr=setup.learning_rate, momentum=0.9)
+            x, y = torch.as_tensor(train.x, dtype=torch.float32), torch.as_tensor(train.y, dtype=torch.long)
+            for _epoch in range(setup.local_epochs):
+                order = torch.randperm(len(y), generator=generator)
+                for at in range(0, len(y), setup.batch_size):
+                    batch = order[at:at + setup.batch_size]
+                    opt.zero_grad()
+                    torch.nn.functional.cross_entropy(model(x[batch]), y[batch]).backward()
+                    opt.step()
+            for k, v in model.state_dict().items():
+                total[k] += v.double() * len(y)
+            weight += len(y)
+        model.load_state_dict({k: (v / weight).to(start[k].dtype) for k, v in total.items()})
+        model.eval()
+        with torch.no_grad():
+            accs = [float((model(torch.as_tensor(test.x, dtype=torch.float32)).argmax(1).numpy() == test.y).mean())
+                    for _train, test in depts]
+        history.append(float(np.mean(accs)))
+    return {"method": "fedavg_plain_torch", "mean": float(np.mean(accs)), "worst": float(np.min(accs)),
+            "history": history, "seconds": time.perf_counter() - started, "peak_rss_mb": peak_rss_mb()}
+
+
 def _accuracy(metrics: dict[str, float]) -> float:
     """The department's own model: its personal one where it has one, else the federation's for it."""
     return metrics.get("personal-accuracy", metrics["accuracy"])
@@ -201,6 +247,8 @@ def _summary(method: str, final: list[dict[str, float]], history: list[float], s
 
 def _job(args: tuple[str, Setup, bool]) -> dict[str, Any]:
     method, setup, planted = args
+    if method == PLAIN:
+        return plain_fedavg(setup)
     return run_method(method, setup, planted=planted)
 
 
@@ -236,7 +284,8 @@ def main() -> None:
         return
     seeds = [int(x) for x in (args.seeds or ("0" if args.smoke else "0,1,2")).split(",")]
     runs = [replace(setup, seed=seed) for seed in seeds]
-    jobs = [(m, run, False) for run in runs for m in METHODS] + [("ifca", run, True) for run in runs]
+    jobs = ([(m, run, False) for run in runs for m in (*METHODS, PLAIN)]
+            + [("ifca", run, True) for run in runs])
     jobs.sort(key=lambda j: j[0] != "ditto")  # the longest first
     started = time.perf_counter()
     with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
@@ -267,6 +316,11 @@ def main() -> None:
         "best_minus_local_only_pts": 100 * (avg(best, "mean") - avg("local_only", "mean")),
         "best_worst_minus_fedavg_worst_pts": 100 * (avg(best, "worst") - avg("fedavg", "worst")),
         "planted_purity": min(by[("ifca", seed, True)]["purity"] for seed in seeds),  # the worst seed
+        # the product's FedAvg against the plain-torch reference on the same departments, per seed
+        "fedavg_minus_plain_torch_pts_per_seed": [100 * (by[("fedavg", seed, False)]["mean"]
+                                                         - by[(PLAIN, seed, False)]["mean"]) for seed in seeds],
+        "best_minus_local_only_pts_per_seed": [100 * (max(by[(m, seed, False)]["mean"] for m in PERSONALISED)
+                                                      - by[("local_only", seed, False)]["mean"]) for seed in seeds],
         "seeds": seeds,
     })
     for m in METHODS:
@@ -277,6 +331,11 @@ def main() -> None:
         figures[f"{m}_mb_sent"] = avg(m, "bytes") / 1e6
         figures[f"{m}_seconds"] = avg(m, "seconds")
     figures["planted_purity_per_seed"] = [by[("ifca", seed, True)]["purity"] for seed in seeds]
+    figures["fedavg_plain_torch_mean_acc_per_seed"] = [by[(PLAIN, seed, False)]["mean"] for seed in seeds]
+    figures["goal_personalised_over_local_only_every_seed"] = all(
+        d >= 1.0 for d in figures["best_minus_local_only_pts_per_seed"])
+    figures["goal_fedavg_matches_plain_torch_every_seed"] = all(
+        abs(d) <= 1.0 for d in figures["fedavg_minus_plain_torch_pts_per_seed"])
     figures["peak_rss_mb_max_worker"] = max(r["peak_rss_mb"] for r in results)
     figures["wall_seconds"] = wall
     report(figures, as_json=args.json)
