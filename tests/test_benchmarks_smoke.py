@@ -78,6 +78,10 @@ def test_heterogeneity_smoke() -> None:
             "local_only_mean_acc", "fedavg_worst_acc", "best_worst_acc", "best_minus_fedavg_pts", "planted_purity"}
     assert keys <= set(figures)
     assert all(0.0 <= float(figures[k]) <= 1.0 for k in keys - {"best_minus_fedavg_pts"})  # type: ignore[arg-type]
+    (reference,) = figures["fedavg_plain_torch_mean_acc_per_seed"]  # type: ignore[misc]
+    (gap,) = figures["fedavg_minus_plain_torch_pts_per_seed"]  # type: ignore[misc]
+    assert 0.0 <= reference <= 1.0 and gap == pytest.approx(100 * (float(figures["fedavg_mean_acc"]) - reference))
+    assert isinstance(figures["goal_fedavg_matches_plain_torch_every_seed"], bool)
 
 
 @pytest.mark.slow  # ~10 s: the default suite stays under its 8 minutes
