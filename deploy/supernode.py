@@ -17,9 +17,10 @@ SuperExec it started (``task_wake``), which otherwise asks for new tasks only ev
 warm ClientApps (``launch_gate.WARM_ENV`` set) it starts the warm server as it starts
 (``warm.prestart``), so a run's first tasks do not all start cold together. A reply whose push to
 the SuperLink failed on a repeated object push is pushed again (``reply_push.retry_link_push``)
-instead of dropped. It beats every few seconds instead of every ~20 (``QUORUMFL_HEARTBEAT_S``), ends
-with the ``quorumfl`` command that started it, and stops the processes below it as it ends
-(``liveness``). Nothing else of Flower's behaviour changes.
+instead of dropped, and a stray second reply to a message it has already answered cannot take the
+place of the reply its loop waits for (``orphan_replies``). It beats every few seconds instead of
+every ~20 (``QUORUMFL_HEARTBEAT_S``), ends with the ``quorumfl`` command that started it, and stops
+the processes below it as it ends (``liveness``). Nothing else of Flower's behaviour changes.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from quorumfl.deploy.liveness import (
     shorten_node_heartbeat,
     stop_below_on_exit,
 )
+from quorumfl.deploy.orphan_replies import skip_orphan_replies
 from quorumfl.deploy.task_wake import WAKE_ENV, Waker, new_wake_name
 from quorumfl.protocol.pull_backoff import shorten_pull_backoff
 from quorumfl.protocol.reply_push import retry_link_push
@@ -131,6 +133,7 @@ def main() -> None:
     waits = patch_waits(start_client_internal, poll)
     shorten_pull_backoff()
     retry_link_push(start_client_internal)
+    skip_orphan_replies(start_client_internal)
     if os.environ.get(WARM_ENV):  # this node's ClientApps are warm: have the server ready before the first task
         from quorumfl.deploy.warm import prestart
 

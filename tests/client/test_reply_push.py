@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -45,6 +46,7 @@ from flwr.supernode.nodestate.in_memory_nodestate import InMemoryNodeState
 from flwr.supernode.runtime import run_clientapp
 from flwr.supernode.servicer.runtime import runtime_handlers
 
+from quorumfl.deploy import orphan_replies
 from quorumfl.deploy.launch_gate import WARM_ENV
 from quorumfl.protocol import reply_push
 
@@ -277,10 +279,83 @@ def test_the_quorumfl_supernode_wraps_flowers_link_push() -> None:
     """``python -m quorumfl.deploy.supernode`` wraps the loop before Flower's SuperNode starts (here
     Flower's entry point only reports what it would run)."""
     code = ("import flwr.supernode.cli as cli; from flwr.supernode import start_client_internal as loop; "
-            "cli.flower_supernode = lambda: print(getattr(loop._push_messages, '_quorumfl_retries_reply_push', False)); "
+            "cli.flower_supernode = lambda: print(*(getattr(loop._push_messages, mark, False) for mark in "
+            "('_quorumfl_retries_reply_push', '_quorumfl_skips_orphan_replies'))); "
             "from quorumfl.deploy import supernode; supernode.main()")
     env = {k: v for k, v in os.environ.items() if k != WARM_ENV}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False,
                             env=env)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split()[-1] == "True"
+    assert result.stdout.split()[-2:] == ["True", "True"]
+
+
+# A stray second reply: a ClientApp of a stopped run pushes its reply again after its node dropped the
+# first one (and the instruction it answered). Flower's loop, waiting for the reply to the message it
+# has just pulled, takes the stray one instead and leaves the awaited reply behind.
+
+def _pulled(state: InMemoryNodeState, group: str) -> Message:
+    """An instruction the SuperNode pulled and stored, and its ClientApp took."""
+    instruction = make_message(metadata=Metadata(run_id=RUN, message_id="", src_node_id=0, dst_node_id=NODE,
+                                                 reply_to_message_id="", group_id=group, created_at=now().timestamp(),
+                                                 ttl=3600.0, message_type="train"), content=RecordDict())
+    instruction.metadata.__dict__["_message_id"] = instruction.object_id
+    state.store_message(instruction)
+    assert [m.metadata.message_id for m in state.get_messages_legacy(is_reply=False)] == [instruction.object_id]
+    return instruction
+
+
+def _answer(state: InMemoryNodeState, flower_push: Any, instruction: Message) -> Message:
+    """The ClientApp's reply to ``instruction``, pushed into the node state through Flower's Runtime API."""
+    reply = Message(RecordDict({"config": ConfigRecord({"round": int(instruction.metadata.group_id)})}),
+                    reply_to=instruction)
+    context = Context(run_id=RUN, node_id=NODE, node_config={}, state=RecordDict(), run_config={})
+    flower_push(_Transport(state, repeats=0), reply, context)
+    return reply
+
+
+def _a_stray_then_the_awaited_reply(flower_push: Any) -> tuple[InMemoryNodeState, Message, Message, Any]:
+    """A node state with a stray reply (its instruction answered and deleted) and a pulled instruction
+    whose reply its ClientApp pushes 0.3 s later, from another thread."""
+    state = InMemoryNodeState(InMemoryObjectStore())
+    answered = _pulled(state, "2")
+    stray = _answer(state, flower_push, answered)
+    state.delete_messages(message_ids=[answered.metadata.message_id])  # the node dropped the first reply with it
+    awaited = _pulled(state, "3")
+    replies: list[Message] = []
+    later = threading.Timer(0.3, lambda: replies.append(_answer(state, flower_push, awaited)))
+    later.start()
+    return state, stray, awaited, (later, replies)
+
+
+def _pushed_once(loop: ModuleType, state: InMemoryNodeState) -> list[str]:
+    """Ids of the instructions whose replies one pass of the loop's push sent to the SuperLink."""
+    sent: list[str] = []
+
+    def send(message: Message, _tree: Any, _runtime: float) -> tuple[set[str], str]:
+        sent.append(message.metadata.reply_to_message_id)
+        return set(), "session"
+
+    loop._push_messages(state=state, object_store=state.object_store, send=send, push_object=lambda *_: None)
+    return sent
+
+
+def test_flower_alone_pushes_a_stray_reply_in_place_of_the_awaited_one(
+        flower_push: Any, supernode_loop: ModuleType) -> None:
+    state, stray, awaited, (later, replies) = _a_stray_then_the_awaited_reply(flower_push)
+    assert _pushed_once(supernode_loop, state) == [stray.metadata.reply_to_message_id]
+    later.join()
+    # the awaited reply stays at the node until another message is pulled: every later reply is one late
+    assert [m.metadata.message_id for m in state.get_messages_legacy(is_reply=True)] == [replies[0].metadata.message_id]
+
+
+def test_the_supernode_drops_the_stray_reply_and_pushes_the_awaited_one(
+        flower_push: Any, supernode_loop: ModuleType) -> None:
+    orphan_replies.skip_orphan_replies(supernode_loop)
+    wrapped = supernode_loop._push_messages
+    orphan_replies.skip_orphan_replies(supernode_loop)  # once per module
+    assert supernode_loop._push_messages is wrapped
+    state, stray, awaited, (later, _) = _a_stray_then_the_awaited_reply(flower_push)
+    assert _pushed_once(supernode_loop, state) == [awaited.metadata.message_id]
+    later.join()
+    assert state.msg_store == {}  # the stray reply deleted, the awaited one and its instruction as Flower does
+    assert state.object_store.get(stray.metadata.message_id) is None
