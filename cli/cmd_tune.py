@@ -22,14 +22,12 @@ from quorumfl.cli.output import (
     table,
 )
 from quorumfl.errors import ConfigError
+from quorumfl.privacy.budget import DEFAULT_DP_BUDGET
 
 __all__ = ["tune_app"]
 
 tune_app = typer.Typer(no_args_is_help=True,
                        help="Federated hyper-parameter search: each trial a federated run (Optuna).")
-
-DEFAULT_DP_BUDGET = 10.0  # as a node's default dp-budget (client.steps)
-
 
 @tune_app.command("run")
 def run_command(

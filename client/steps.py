@@ -39,6 +39,7 @@ from quorumfl.client.tuned import finetune_epochs, tune
 from quorumfl.core.data.store import Partition, read_partition
 from quorumfl.core.tasks import ModelSpec, check_schema_fits, parse_schema
 from quorumfl.errors import ConfigError, DataError, PrivacyBudgetError
+from quorumfl.privacy.budget import DEFAULT_DP_BUDGET
 from quorumfl.protocol.ckks_wire import CKKS, decode_train_request
 from quorumfl.protocol.secure_wire import SECAGG, decode_mask_request
 from quorumfl.protocol.wire import CONFIG, TrainConfig, candidate_models
@@ -125,9 +126,6 @@ def _personal(context: Context, config: TrainConfig) -> tuple[PersonalStore | No
         return None, None
     store = PersonalStore.for_node(dict(context.node_config), int(context.node_id))
     return store, store.load(run_state_key(context))
-
-
-DEFAULT_DP_BUDGET = 10.0
 
 
 def _privacy_gate(context: Context, config: TrainConfig) -> PrivacyGate | None:

@@ -1,1 +1,1 @@
-"""Differential privacy, privacy accounting and key-material handling (filled by later work)."""
+"""Differential privacy, privacy accounting, the ε ledger and key-material handling."""

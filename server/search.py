@@ -32,6 +32,7 @@ from optuna.trial import TrialState as OptunaState
 
 from quorumfl.core.metric_names import higher_is_better, primary_among
 from quorumfl.errors import ConfigError, NotFoundError, QuorumError
+from quorumfl.privacy.budget import DEFAULT_DP_BUDGET
 from quorumfl.server.config import RunConfig
 from quorumfl.server.early_stop import round_figure
 from quorumfl.server.search_space import SearchSpace, check_budget, privacy_plan
@@ -75,7 +76,7 @@ class SearchPlan:
     seed: int = 0  # the sampler's
     startup_trials: int = 0  # TPE's first trials drawn at random (0: a third of ``trials``, 2 to 10)
     max_rounds: int = 0  # start no trial once this search's trials have run this many rounds (0: no limit)
-    dp_budget: float = 10.0  # under DP: the ε per department the search may take them to (a node's default budget)
+    dp_budget: float = DEFAULT_DP_BUDGET  # under DP: the ε per department the search may take them to
 
     def __post_init__(self) -> None:
         if not 1 <= len(self.study) <= 64:
