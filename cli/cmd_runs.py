@@ -161,7 +161,8 @@ def start(
     from quorumfl.server.run_labels import privacy_view, task_label
 
     stored = resolved.resolved()
-    console.print(f"[green]started {shown}[/green]: {resolved.strategy}, {resolved.num_rounds} rounds, "
+    rounds = f"up to {resolved.num_rounds}" if resolved.early_stop_patience else str(resolved.num_rounds)
+    console.print(f"[green]started {shown}[/green]: {resolved.strategy}, {rounds} rounds, "
                   f"{task_label(stored)}, seed {resolved.seed}; {privacy_view(stored)['sentence']}. 'runs show' and "
                   "'runs stop' take either id", highlight=False)
     if follow:

@@ -52,7 +52,7 @@ from quorumfl.privacy.admin import (
     sign_app,
 )
 from quorumfl.protocol.wire import ROSTER_KEY
-from quorumfl.server.config import DEFAULTS
+from quorumfl.server.config import DEFAULTS, expand_auto_rounds
 
 __all__ = ["Control", "FlowerNode", "FlowerRun", "app_pyproject", "build_fab", "sign_app_dir", "stamp_pyproject",
            "store_flwr_token"]
@@ -219,7 +219,7 @@ class Control:
     def start_request(self, overrides: Mapping[str, Any], *, files: Mapping[str, bytes] | None = None
                       ) -> StartRunRequest:
         """The StartRun request ``start_run`` sends (signed, with a fresh run stamp, given the admin key)."""
-        overrides = dict(overrides)
+        overrides = expand_auto_rounds(overrides)  # the nodes check numbers, not "auto"
         if self._admin is not None and files is None:
             unknown = sorted(set(overrides) - set(DEFAULTS))
             if unknown:

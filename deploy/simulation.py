@@ -45,7 +45,7 @@ from quorumfl.client.virtual import (
 from quorumfl.core.data import prepare_partitions
 from quorumfl.deploy.sim_dispatch import one_pass_dispatch
 from quorumfl.errors import ConfigError, FederationError, QuorumError
-from quorumfl.server.config import RunConfig
+from quorumfl.server.config import RunConfig, expand_auto_rounds
 from quorumfl.server.state.orm import Run
 from quorumfl.server.state.repository import Repository
 
@@ -207,7 +207,8 @@ def simulate(values: Mapping[str, Any], settings: SimulationSettings, repo: Repo
     if importlib.util.find_spec("ray") is None:
         raise ConfigError("'quorumfl simulate' needs Flower's simulation engine (Ray), which is not installed: "
                           "run './setup.sh --simulation' (or pip install 'quorumfl[simulation]')")
-    config = RunConfig.from_mapping(dict(values))
+    values = expand_auto_rounds(values)
+    config = RunConfig.from_mapping(values)
     if settings.root.exists() and any(settings.root.iterdir()):
         raise ConfigError(f"simulation folder {settings.root} is not empty; give another one")
     try:

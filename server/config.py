@@ -41,6 +41,7 @@ __all__ = [
     "SecureMode",
     "StartFrom",
     "StrategyName",
+    "expand_auto_rounds",
     "key",
     "load_run_config_file",
     "read_config_toml",
@@ -137,6 +138,16 @@ def _roster_problems(text: str) -> list[str]:
 
 
 USUAL_RATE = {"sgd": 0.05, "adam": 0.003}  # a named optimizer's rate where the run gives none
+AUTO_ROUNDS, AUTO_PATIENCE = 50, 3  # num-rounds = "auto": at most this many rounds, stopping after this many flat ones
+
+
+def expand_auto_rounds(values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` with ``num-rounds = "auto"`` written out as the two keys it means: ``AUTO_ROUNDS`` rounds
+    at most and ``early-stop-patience`` (``AUTO_PATIENCE`` unless the config sets one), so that what is
+    submitted and signed holds numbers a node can check."""
+    if values.get("num-rounds") != "auto":
+        return dict(values)
+    return {**values, "num-rounds": AUTO_ROUNDS, "early-stop-patience": values.get("early-stop-patience") or AUTO_PATIENCE}
 
 
 @dataclass(frozen=True)
@@ -180,7 +191,9 @@ class RunConfig:
     norm_bound_factor: float = key(2.0, "`norm-bound`: the largest change kept, as a multiple of the round's median "
                                    "change norm", low=1.0, applies="norm-bound")
     # ---- rounds and training
-    num_rounds: int = key(5, "training rounds (the most, with `early-stop-patience`)", low=1, high=10_000, node=True)
+    num_rounds: int = key(5, "training rounds (the most, with `early-stop-patience`); `auto`: at most "
+                          f"{AUTO_ROUNDS}, stopping after `early-stop-patience` rounds ({AUTO_PATIENCE} unless set) "
+                          "without a better round metric", low=1, high=10_000, node=True)
     early_stop_patience: int = key(
         0, "stop after this many rounds without a better round metric (the server's held-out figure, or the "
         "departments' federated evaluation); the stop is recorded (README \"Stopping early\"); 0 = every round",
@@ -349,6 +362,7 @@ class RunConfig:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> Self:
+        values = expand_auto_rounds(values)
         problems: list[str] = []
         declared = cls.declared()
         for name in sorted(set(values) - set(declared)):
@@ -555,7 +569,7 @@ def load_run_config_file(path: Path) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: [run] must be a table of run-config keys")
     RunConfig.from_mapping(values)  # report every problem before anything is submitted
-    return values
+    return expand_auto_rounds(values)
 
 
 def read_config_toml(path: Path) -> dict[str, Any]:

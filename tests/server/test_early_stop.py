@@ -6,9 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from quorumfl.errors import ConfigError
+from quorumfl.server.config import AUTO_PATIENCE, AUTO_ROUNDS, RunConfig, load_run_config_file
 from quorumfl.server.early_stop import EARLY_STOP, EarlyStop, round_figure
 from quorumfl.server.services import run_closing, run_summaries, run_summary
 from quorumfl.server.state.repository import RunStatus
@@ -57,3 +60,26 @@ def test_a_run_that_stops_improving_stops_and_says_so(tmp_path: Path, federation
     assert summary["stopped_early_after"] == 3 and summary["rounds_completed"] == 3
     assert run_summaries(repo.engine) == [summary]
     assert "stopped early: no better accuracy in 2 rounds" in run_closing(repo, run, 1.0)
+
+
+def test_auto_rounds_run_until_the_figure_stops_improving(tmp_path: Path, federation_parts: dict[str, Path]) -> None:  # noqa: F811
+    contexts = _contexts(dict(list(federation_parts.items())[:3]))
+    federation, repo = _federation(tmp_path, LoopbackGrid(contexts), **{
+        "num-rounds": "auto", "learning-rate": 1e-9, "local-baseline": False, "finetune-epochs": 0})
+    run = repo.get_run(federation.run())
+    assert run.status == RunStatus.COMPLETED and run.num_rounds == AUTO_ROUNDS
+    assert len(run.rounds) == 1 + AUTO_PATIENCE  # round 1, then AUTO_PATIENCE without a better figure
+    assert [m.round for m in repo.metrics(run.id, name=EARLY_STOP)] == [1 + AUTO_PATIENCE]
+
+
+def test_auto_rounds_are_written_out_as_numbers_before_anything_is_sent(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('[run]\nnum-rounds = "auto"\n')
+    assert load_run_config_file(path) == {"num-rounds": AUTO_ROUNDS, "early-stop-patience": AUTO_PATIENCE}
+    path.write_text('[run]\nnum-rounds = "auto"\nearly-stop-patience = 5\n')
+    assert load_run_config_file(path) == {"num-rounds": AUTO_ROUNDS, "early-stop-patience": 5}
+    config = RunConfig.from_mapping({"num-rounds": "auto"})
+    assert (config.num_rounds, config.early_stop_patience) == (AUTO_ROUNDS, AUTO_PATIENCE)
+    path.write_text('[run]\nnum-rounds = "many"\n')
+    with pytest.raises(ConfigError, match="num-rounds"):
+        load_run_config_file(path)
