@@ -72,7 +72,7 @@ def nice_range(low: float, high: float) -> tuple[float, float]:
 
 def _floors(schema: Schema) -> list[float]:
     """Per feature, the share of the federation's records a slot needs to be read (−∞: always)."""
-    floors = [-math.inf] * len(schema["numeric"])
+    floors = [-math.inf] * (len(schema["numeric"]) + sum(bool(c.get("missing")) for c in schema["numeric"]))
     for spec in schema["categorical"]:
         share = float(spec.get("min_share", 0))
         floors += [share if share > 0 else -math.inf] * int(spec["buckets"])
@@ -81,9 +81,14 @@ def _floors(schema: Schema) -> list[float]:
 
 def _is_numeric(cells: Sequence[str | None]) -> bool:
     try:
-        return all(cell is not None and cell.strip() != "" and math.isfinite(float(cell)) for cell in cells)
+        return bool(cells) and all(math.isfinite(float(cell)) for cell in cells if cell is not None)
     except ValueError:
         return False
+
+
+def _present(cells: Sequence[str | None]) -> list[str]:
+    """A column's non-empty cells."""
+    return [cell for cell in cells if cell is not None and cell.strip()]
 
 
 def _names(options: Mapping[str, str], key: str) -> list[str]:
@@ -130,6 +135,9 @@ class TabularTask:
                  and isinstance(spec.get("low"), (int, float)) and isinstance(spec.get("high"), (int, float))
                  and spec["low"] < spec["high"], f"numeric[{spec.get('name') if isinstance(spec, Mapping) else spec}]",
                  "needs name, low and high with low < high")
+        for spec in (*numeric, *categorical):
+            need(isinstance(spec.get("missing", False), bool), f"{spec['name']}.missing",
+                 "must be true (empty cells allowed) or false")
         for spec in categorical:
             where = f"categorical[{spec.get('name') if isinstance(spec, Mapping) else spec}]"
             need(isinstance(spec, Mapping) and isinstance(spec.get("name"), str)
@@ -188,7 +196,7 @@ class TabularTask:
         objective = options.get("objective", "auto")
         if objective not in ("auto", "classification", "regression"):
             raise ConfigError(f"--objective must be auto, classification or regression, got {objective!r}")
-        numeric_label = _is_numeric(cells)
+        numeric_label = len(_present(cells)) == len(cells) and _is_numeric(cells)
         distinct = sorted({(c or "").strip() for c in cells})
         if objective == "auto":
             objective = "regression" if numeric_label and len(distinct) > CLASSIFICATION_MAX_CLASSES else "classification"
@@ -212,12 +220,14 @@ class TabularTask:
         for name, column in table.columns.items():
             if name == label or name in ignore:
                 continue
-            if name not in categorical and _is_numeric(column):
-                values = parse_number(source, name, column)
+            present = _present(column)
+            missing = {"missing": True} if len(present) < len(column) else {}
+            if name not in categorical and _is_numeric(present):
+                values = parse_number(source, name, present)
                 low, high = nice_range(min(values), max(values))
-                numeric.append({"name": name, "low": low, "high": high})
+                numeric.append({"name": name, "low": low, "high": high, **missing})
             else:
-                categories.append({"name": name, "buckets": buckets, "min_share": min_share})
+                categories.append({"name": name, "buckets": buckets, "min_share": min_share, **missing})
         schema.update(numeric=numeric, categorical=categories, ignore=ignore)
         self.check_schema(schema)
         return schema

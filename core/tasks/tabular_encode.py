@@ -7,6 +7,13 @@ trim and convert the cells; a categorical column is hashed once per distinct val
 the fast path does not take is read as ``tables.parse_number`` reads it (Python's ``float``), so the
 accepted values and every refusal (empty, text, NaN, out of range: one line naming the row and the
 column) are those of a whole table, and a file encodes the same in one batch or in many.
+
+A feature column the schema marks ``"missing": true`` may have empty cells. A numeric one then adds
+an indicator feature (1 where the cell was empty; after all the numeric columns, before the
+categorical buckets) and its empty cells take the middle of the declared range, so the model can
+tell a filled-in cell from a real one; a categorical one counts the empty cell as one more value.
+Without the mark an empty cell is refused, naming the row, the column and the mark. A label is never
+missing.
 """
 
 from __future__ import annotations
@@ -30,28 +37,53 @@ def bucket(column: str, value: str, buckets: int) -> int:
 
 
 def feature_count(schema: Schema) -> int:
-    return len(schema["numeric"]) + sum(int(c["buckets"]) for c in schema["categorical"])
+    return (len(schema["numeric"]) + sum(bool(c.get("missing")) for c in schema["numeric"])
+            + sum(int(c["buckets"]) for c in schema["categorical"]))
 
 
-def _filled(batch: Batch, name: str) -> Any:
-    """A categorical column's cells, trimmed; refuses an empty (or null) cell naming its row."""
+def _trimmed(batch: Batch, spec: Schema) -> tuple[Any, NDArray[np.bool_]]:
+    """A feature column's cells, trimmed, and where they are empty (or null); an empty cell is refused,
+    naming its row, unless the schema marks the column ``"missing": true``."""
     import pyarrow.compute as pc
 
-    trimmed = pc.utf8_trim_whitespace(batch.column(name))
-    empty = np.asarray(pc.fill_null(pc.equal(trimmed, ""), True))
-    if empty.any():
+    trimmed = pc.utf8_trim_whitespace(batch.column(spec["name"]))
+    empty = np.asarray(pc.fill_null(pc.equal(trimmed, ""), True), dtype=bool)
+    if empty.any() and not spec.get("missing"):
         row = batch.first + int(np.flatnonzero(empty)[0]) + 1
-        raise DataError(f"{batch.path}: row {row}, column '{name}' is empty; fill it in (e.g. 'unknown') or drop the "
-                        "row")
-    return trimmed
+        raise DataError(f"{batch.path}: row {row}, column '{spec['name']}' is empty; fill it in, drop the row, or mark "
+                        "the column \"missing\": true in the schema ('quorumfl data schema' does where it sees empty "
+                        "cells)")
+    return trimmed, empty
 
 
-def _numbers(batch: Batch, name: str, low: float, high: float, *, label: bool = False) -> NDArray[np.float64]:
-    """The column as floats within [low, high] (``parse_number``'s rules, row numbers of the file)."""
+def _filled(batch: Batch, spec: Schema) -> Any:
+    """A categorical column's cells, trimmed (an allowed empty cell is the value "")."""
+    import pyarrow.compute as pc
+
+    trimmed, _ = _trimmed(batch, spec)
+    return pc.fill_null(trimmed, "")
+
+
+def _numeric_feature(batch: Batch, spec: Schema) -> tuple[NDArray[np.float32], NDArray[np.bool_]]:
+    """A numeric feature scaled to [0, 1] (an allowed empty cell: 0.5) and where its cells were empty."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    cells = batch.column(name)
+    low, high = float(spec["low"]), float(spec["high"])
+    cells, empty = _trimmed(batch, spec)
+    if empty.any():
+        cells = pc.if_else(pa.array(empty), pa.scalar(repr((low + high) / 2)), cells)
+    return ((_numbers(batch, spec["name"], low, high, cells=cells) - low) / (high - low)).astype(np.float32), empty
+
+
+def _numbers(batch: Batch, name: str, low: float, high: float, *, label: bool = False,
+             cells: Any = None) -> NDArray[np.float64]:
+    """The column (or ``cells``) as floats within [low, high] (``parse_number``'s rules, row numbers of
+    the file)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    cells = batch.column(name) if cells is None else cells
     try:
         values = np.asarray(pc.cast(pc.utf8_trim_whitespace(cells), pa.float64()), dtype=np.float64)
         if not np.isfinite(values).all():
@@ -86,14 +118,16 @@ def encode_batch(batch: Batch, schema: Schema) -> tuple[NDArray[np.float32], NDA
     batch.check_columns([schema["label"], *(c["name"] for c in schema["numeric"]),
                          *(c["name"] for c in schema["categorical"])], ignored=list(schema.get("ignore", [])))
     x = np.zeros((batch.rows, feature_count(schema)), dtype=np.float32)
+    offset = len(schema["numeric"])  # then one indicator per numeric column that may be missing
     for j, spec in enumerate(schema["numeric"]):
-        low, high = float(spec["low"]), float(spec["high"])
-        x[:, j] = ((_numbers(batch, spec["name"], low, high) - low) / (high - low)).astype(np.float32)
-    offset = len(schema["numeric"])
+        x[:, j], empty = _numeric_feature(batch, spec)
+        if spec.get("missing"):
+            x[:, offset] = empty
+            offset += 1
     rows = np.arange(batch.rows)
     for spec in schema["categorical"]:
         buckets = int(spec["buckets"])
-        encoded = pc.dictionary_encode(_filled(batch, spec["name"]))
+        encoded = pc.dictionary_encode(_filled(batch, spec))
         slots = np.array([bucket(spec["name"], v, buckets) for v in encoded.dictionary.to_pylist()], dtype=np.int64)
         x[rows, offset + slots[np.asarray(encoded.indices, dtype=np.int64)]] = 1.0
         offset += buckets

@@ -52,6 +52,42 @@ def test_a_proposed_tabular_schema_encodes_by_its_declared_ranges_and_hashes(sal
     assert len({int(np.argmax(onehot[i])) for i in range(60)}) <= len(zones)
 
 
+def test_columns_with_empty_cells_are_marked_and_encoded_with_an_indicator(tmp_path: Path) -> None:
+    """A department's export with gaps: the proposed schema marks the columns that have empty cells;
+    an empty numeric cell reads as the middle of its range with an indicator set, an empty category
+    as the value "" (pandas reference); a column without the mark refuses its empty cell."""
+    import pandas as pd
+
+    from quorumfl.core.tasks.tabular_encode import bucket
+
+    rows = property_rows(50, seed=7)
+    for i in (3, 17, 40):
+        rows[i]["area"] = ""
+    for i in (5, 17):
+        rows[i]["zone"] = " "
+    file = write_csv(tmp_path / "gaps.csv", rows)
+    task = get_task("tabular")
+    schema = task.infer_schema(file, {"label": "sale_price", "ignore": "parcel,band"})
+    assert {c["name"]: c.get("missing", False) for c in schema["numeric"] + schema["categorical"]} == {
+        "area": True, "year_built": False, "zone": True}
+    x, _ = task.read(file, schema)
+    frame = pd.read_csv(file, keep_default_na=False)
+    area = pd.to_numeric(frame["area"].str.strip().replace("", np.nan) if frame["area"].dtype == object
+                         else frame["area"])
+    low, high = schema["numeric"][0]["low"], schema["numeric"][0]["high"]
+    np.testing.assert_allclose(x[:, 0], ((area - low) / (high - low)).fillna(0.5), rtol=1e-6)
+    np.testing.assert_array_equal(x[:, 2], area.isna().astype(np.float32))  # the indicator, after the numeric columns
+    buckets = schema["categorical"][0]["buckets"]
+    assert x.shape == (50, 3 + buckets)
+    slots = [bucket("zone", str(z).strip(), buckets) for z in frame["zone"]]
+    np.testing.assert_array_equal(np.argmax(x[:, 3:], axis=1), slots)
+    unmarked = {**schema, "numeric": [{k: v for k, v in c.items() if k != "missing"} for c in schema["numeric"]]}
+    with pytest.raises(DataError, match=r"row 4, column 'area' is empty; .* mark the column \"missing\": true"):
+        task.read(file, unmarked)
+    with pytest.raises(ConfigError, match="area.missing' must be true"):
+        task.check_schema({**schema, "numeric": [{**schema["numeric"][0], "missing": "yes"}]})
+
+
 def test_a_rare_category_is_pooled_once_the_statistics_are_in(sales: tuple[Path, dict[str, Any]]) -> None:
     """min_share: a zone under 1 % of the (federation's) records is read as absent; the others are
     standardised as numpy does. Before the statistics round every slot is read."""
