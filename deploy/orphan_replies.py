@@ -49,7 +49,7 @@ class HeldReplies:
         self._objects = object_store
 
     def get_messages_legacy(self, **kwargs: Any) -> Sequence[Any]:
-        messages = self._state.get_messages_legacy(**kwargs)
+        messages: Sequence[Any] = self._state.get_messages_legacy(**kwargs)
         if kwargs.get("is_reply") is not True:
             return messages
         with self._state.lock_msg_store:
