@@ -82,6 +82,11 @@ def test_heterogeneity_smoke() -> None:
     (gap,) = figures["fedavg_minus_plain_torch_pts_per_seed"]  # type: ignore[misc]
     assert 0.0 <= reference <= 1.0 and gap == pytest.approx(100 * (float(figures["fedavg_mean_acc"]) - reference))
     assert isinstance(figures["goal_fedavg_matches_plain_torch_every_seed"], bool)
+    (tuned,) = figures["fedavg_finetune_mean_acc_per_seed"]  # type: ignore[misc]
+    (alone_extra,) = figures["local_only_extra_epochs_mean_acc_per_seed"]  # type: ignore[misc]
+    bar = max(float(figures["local_only_mean_acc"]), alone_extra)
+    assert 0.0 <= tuned <= 1.0 and figures["fedavg_finetune_minus_local_only_pts_per_seed"] == [
+        pytest.approx(100 * (tuned - bar))]
 
 
 @pytest.mark.slow  # ~10 s: the default suite stays under its 8 minutes
