@@ -4,7 +4,8 @@ For {FedAvg, FedProx, IFCA, FedPer, Ditto} × {image, tabular, text}: the plaint
 aggregate is checked against a plain numpy weighted mean of the nodes' replies (IFCA: per cluster, by
 the other tests of this suite), and the masking and CKKS runs of the same configuration against the
 plaintext run (same seeds, repeatable training): only the fixed-point / CKKS error may differ. The
-tabular task's first round is its statistics round, checked against the departments' own files.
+tabular task's first round is its statistics round, checked against the departments' own files
+(which have gaps: empty cells in columns the schema marks ``"missing": true``).
 FedAvg on each task runs in the default suite; the rest of the matrix is ``-m slow``.
 """
 
@@ -72,6 +73,7 @@ def city_partitions(root: Path, task: str) -> tuple[dict[str, Path], dict[str, A
         tables = [property_rows(120, seed=i, zone_bias=ZONES[i % len(ZONES)]) for i in range(len(DEPARTMENTS))]
         for row in tables[1][:3]:  # a zone that 3 of the federation's 720 sales have: under min_share, pooled
             row["zone"] = RARE_ZONE
+        tables[0][5]["area"] = tables[0][6]["zone"] = tables[2][7]["area"] = tables[2][9]["zone"] = ""  # gaps
         files = [write_csv(root / f"{d}.csv", rows) for d, rows in zip(DEPARTMENTS, tables, strict=True)]
         schema = get_task("tabular").infer_schema(files[0], {"label": "sale_price", "ignore": "parcel,band"})
         model = "mlp"
@@ -130,7 +132,9 @@ def _check_statistics(stored: dict[str, np.ndarray], parts: dict[str, Path], set
     schema = json.loads(Path(settings["task-schema"]).read_text())
     model = ModelSpec("tabular", "mlp", json.dumps(schema)).build(seed=0)
     arrays_to_model(model, stored)
-    numeric, (zone,) = len(schema["numeric"]), schema["categorical"]
+    (zone,) = schema["categorical"]
+    assert [c.get("missing", False) for c in schema["numeric"]] == [True, False] and zone["missing"]
+    numeric = len(schema["numeric"]) + 1  # the area column's indicator comes before the zone's buckets
     share = everything[:, numeric : numeric + zone["buckets"]].mean(axis=0)
     kept = model[0].kept().numpy()[numeric : numeric + zone["buckets"]]
     np.testing.assert_array_equal(kept, share >= zone["min_share"])
