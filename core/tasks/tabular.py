@@ -37,7 +37,7 @@ from quorumfl.core.tasks.base import Schema
 from quorumfl.core.tasks.objective import CLASSIFICATION, Objective, Regression
 from quorumfl.core.tasks.table_batches import Batch, file_batches
 from quorumfl.core.tasks.tables import parse_number, read_table
-from quorumfl.core.tasks.tabular_encode import encode_batch, feature_count
+from quorumfl.core.tasks.tabular_encode import encode_batch, feature_count, numeric_count
 from quorumfl.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ def nice_range(low: float, high: float) -> tuple[float, float]:
 
 def _floors(schema: Schema) -> list[float]:
     """Per feature, the share of the federation's records a slot needs to be read (−∞: always)."""
-    floors = [-math.inf] * (len(schema["numeric"]) + sum(bool(c.get("missing")) for c in schema["numeric"]))
+    floors = [-math.inf] * numeric_count(schema)
     for spec in schema["categorical"]:
         share = float(spec.get("min_share", 0))
         floors += [share if share > 0 else -math.inf] * int(spec["buckets"])

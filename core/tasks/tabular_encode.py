@@ -29,16 +29,20 @@ from quorumfl.core.tasks.table_batches import Batch
 from quorumfl.core.tasks.tables import class_indices, parse_number
 from quorumfl.errors import DataError
 
-__all__ = ["bucket", "encode_batch", "feature_count"]
+__all__ = ["bucket", "encode_batch", "feature_count", "numeric_count"]
 
 
 def bucket(column: str, value: str, buckets: int) -> int:
     return zlib.crc32(f"{column}\x1f{value}".encode()) % buckets
 
 
+def numeric_count(schema: Schema) -> int:
+    """The features before the categorical buckets: the numeric columns and their missing indicators."""
+    return len(schema["numeric"]) + sum(bool(c.get("missing")) for c in schema["numeric"])
+
+
 def feature_count(schema: Schema) -> int:
-    return (len(schema["numeric"]) + sum(bool(c.get("missing")) for c in schema["numeric"])
-            + sum(int(c["buckets"]) for c in schema["categorical"]))
+    return numeric_count(schema) + sum(int(c["buckets"]) for c in schema["categorical"])
 
 
 def _trimmed(batch: Batch, spec: Schema) -> tuple[Any, NDArray[np.bool_]]:
