@@ -8,8 +8,10 @@ epochs, batch size, learning rate and model; all departments take part in every 
 
 The loop is in-process (no SuperLink): each department runs ``client.node_round`` — the function the
 ClientApp's train and evaluate handlers call — and the server side is ``server.strategies`` (the
-weighted mean, IFCA's per-cluster means and repairs). What runs over Flower is the same code plus
-transport, which this benchmark does not measure.
+weighted mean, IFCA's per-cluster means and repairs) followed by the server's step over rounds
+(``aggregation.momentum``, the run config's default ``server-momentum`` and ``server-lr``, as
+``server.rounds`` applies it). What runs over Flower is the same code plus transport, which this
+benchmark does not measure. The plain-torch FedAvg reference takes the same server step.
 
 ``fedavg_finetune`` is the product's default deliverable to a department: FedAvg's final model
 fine-tuned on the department's own train split for the default ``finetune-epochs``, by the node's own
@@ -51,6 +53,7 @@ import numpy as np
 
 from _cli import parser, peak_rss_mb, report
 from quorumfl.aggregation import NodeUpdate
+from quorumfl.aggregation.momentum import ServerMomentum
 from quorumfl.aggregation.clustering import cluster_purity
 from quorumfl.client.node_round import evaluate_round, train_round
 from quorumfl.core.data.datasets import Dataset, load_dataset
@@ -120,16 +123,16 @@ def _base(setup: Setup) -> TrainConfig:
                        learning_rate=setup.learning_rate, proximal_mu=0.0, seed=setup.seed)
 
 
-def _strategy(method: str, setup: Setup, clusters: int) -> FedAvg:
-    """The product's strategy for ``method``, built from a run config as a real run builds it (so IFCA's
-    repair settings are the run-config defaults); FedProx alone uses μ, as in the table."""
+def _strategy(method: str, setup: Setup, clusters: int) -> tuple[FedAvg, RunConfig]:
+    """The product's strategy for ``method`` and its run config, built as a real run builds them (so IFCA's
+    repair settings and the server's momentum are the run-config defaults); FedProx alone uses μ."""
     config = RunConfig.from_mapping({
         "strategy": method, "proximal-mu": setup.mu if method == "fedprox" else 0.0, "fraction-train": 1.0,
         "min-nodes": 1, "secure-aggregation": "none", "seed": setup.seed, "clusters": clusters,
         "personal-layers": setup.personal_layers,
         "ditto-lambda": setup.ditto_lambda,
     })
-    return build_strategy(config)
+    return build_strategy(config), config
 
 
 def _tuned(setup: Setup, config: TrainConfig, arrays: dict[str, Any], dept: tuple[Dataset, Dataset]) -> float:
@@ -185,7 +188,11 @@ def run_method(method: str, setup: Setup, *, planted: bool = False) -> dict[str,
         tuned = [_tuned(setup, last, own[i], depts[i]) for i in nodes]  # the same extra epochs as fedavg_finetune
         return _with_tuned(_summary(method, final, history, sent, started, groups=None), tuned)
 
-    strategy = _strategy(method, setup, clusters)
+    strategy, config = _strategy(method, setup, clusters)
+    momentum, step = config.server_step()  # the server's step over rounds, as ``server.rounds`` takes it
+    server = ServerMomentum(momentum=momentum, learning_rate=step,
+                            names=[n for n, _ in build_model(setup.model, sample.input_shape, sample.num_classes,
+                                                             seed=setup.seed).named_parameters()])
     models = [strategy.server_arrays(m) for m in full]
     assigned: list[int] = [0] * len(depts)
     final: list[dict[str, float]] = []
@@ -204,7 +211,7 @@ def run_method(method: str, setup: Setup, *, planted: bool = False) -> dict[str,
             result = strategy.aggregate_train(models[0], (u for _, u in updates))
             if result.arrays is None:
                 raise RuntimeError(f"{method} round {number}: every update was rejected ({result.rejected})")
-            models = [result.arrays]
+            models = [server.step(models[0], result.arrays)]
         final = [evaluate_round(configs[i], models, personal[i], *depts[i]).metrics for i in nodes]
         history.append(float(np.mean([_accuracy(m) for m in final])))
     picks = [int(m.get("cluster", 0)) for m in final]
@@ -218,8 +225,12 @@ def plain_fedavg(setup: Setup) -> dict[str, Any]:
     """FedAvg written out in plain torch on the same departments, model and initial weights, as the
     reference the product's FedAvg is checked against: each round every department trains a copy of
     the global model for the local epochs (SGD at the same rate with momentum 0.9, started afresh,
-    shuffled mini-batches, cross-entropy), the server takes the example-weighted mean of the weights,
-    and each department measures the new global model on its own test split."""
+    cross-entropy; the mini-batches a node draws: a permutation per epoch from a generator seeded with
+    the run's seed plus the round, so both sides compute the same federation and a difference is the
+    implementation's, not another draw's), the server takes the example-weighted mean of the weights and
+    moves the model's parameters by the run config's default server momentum β and rate η on the mean
+    change (``m ← β·m + Δ``, ``w ← w + η·m``; buffers take the mean), and each department measures the
+    new global model on its own test split."""
     import torch
 
     torch.set_num_threads(1)
@@ -227,10 +238,12 @@ def plain_fedavg(setup: Setup) -> dict[str, Any]:
     depts, _ = departments(setup, planted=False)
     sample = depts[0][0]
     model = build_model(setup.model, sample.input_shape, sample.num_classes, seed=setup.seed)
-    generator = torch.Generator().manual_seed(setup.seed)
+    beta, eta = RunConfig.defaults()["server-momentum"], RunConfig.defaults()["server-lr"]
+    moving = {name for name, _ in model.named_parameters()}
+    velocity: dict[str, Any] = {}
     history: list[float] = []
     accs: list[float] = []
-    for _ in range(setup.rounds):
+    for number in range(1, setup.rounds + 1):
         start = {k: v.detach().clone() for k, v in model.state_dict().items()}
         total = {k: torch.zeros_like(v, dtype=torch.float64) for k, v in start.items()}
         weight = 0
@@ -238,6 +251,7 @@ def plain_fedavg(setup: Setup) -> dict[str, Any]:
             model.load_state_dict(start)
             model.train()
             opt = torch.optim.SGD(model.parameters(), lr=setup.learning_rate, momentum=0.9)
+            generator = torch.Generator().manual_seed(setup.seed + number)
             x, y = torch.as_tensor(train.x, dtype=torch.float32), torch.as_tensor(train.y, dtype=torch.long)
             for _epoch in range(setup.local_epochs):
                 order = torch.randperm(len(y), generator=generator)
@@ -249,7 +263,12 @@ def plain_fedavg(setup: Setup) -> dict[str, Any]:
             for k, v in model.state_dict().items():
                 total[k] += v.double() * len(y)
             weight += len(y)
-        model.load_state_dict({k: (v / weight).to(start[k].dtype) for k, v in total.items()})
+        mean = {k: v / weight for k, v in total.items()}
+        for k in moving:
+            change = mean[k] - start[k].double()
+            velocity[k] = change if k not in velocity else beta * velocity[k] + change
+            mean[k] = start[k].double() + eta * velocity[k]
+        model.load_state_dict({k: v.to(start[k].dtype) for k, v in mean.items()})
         model.eval()
         with torch.no_grad():
             accs = [float((model(torch.as_tensor(test.x, dtype=torch.float32)).argmax(1).numpy() == test.y).mean())
@@ -296,7 +315,8 @@ def main() -> None:
     ap.add_argument("--ditto-lambda", type=float, default=None)
     ap.add_argument("--personal-layers", default=None, help="FedPer's personal layers (prefixes or 'head')")
     ap.add_argument("--methods", default=",".join(METHODS),
-                    help="a subset to run (a sweep); the goal keys need all of them and the planted run")
+                    help=f"a subset to run (a sweep; '{PLAIN}' adds the reference); the goal keys need all of them "
+                         "and the planted run")
     args = ap.parse_args()
     if args.smoke:
         setup = Setup(dataset="digits", departments=6, per_department=250, alpha=0.1, rounds=3, local_epochs=1,
@@ -309,8 +329,8 @@ def main() -> None:
     setup = replace(setup, rounds=args.rounds or setup.rounds, local_epochs=args.local_epochs or setup.local_epochs,
                     ditto_lambda=setup.ditto_lambda if args.ditto_lambda is None else args.ditto_lambda,
                     personal_layers=args.personal_layers or setup.personal_layers)
-    methods = [m for m in METHODS if m in args.methods.split(",")]
-    if len(methods) < len(METHODS):  # a sweep: print each method's figures, no goal keys
+    methods = [m for m in (*METHODS, PLAIN) if m in args.methods.split(",")]
+    if len(methods) < len(METHODS) or PLAIN in methods:  # a sweep: print each method's figures, no goal keys
         with ProcessPoolExecutor(max_workers=max(1, args.workers)) as pool:
             for r in pool.map(_job, [(m, setup, False) for m in methods]):
                 print(json.dumps({k: v for k, v in r.items() if k not in ("assigned", "planted")}))
