@@ -136,7 +136,7 @@ class ChangeSketch:
     ``np.dot`` OpenBLAS's idle threads spin for ~0.1 s of CPU each, once per reply, taken from the nodes
     that share the server's machine. On 1.1M parameters, in a fresh process: 8–9 ms, 1,300–1,700 page
     faults and 15–18 ms of CPU per update before; 3.4–3.9 ms, no page faults and ~3.6 ms of CPU after
-    (benchmarks/README.md, seventeenth session). One round's replies are measured in turn (the server's
+    (measured with ``benchmarks/round_overhead.py``). One round's replies are measured in turn (the server's
     exchange loop), so the change buffer is reused; ``measure`` is not for concurrent calls on one
     instance."""
 

@@ -25,7 +25,7 @@ never touches the sums (a float32 add cannot be undone exactly, so nothing is su
 float32 tensor costs page faults on first touch (~1 ms per 4 MB, as much as adding ten updates), so
 ``result`` divides into the spare block and hands it to the caller, and a dropped mean's blocks go to
 a small pool (``POOL_BYTES``) that the next mean (the next round's) takes them from. Measured
-figures are in benchmarks/README.md (``aggregate_throughput.py``).
+figures come from ``benchmarks/aggregate_throughput.py`` (docs/results.md).
 Error bound of that summation: every coordinate of the result is within
 (BLOCK + BLOCKS + 2)·2⁻²⁴·Σ|wᵢxᵢ|/Σwᵢ of the exact weighted mean. Each term wᵢxᵢ is rounded once in
 float32, then added by recursive summation into a block of at most BLOCK terms (at most BLOCK − 1

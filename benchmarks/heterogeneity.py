@@ -53,8 +53,8 @@ import numpy as np
 
 from _cli import parser, peak_rss_mb, report
 from quorumfl.aggregation import NodeUpdate
-from quorumfl.aggregation.momentum import ServerMomentum
 from quorumfl.aggregation.clustering import cluster_purity
+from quorumfl.aggregation.momentum import ServerMomentum
 from quorumfl.client.node_round import evaluate_round, train_round
 from quorumfl.core.data.datasets import Dataset, load_dataset
 from quorumfl.core.data.partition import partition_dirichlet, partition_iid

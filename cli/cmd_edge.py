@@ -111,7 +111,7 @@ def keys_rotate(
     key: Annotated[Path | None, typer.Option(help="The signing key (default HOME/edge/signing-key.pem).")] = None,
 ) -> None:
     """Replace the signing key with a new one that the old key endorses; devices follow on their next
-    sync. (A stolen key is not revoked this way: README "Edge devices".)"""
+    sync. (A stolen key is not revoked this way: docs/how-to/edge-devices.md.)"""
     from datetime import UTC, datetime
 
     from quorumfl.edge.promotion import default_key_path

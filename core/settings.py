@@ -3,7 +3,7 @@ default, meaning, range and where it applies; parsing with every problem reporte
 defaults, stored values and a Markdown table are derived from the declarations.
 
 Written here rather than taken from a settings library because the same declaration must also
-produce Flower's run-config defaults and the README's table, and report all problems of a config in
+produce Flower's run-config defaults and the run-config reference page's table, and report all problems of a config in
 one ``ConfigError`` naming each key; the run config (``server/config.py``) is its user.
 """
 

@@ -18,7 +18,7 @@ verifies the manifest with the newest key only. So:
   leaks later cannot sign artifacts for devices that have moved on;
 - what rotation cannot do is revoke a key that was stolen *before* devices moved past it: the thief
   can endorse a key of their own. Revocation is re-provisioning: give devices a new ``--public-key``
-  and a fresh ``--dir`` (README "Edge devices").
+  and a fresh ``--dir`` (docs/how-to/edge-devices.md).
 
 The ``purpose`` field and the strict field set keep an endorsement from ever parsing as a manifest
 and the other way round. Written here rather than taken from a library: X.509 cross-signing (the

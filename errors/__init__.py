@@ -1,6 +1,6 @@
 """The one QuorumFL error tree.
 
-It is the lowest layer of the package structure (README "What runs where"): it imports nothing of
+It is the lowest layer of the package structure (docs/explanation/architecture.md): it imports nothing of
 QuorumFL's, and every other layer raises from it::
 
     QuorumError

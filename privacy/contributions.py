@@ -22,7 +22,7 @@ CKKS contributions and unsigned masking epochs (no consistency stage) keep the s
 
 Fresh local entropy (``client.steps``) makes two contributions from the same model and set differ
 too, so a repeat with the same set reveals no difference of one update either. What remains
-(README "Security"): the ledger keys on the exact model, so an active server can evade it by
+(docs/explanation/security.md): the ledger keys on the exact model, so an active server can evade it by
 changing the model slightly, and it can unmask a sum without this node's consent (the others'
 shares, and in a consistency stage their signatures, suffice); a set the server names but does not complete (a department "dropping out" of
 the repeat) still changes the sum by that department's update plus the others' training noise;

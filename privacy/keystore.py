@@ -12,7 +12,7 @@ A ceremony in progress (this node's fresh secret s_i between stages) has its own
 deleted when the ceremony ends. A SHA-256 over the content detects a corrupted or truncated file;
 such a file is refused, never repaired. The hash is not keyed: it does not stop someone who can
 write the node's key directory, who could also read the share itself — that directory's 0700/0600
-modes and the node's host security are the boundary (README "Security"). Nothing here logs; errors name the file, never its content.
+modes and the node's host security are the boundary (docs/explanation/security.md). Nothing here logs; errors name the file, never its content.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ Each run-config key is declared once, as a ``RunConfig`` field made by ``key(def
 kebab-case name, type, default, range, meaning and where it applies. Everything else is derived from
 those declarations: parsing with every problem reported at once (each naming the key and what to
 write instead), ``DEFAULTS`` (the Flower app's ``[tool.flwr.app.config]``, written into every app
-bundle and checked against the repository's ``pyproject.toml``), the README's run-config table and
+bundle and checked against the repository's ``pyproject.toml``), the run-config reference page's table
+(``docs/reference/run-config.md``) and
 the part of the node's train config that is a setting as is (``node=True``).
-``python -m quorumfl.server.config --write`` rewrites the README table and the ``pyproject.toml``
+``python -m quorumfl.server.config --write`` rewrites that table and the ``pyproject.toml``
 defaults from the declarations; the tests fail when either is out of date.
 
 Rules across keys (``RunConfig.problems``) are written out after the declarations.
@@ -184,7 +185,7 @@ class RunConfig:
     robust_aggregation: RobustRule = key(
         RobustRule.NONE, "plaintext rounds: combine the updates by `norm-bound` (each change scaled to at most "
         "`norm-bound-factor` × the round's median), `trimmed-mean`, `median` or `krum` instead of the weighted mean "
-        "(README \"Watching a federation\"); the server then holds the round's updates in memory",
+        "(docs/how-to/monitor.md); the server then holds the round's updates in memory",
         applies="fedavg, fedprox, fedper, ditto")
     robust_fraction: float = key(0.2, "the share trimmed at each end (`trimmed-mean`) or assumed Byzantine (`krum`)",
                                  low=0.0, high=0.49, applies="trimmed-mean, krum")
@@ -196,10 +197,10 @@ class RunConfig:
                           "without a better round metric", low=1, high=10_000, node=True)
     early_stop_patience: int = key(
         0, "stop after this many rounds without a better round metric (the server's held-out figure, or the "
-        "departments' federated evaluation); the stop is recorded (README \"Stopping early\"); 0 = every round",
+        "departments' federated evaluation); the stop is recorded (docs/how-to/good-models.md); 0 = every round",
         low=0)
     task: str = key("image", "what is learned: `image`, `tabular`, `text`, your own task as `module:attribute`, or "
-                    "a `quorumfl.tasks` entry point (README \"Your department's data\")")
+                    "a `quorumfl.tasks` entry point (docs/tutorials/your-data.md)")
     task_schema: str = key("", "the departments' shared schema (`quorumfl data schema`): its JSON, or a file on the "
                            "server (`runs start` sends a file's JSON); empty: the image task's built-in `dataset`")
     dataset: str = key("digits", "image task: `digits` (embedded) or `fashion-mnist` (IDX files; Debian "
@@ -221,12 +222,12 @@ class RunConfig:
         0, "linear scaling rule `lr × batch-size / lr-reference-batch` (0 = off)", low=0, node=True)
     finetune_epochs: int = key(
         5, "at the end of a run each department fine-tunes the federation's model on its own data for this many "
-        "epochs and keeps it as its own (`tuned-<metric>`; 0 = off; README \"Federation vs your own model\")",
+        "epochs and keeps it as its own (`tuned-<metric>`; 0 = off; docs/how-to/good-models.md)",
         low=0, high=1000, node=True)
     local_baseline: bool = key(
         True, "each department also trains a model on its own data alone (same architecture, epochs and examples; "
-        "it never leaves the node) and reports its metric at the end, beside the federation's (README \"Federation "
-        "vs your own model\")", node=True)
+        "it never leaves the node) and reports its metric at the end, beside the federation's "
+        "(docs/how-to/good-models.md)", node=True)
     fraction_train: float = key(1.0, "share of enabled nodes sampled per round", low=0.0, high=1.0, open_low=True)
     min_nodes: int = key(2, "fewest valid updates for a round to count", low=1)
     round_timeout: float = key(300.0, "seconds to wait for replies", low=0.0, open_low=True)
@@ -239,7 +240,7 @@ class RunConfig:
     qat_rounds: int = key(
         0, "federated quantisation-aware training: the last R rounds fine-tune with fake quantisation on every "
         "department, and the ranges their observers saw are averaged with the model, so `models promote --edge` "
-        "calibrates the INT8 artifact on the departments' own data (README \"Edge devices\"); fedavg or fedprox (μ "
+        "calibrates the INT8 artifact on the departments' own data (docs/how-to/edge-devices.md); fedavg or fedprox (μ "
         "does not apply in these rounds), no dp, no compression", low=0, high=10_000)
     # ---- client selection
     selector: str = key(
@@ -283,7 +284,7 @@ class RunConfig:
                              applies="masking, ckks")
     update_norm_bound: float = key(
         0.0, "masking and ckks: each node scales its update down to this L2 norm before encoding (0 = off); the "
-        "round's norm histogram still counts the norm it had (README \"Watching a federation\")", low=0.0, node=True,
+        "round's norm histogram still counts the norm it had (docs/how-to/monitor.md)", low=0.0, node=True,
         applies="masking, ckks")
     secagg_max_weight: float = key(
         10000.0, "the example count a node claims is capped at this in every mode (plaintext too), so no node "
@@ -308,7 +309,7 @@ class RunConfig:
         "`HOME/certs/nodes` and signs it with the run; nodes check peers' keys against it")
     run_nonce: str = key(
         "", "set by the admin's signature (`runs start`, `certs sign-app`): this signed run's nonce; each node serves "
-        "one Flower run per nonce and refuses the same signed run sent again (README \"Security\")")
+        "one Flower run per nonce and refuses the same signed run sent again (docs/explanation/security.md)")
     run_expires: int = key(
         0, "set by the admin's signature: Unix time after which nodes that have not served this run refuse it "
         "(signed runs are valid for 6 hours)", low=0)
@@ -367,7 +368,7 @@ class RunConfig:
         declared = cls.declared()
         for name in sorted(set(values) - set(declared)):
             close = difflib.get_close_matches(name, list(declared), n=1, cutoff=0.6)
-            hint = f"did you mean '{close[0]}'?" if close else "the README's run-config table lists every key"
+            hint = f"did you mean '{close[0]}'?" if close else "docs/reference/run-config.md lists every key"
             problems.append(f"unknown key '{name}': {hint}")
         settings = {name: read(name, kind, spec, values[name], problems) if name in values else spec.default
                     for name, (_, kind, spec) in declared.items()}
@@ -521,15 +522,16 @@ APP_CONFIG = re.compile(r"(?ms)^\[tool\.flwr\.app\.config\]\n.*?\n(?=\[)")
 
 
 def run_config_table(config: type[RunConfig] = RunConfig) -> str:
-    """The README's run-config table, one row per declared key."""
+    """The run-config reference table, one row per declared key."""
     return markdown_table(config.declared())
 
 
 def derived_files(root: Path, config: type[RunConfig] = RunConfig) -> dict[Path, str]:
-    """The README and ``pyproject.toml`` under ``root`` as the declarations say they should read."""
+    """The run-config reference page and ``pyproject.toml`` under ``root`` as the declarations say they
+    should read."""
     import tomli_w
 
-    readme, pyproject = root / "README.md", root / "pyproject.toml"
+    readme, pyproject = root / "docs" / "reference" / "run-config.md", root / "pyproject.toml"
     text = readme.read_text()
     start, end = text.index(TABLE_START) + len(TABLE_START), text.index(TABLE_END)
     new_readme = text[:start] + run_config_table(config) + text[end:]

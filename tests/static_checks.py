@@ -1,7 +1,8 @@
 """The static checks of the README's test command, run before pytest: ruff, mypy strict, the layer
-rule (import-linter's contracts in ``pyproject.toml``) and the packaging build (``pip install .``
+rule (import-linter's contracts in ``pyproject.toml``), the packaging build (``pip install .``
 into a folder of its own: a real wheel, not the editable tree, imports, migrates a state DB and
-names the CLI entry point). ``python -m tests.static_checks`` prints one line per check and exits 1
+names the CLI entry point) and the documentation site (``mkdocs build --strict``: every link between
+pages and every anchor checked; the generated reference pages' freshness is a pytest test). ``python -m tests.static_checks`` prints one line per check and exits 1
 when any fails, after printing what it found.
 
 mypy and import-linter cannot follow setuptools' ``package-dir`` mapping (the folders install as
@@ -49,6 +50,8 @@ def checks(tree: Path, cache: Path) -> list[tuple[str, list[str], dict[str, str]
          {**env, "MYPYPATH": str(tree)}, tree),
         ("import-linter (layers)", [str(BIN / "lint-imports"), "--no-cache", str(ROOT / "pyproject.toml")],
          {**env, "PYTHONPATH": str(tree)}, tree),
+        ("docs: mkdocs build --strict", [str(BIN / "mkdocs"), "build", "--strict", "--quiet", "-d", str(cache / "site")],
+         {**env, "NO_MKDOCS_2_WARNING": "1"}, ROOT),
     ]
 
 

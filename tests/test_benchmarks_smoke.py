@@ -35,7 +35,7 @@ def test_aggregate_throughput_smoke() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("heavy-federations")  # one at a time (README: Tests)
+@pytest.mark.xdist_group("heavy-federations")  # one at a time (docs/development.md)
 def test_round_overhead_smoke() -> None:
     figures = _run("round_overhead.py")
     keys = {"flower_round_s", "flower_warm_round_s", "plain_round_s", "plain_before_round_s", "plain_after_round_s",
@@ -50,7 +50,7 @@ def test_round_overhead_smoke() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("heavy-federations")  # one at a time (README: Tests)
+@pytest.mark.xdist_group("heavy-federations")  # one at a time (docs/development.md)
 def test_secagg_smoke() -> None:
     figures = _run("secagg.py")
     keys = {"plain_round_s", "masked_round_s", "flower_secaggplus_round_s", "masked_over_plain", "overhead_ratio"}
@@ -59,7 +59,7 @@ def test_secagg_smoke() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("heavy-federations")  # one at a time (README: Tests)
+@pytest.mark.xdist_group("heavy-federations")  # one at a time (docs/development.md)
 def test_threshold_ckks_smoke() -> None:
     figures = _run("threshold_ckks.py")
     keys = {"plain_round_s", "ckks_round_s", "single_key_round_s", "ckks_over_plain", "encrypt_s_per_client",

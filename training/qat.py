@@ -7,7 +7,7 @@ observers track each tensor's range, and ``convert_pt2e`` turns the ranges into 
 dequantise ops. This module wires those steps and adds the one thing torchao has no API for: the
 activation observers' ranges as plain numbers, read from a prepared graph and written into one, so
 that departments can fine-tune with fake quantisation on their own data and the federation can combine
-what their observers saw (``qat-rounds``, README "Edge devices").
+what their observers saw (``qat-rounds``, docs/how-to/edge-devices.md).
 
 torchao rewrites conv-bn, dropout and batch-norm patterns by exporting each pattern graph anew on every
 call (30 ``torch.export`` calls, ~7 s of a ~10 s promotion of a digits MLP). None of the tasks' models

@@ -20,7 +20,7 @@ of a ring: k-connected, so never disconnected) relabelled by a random permutatio
 epoch's seed. Under a uniformly random relabelling a node's neighbours are a uniformly random
 k-subset of the others, which is what the tails above assume; server and nodes compute the same
 graph from the seed without sending it. The seed is the server's: a server that grinds seeds to
-place colluders next to one department is outside this bound (the README's threat model says so).
+place colluders next to one department is outside this bound (docs/explanation/security.md says so).
 """
 
 from __future__ import annotations

@@ -47,8 +47,8 @@ def _check(task: object, name: str) -> Task:
     if not isinstance(task, Task):
         missing = [m for m in ("name", "version", "default_model", "model_names", "check_schema", "input_shape",
                                "outputs", "objective", "build_model", "infer_schema", "read") if not hasattr(task, m)]
-        raise ConfigError(f"task: '{name}' is not a QuorumFL task (it lacks {', '.join(missing)}); see the README's "
-                          "'Your own task'")
+        raise ConfigError(f"task: '{name}' is not a QuorumFL task (it lacks {', '.join(missing)}); see 'Your own task' "
+                          "in docs/tutorials/your-data.md")
     return task
 
 

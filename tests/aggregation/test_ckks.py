@@ -175,7 +175,7 @@ def test_any_t_subset_decrypts_within_the_documented_bound(ceremony: Ceremony, e
     partials = {n: partial_decrypt(ceremony.shares[n], m, set(), tags) for n in m.subset}
     result = combine(PARAMS, encrypted.total.c0, partials, m)
     reference = np.sum(np.stack(list(encrypted.values.values())), axis=0)
-    bound = 6 * PARAMS.error_std(T, len(MEMBERS))  # the bound the README and params.check quote
+    bound = 6 * PARAMS.error_std(T, len(MEMBERS))  # the bound the docs (threshold CKKS) and params.check quote
     assert np.max(np.abs(result - reference)) <= bound
 
 

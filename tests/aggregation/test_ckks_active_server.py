@@ -197,7 +197,7 @@ def test_a_manifest_naming_a_non_contributor_is_noise_and_one_leaving_contributo
 ) -> None:
     """Naming a holder who sent nothing leaves a key part no c0 cancels: flooded noise. Leaving a
     contributor out is another matter: the server holds every c0, so it adds only the named ones and
-    gets that subset's exact sum. That is what it can choose (README "Security"): one such sum per
+    gets that subset's exact sum. That is what it can choose (docs/explanation/security.md): one such sum per
     round and group, of at least t contributors (or the signed minimum group)."""
     public_key, shares = keyed
     rnd = signed_round(public_key, shares, NODES[:4])

@@ -1,4 +1,4 @@
-"""The README's "Deploying across machines", run as written on hosts of the test's own: the server
+"""The docs' "Deploying across machines" (docs/how-to/deploy.md), run as written on hosts of the test's own: the server
 and two departments each in a network namespace (separate addresses, joined by virtual Ethernet
 links to the server), ``fl.city.example`` in each namespace's hosts file, a home directory per
 machine. The server's block sets up the federation and copies each department's files (``ssh`` and
@@ -30,7 +30,7 @@ import pytest
 
 from quorumfl.deploy.processes import Child, ProcessGroup
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "how-to" / "deploy.md"
 SERVER_NAME = "fl.city.example"
 PORT = 9093
 DEPARTMENTS = {"tax-office": 1, "parks": 2}  # department → subnet 10.88.<n>.0/24 to the server
@@ -38,7 +38,7 @@ DEPARTMENTS = {"tax-office": 1, "parks": 2}  # department → subnet 10.88.<n>.0
 
 def readme_blocks() -> list[list[str]]:
     """The section's three bash blocks (server, department, admin), one command per line."""
-    section = README.read_text().split("## Deploying across machines", 1)[1].split("\n## ", 1)[0]
+    section = PAGE.read_text().split("# Deploying across machines", 1)[1].split("\n## ", 1)[0]
     blocks = [part.split("```", 1)[0] for part in section.split("```bash\n")[1:]]
     return [[line.split("  #")[0].strip() for line in block.replace("\\\n", "").splitlines() if line.strip()]
             for block in blocks]

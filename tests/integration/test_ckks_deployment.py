@@ -70,7 +70,7 @@ def _decryption(repo: Repository, flower_run_id: int, round_number: int, federat
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("heavy-federations")  # one at a time (README: Tests)
+@pytest.mark.xdist_group("heavy-federations")  # one at a time (docs/development.md)
 @pytest.mark.timeout(1500)
 def test_ten_nodes_threshold_ckks_with_killed_nodes(tmp_path: Path) -> None:
     home = tmp_path / "home"

@@ -29,7 +29,7 @@ DEPARTMENTS = ["tax-office", "urban-planning", "public-works", "housing", "trans
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("heavy-federations")  # one at a time (README: Tests)
+@pytest.mark.xdist_group("heavy-federations")  # one at a time (docs/development.md)
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("mode", "stage"), [("masking", "secagg-unmask"), ("ckks", "ckks-decrypt")])
 def test_six_nodes_ifca_with_secure_aggregation(tmp_path: Path, mode: str, stage: str) -> None:

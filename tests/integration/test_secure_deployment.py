@@ -86,7 +86,7 @@ def _expected_fedavg(global_arrays: dict[str, np.ndarray], parts: dict[str, Path
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("heavy-federations")  # one at a time (README: Tests)
+@pytest.mark.xdist_group("heavy-federations")  # one at a time (docs/development.md)
 @pytest.mark.timeout(1500)
 def test_ten_nodes_masked_rounds_with_killed_nodes(tmp_path: Path) -> None:
     home = tmp_path / "home"

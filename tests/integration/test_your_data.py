@@ -1,9 +1,9 @@
-"""The README's "Your department's data", run as written: real processes, three departments with a CSV
+"""The docs' "Your department's data" (docs/tutorials/your-data.md), run as written: real processes, three departments with a CSV
 of their own, TLS and node authentication, masking; a tabular (regression) and a text federation.
 
-The commands are read from the README's bash block, so the section cannot drift from what works:
+The commands are read from the page's bash block, so the section cannot drift from what works:
 the department lines run once per department (with its name), the port becomes a free one, and the
-text run makes the substitutions the README's sentence after the block names.
+text run makes the substitutions the page's sentence after the block names.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from quorumfl.server.state.database import connect
 from quorumfl.server.state.repository import Repository, RunStatus
 from tests.core.city_data import TOPICS, ZONES, property_rows, request_rows, write_csv
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "tutorials" / "your-data.md"
 DEPARTMENTS = ["tax-office", "urban-planning", "housing"]
 LONG_RUNNING = ("server start", "node start")
 
 
 def readme_commands() -> list[str]:
-    section = README.read_text().split("## Your department's data", 1)[1].split("\n## ", 1)[0]
+    section = PAGE.read_text().split("# Your department's data", 1)[1].split("\n## ", 1)[0]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", "")
     return [" ".join(line.split("  #")[0].split()) for line in block.splitlines() if line.startswith("quorumfl ")]
 

@@ -144,11 +144,11 @@ def test_server_start_on_a_busy_port_says_so_before_starting_anything(
     assert not (tmp_path / "home" / "quorumfl.db").exists()
 
 
-def test_the_readmes_exit_code_table_has_every_code_of_the_cli() -> None:
+def test_the_exit_code_reference_has_every_code_of_the_cli() -> None:
     from quorumfl.cli.errors import EXIT_CODES
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    table = readme.split("## CLI exit codes", 1)[1].split("\n## ", 1)[0]
+    page = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "exit-codes.md").read_text()
+    table = page.split("# CLI exit codes", 1)[1].split("\n## ", 1)[0]
     documented = {int(code) for code in re.findall(r"`(\d+)` ", table)}
     assert documented == {0, 1, 2, 130} | {code for _, code in EXIT_CODES}
 

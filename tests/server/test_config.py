@@ -1,5 +1,5 @@
 """Run config: defaults, every problem reported at once, TOML files, and each key declared once (the
-README table, the Flower app defaults and the node's train config derived from the declaration)."""
+run-config reference table, the Flower app defaults and the node's train config derived from the declaration)."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_an_unknown_key_names_the_closest_known_one_not_all_of_them() -> None:
     with pytest.raises(ConfigError) as info:
         RunConfig.from_mapping({"local-epoch": 3, "colour": "red"})
     assert "unknown key 'local-epoch': did you mean 'local-epochs'?" in str(info.value)
-    assert "unknown key 'colour': the README's run-config table lists every key" in str(info.value)
+    assert "unknown key 'colour': docs/reference/run-config.md lists every key" in str(info.value)
     assert "proximal-mu" not in str(info.value)  # not a list of all the keys
 
 
@@ -126,10 +126,11 @@ def test_a_key_declared_once_is_parsed_validated_defaulted_and_documented(tmp_pa
     assert manifest["tool"]["flwr"]["app"]["config"]["patience"] == 3
     assert "| `patience` | `3` | fedavg, fedprox | rounds without a better loss before the run stops |" in (
         run_config_table(Extended))
-    for name in ("README.md", "pyproject.toml"):
+    for name in ("docs/reference/run-config.md", "pyproject.toml"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, tmp_path / name)
     derived = {path.name: text for path, text in derived_files(tmp_path, Extended).items()}
-    assert "| `patience` | `3` |" in derived["README.md"]
+    assert "| `patience` | `3` |" in derived["run-config.md"]
     assert tomllib.loads(derived["pyproject.toml"])["tool"]["flwr"]["app"]["config"] == Extended.defaults()
 
 
