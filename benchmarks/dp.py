@@ -11,8 +11,8 @@ before training (``privacy.ledger``), and Opacus trains with per-example clippin
 
     python benchmarks/dp.py            # Fashion-MNIST, 10 departments, mlp-tanh, 10 rounds, ε = 3
 
-The defaults (``mlp-tanh``, batch 128, lr 0.2, 10 rounds) are the best of the settings listed in
-benchmarks/README.md, chosen after running them: tanh instead of ReLU (bounded activations lose less
+The defaults (``mlp-tanh``, batch 128, lr 0.2, 10 rounds) are the best of the settings tried (the
+git history of benchmarks/README.md has each run): tanh instead of ReLU (bounded activations lose less
 to per-example clipping; Papernot et al., 2021) and a larger batch (less noise per example) each
 narrowed the gap. Both runs use the same model and settings, so the non-private run is not weakened.
 
