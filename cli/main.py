@@ -95,7 +95,16 @@ def load_command(name: str) -> click.Command:
         command.help = help_line
         _click_suggests(command)
     command.name = name
+    _name_exit_codes(command)
     return command
+
+
+def _name_exit_codes(command: click.Command) -> None:
+    """Every command's --help ends by naming where its exit codes are documented."""
+    command.epilog = command.epilog or EXIT_CODES_EPILOG
+    if isinstance(command, click.Group):
+        for sub in command.commands.values():
+            _name_exit_codes(sub)
 
 
 def _click_suggests(group: click.Group) -> None:
@@ -127,9 +136,12 @@ class LazyGroup(TyperGroup):
         return name, command, rest
 
 
+EXIT_CODES_EPILOG = "Exit codes: 0 ok, 2 usage, others per error kind (docs/reference/exit-codes.md)."
+
 app = typer.Typer(
     cls=LazyGroup,
     help="QuorumFL: federated learning for municipal departments.",
+    epilog=EXIT_CODES_EPILOG,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,

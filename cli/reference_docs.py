@@ -17,7 +17,7 @@ import click
 
 from quorumfl.cli.main import COMMANDS, load_command
 
-__all__ = ["PAGE", "cli_reference"]
+__all__ = ["PAGE", "cli_reference", "walk"]
 
 PAGE = Path("docs") / "reference" / "cli.md"
 
@@ -32,13 +32,13 @@ scripts where a command offers it.
 """
 
 
-def _walk(command: click.Command, path: list[str]) -> Iterator[tuple[list[str], click.Command]]:
+def walk(command: click.Command, path: list[str]) -> Iterator[tuple[list[str], click.Command]]:
     yield path, command
     if isinstance(command, click.Group):
         for name in command.list_commands(click.Context(command)):
             sub = command.get_command(click.Context(command), name)
             if sub is not None and not sub.hidden:
-                yield from _walk(sub, [*path, name])
+                yield from walk(sub, [*path, name])
 
 
 def _param(param: click.Parameter) -> str:
@@ -88,7 +88,7 @@ def cli_reference() -> str:
     root = typer.main.get_command(app)
     lines = [HEADER, *_section(["quorumfl"], root)]
     for name in COMMANDS:
-        for path, command in _walk(load_command(name), ["quorumfl", name]):
+        for path, command in walk(load_command(name), ["quorumfl", name]):
             lines += _section(path, command)
     return "\n".join(lines).rstrip() + "\n"
 

@@ -77,3 +77,17 @@ def test_the_changelog_names_the_installed_version_first() -> None:
     changelog = (ROOT / "CHANGELOG.md").read_text()
     first = re.search(r"^## (\S+)", changelog, flags=re.MULTILINE)
     assert first is not None and first.group(1) == version("quorumfl"), (first and first.group(1), version("quorumfl"))
+
+
+def test_every_command_help_points_at_the_exit_codes() -> None:
+    from typer.testing import CliRunner
+
+    from quorumfl.cli.main import COMMANDS, app, load_command
+    from quorumfl.cli.reference_docs import walk
+
+    paths = [path[1:] for name in COMMANDS for path, _ in walk(load_command(name), ["quorumfl", name])]
+    assert len(paths) > 40
+    runner = CliRunner()
+    for args in [[], *paths]:
+        result = runner.invoke(app, [*args, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0 and "docs/reference/exit-codes.md" in result.output, (args, result.output[-300:])
