@@ -4,8 +4,12 @@ Each benchmark's latest result is a JSON file: ``benchmark``, ``command``, ``com
 ``machine`` and ``result`` (the ``--json`` line the benchmark printed). The page shows, per file, what
 the benchmark measures (the first paragraph of its module docstring), how the result was obtained,
 and its figures: scalars in a table, per-seed and per-round lists inline, lists of records (a
-benchmark's ``datasets``) as tables of their own. ``python benchmarks/render_results.py --write``
-rewrites the page; a test fails while it is out of date with the files.
+benchmark's ``datasets``) as tables of their own, and a plot of the headline figures where the
+benchmark compares methods or modes (SVG under ``docs/results/``, written with matplotlib's fixed
+hash salt and no date, so the same figures give the same file). ``python
+benchmarks/render_results.py --write`` rewrites the page and the plots; a test fails while either is
+out of date with the files. Keys that hold a benchmark's own pass/fail flags (``goal…``) stay in
+the JSON and are not shown.
 """
 
 from __future__ import annotations
@@ -19,6 +23,27 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 PAGE = HERE.parent / "docs" / "results.md"
+PLOTS = PAGE.parent / "results"
+
+# benchmark → (title, y label, {bar label: key}) of the figures worth a plot
+BARS: dict[str, tuple[str, str, dict[str, str]]] = {
+    "heterogeneity": ("mean accuracy of each department's model on its own test data", "accuracy", {
+        "FedAvg": "fedavg_mean_acc", "FedProx": "fedprox_mean_acc", "IFCA": "ifca_mean_acc",
+        "FedPer": "fedper_mean_acc", "Ditto": "ditto_mean_acc", "FedAvg + fine-tuning": "fedavg_finetune_mean_acc",
+        "local only": "local_only_mean_acc"}),
+    "round_overhead": ("seconds per round, 10 SuperNodes", "s", {
+        "Flower app, stock nodes": "flower_round_s", "Flower app, QuorumFL nodes": "flower_warm_round_s",
+        "plaintext": "plain_round_s", "masking": "masked_round_s", "threshold CKKS": "ckks_round_s"}),
+    "secagg": ("seconds per round, 10 SuperNodes", "s", {
+        "plaintext": "plain_round_s", "QuorumFL masking": "masked_round_s",
+        "Flower SecAgg+": "flower_secaggplus_round_s"}),
+}
+# benchmark → the per-data-set figures plotted side by side (its ``datasets`` records)
+GROUPED: dict[str, tuple[str, tuple[str, ...]]] = {
+    "own_data": ("each department's tuned federated model, alone, and a central linear model (seed means)",
+                 ("federated", "local_weighted", "central")),
+    "tuning": ("the best trial's accuracy: defaults, random search, TPE (seed means)", ("default", "random", "tpe")),
+}
 
 HEADER = """# Results
 
@@ -53,14 +78,56 @@ def _value(value: Any) -> str:
     return str(value).replace("|", "\\|")
 
 
+def _goal(key: str) -> bool:
+    """A benchmark's own pass/fail flag or target, not a measured figure."""
+    return key.startswith("goal") or "_goal" in key
+
+
 def _records(key: str, rows: list[dict[str, Any]]) -> list[str]:
-    columns = [c for c in rows[0] if all(not isinstance(r.get(c), (list, dict)) for r in rows)]
+    columns = [c for c in rows[0] if all(not isinstance(r.get(c), (list, dict)) for r in rows) and not _goal(c)]
     lines = [f"`{key}`:", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_value(r.get(c)) for c in columns) + " |" for r in rows]
     return [*lines, ""]
 
 
-def section(path: Path) -> list[str]:
+def _plot(name: str, result: dict[str, Any]) -> bytes | None:
+    """The SVG of ``docs/results/<name>.svg`` for this result, or None when it has no plot."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    matplotlib.rcParams["svg.hashsalt"] = "quorumfl-results"
+    import matplotlib.pyplot as plt
+
+    if name in BARS:
+        title, unit, keys = BARS[name]
+        shown = {label: result[key] for label, key in keys.items() if isinstance(result.get(key), (int, float))}
+        fig, ax = plt.subplots(figsize=(7, 3.2))
+        ax.barh(list(shown)[::-1], list(shown.values())[::-1], color="tab:blue")
+        ax.set_xlabel(unit)
+        axes = [ax]
+    elif name in GROUPED and isinstance(result.get("datasets"), list):
+        title, wanted = GROUPED[name]
+        rows = result["datasets"]
+        fig, axes = plt.subplots(1, len(rows), figsize=(3 * len(rows), 3))
+        axes = list(axes) if len(rows) > 1 else [axes]
+        for ax, row in zip(axes, rows, strict=True):
+            keys = [k for k in wanted if isinstance(row.get(k), (int, float))]
+            ax.bar(keys, [row[k] for k in keys], color=["tab:blue", "tab:gray", "tab:orange"][: len(keys)])
+            ax.set_title(f"{row['name']} ({row.get('metric', 'accuracy')})", fontsize=9)
+            ax.tick_params(axis="x", labelsize=7)
+    else:
+        return None
+    axes[0].figure.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    out = io.BytesIO()
+    fig.savefig(out, format="svg", metadata={"Date": None})
+    plt.close(fig)
+    return out.getvalue()
+
+
+def section(path: Path, plots: dict[Path, bytes]) -> list[str]:
     data = json.loads(path.read_text())
     name = data.get("benchmark", path.stem)
     lines = [f"## {name}", ""]
@@ -68,7 +135,10 @@ def section(path: Path) -> list[str]:
         lines += [summary, ""]
     lines += [f"- command: `{data.get('command', '')}`", f"- commit: `{data.get('commit', '')}`",
               f"- machine: {data.get('machine', '')}", ""]
-    result: dict[str, Any] = data["result"]
+    result: dict[str, Any] = {k: v for k, v in data["result"].items() if not _goal(k)}
+    if (plot := _plot(name, result)) is not None:
+        plots[PLOTS / f"{name}.svg"] = plot
+        lines += [f"![{name}](results/{name}.svg)", ""]
     scalars = {k: v for k, v in result.items()
                if not (isinstance(v, list) and v and all(isinstance(r, dict) for r in v))}
     if scalars:
@@ -79,18 +149,20 @@ def section(path: Path) -> list[str]:
     return lines
 
 
-def render() -> str:
-    lines = [HEADER]
+def render() -> dict[Path, bytes]:
+    """The page and its plots, as the files should read."""
+    lines, plots = [HEADER], {}
     for path in sorted(RESULTS.glob("*.json")):
-        lines += section(path)
-    return "\n".join(lines).rstrip() + "\n"
+        lines += section(path, plots)
+    return {PAGE: ("\n".join(lines).rstrip() + "\n").encode(), **plots}
 
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
         print("usage: python benchmarks/render_results.py --write", file=sys.stderr)
         sys.exit(64)
-    text = render()
-    if not PAGE.exists() or PAGE.read_text() != text:
-        PAGE.write_text(text)
-        print(f"rewrote {PAGE}")
+    PLOTS.mkdir(exist_ok=True)
+    for target, content in render().items():
+        if not target.exists() or target.read_bytes() != content:
+            target.write_bytes(content)
+            print(f"rewrote {target}")
