@@ -158,7 +158,7 @@ class RunConfig:
     # ---- strategy
     strategy: StrategyName = key(
         StrategyName.FEDAVG, "`fedavg`, `fedprox`, `scaffold` (control variates), `ifca` (clustered), `fedper` or "
-        "`ditto` (personalised); see below")
+        "`ditto` (personalised); docs/explanation/strategies.md")
     proximal_mu: float = key(
         0.1, "FedProx μ: nodes minimise `loss + μ/2·‖w − w_global‖²` (ignored by `fedavg`; `ifca`, `fedper` and "
         "`ditto` use it too, 0 turns it off)", low=0.0,
@@ -272,7 +272,7 @@ class RunConfig:
     # ---- secure aggregation
     secure_aggregation: SecureMode = key(
         SecureMode.MASKING, "`masking` (the default): the server learns only the sum of a quorum's updates; `ckks`: "
-        "it adds ciphertexts and any t key holders decrypt the sum (both below); `none`: plaintext, the server sees "
+        "it adds ciphertexts and any t key holders decrypt the sum (docs/explanation/secure-aggregation.md, threshold-ckks.md); `none`: plaintext, the server sees "
         "each department's update")
     secagg_threshold: float = key(
         0.6, "t: a fraction in (0.5, 1) of the round's (masking) or the ceremony's (ckks) nodes, or a whole number "
@@ -331,7 +331,7 @@ class RunConfig:
         "total", low=1, high=1_000_000, applies="ckks")
     # ---- compression
     compression: Compression = key(
-        Compression.NONE, "the update a node sends: `topk`, `sign`, `int8`, `randk` (below); `randk` composes "
+        Compression.NONE, "the update a node sends: `topk`, `sign`, `int8`, `randk` (docs/explanation/compression.md); `randk` composes "
         "with masking", node=True)
     compression_fraction: float = key(0.01, "top-k / random-k share of entries", low=0.0, high=1.0,
                                       open_low=True, applies="topk, randk", node=True)
@@ -343,7 +343,7 @@ class RunConfig:
     # ---- differential privacy
     dp: DpMode = key(
         DpMode.NONE, "`local`: DP-SGD on every node, each round charged to the department's ε ledger; "
-        "`distributed`: under masking each node adds a share of the noise (below)", node=True)
+        "`distributed`: under masking each node adds a share of the noise (docs/explanation/differential-privacy.md)", node=True)
     dp_epsilon: float = key(3.0, "DP target ε of the whole run per department (exactly one of this and "
                             "`dp-noise-multiplier` > 0)", low=0.0, applies="dp", node=True)
     dp_noise_multiplier: float = key(0.0, "a fixed noise multiplier σ instead of a target ε", low=0.0,
