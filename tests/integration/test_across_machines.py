@@ -36,7 +36,7 @@ PORT = 9093
 DEPARTMENTS = {"tax-office": 1, "parks": 2}  # department → subnet 10.88.<n>.0/24 to the server
 
 
-def readme_blocks() -> list[list[str]]:
+def page_blocks() -> list[list[str]]:
     """The section's three bash blocks (server, department, admin), one command per line."""
     section = PAGE.read_text().split("# Deploying across machines", 1)[1].split("\n## ", 1)[0]
     blocks = [part.split("```", 1)[0] for part in section.split("```bash\n")[1:]]
@@ -137,8 +137,8 @@ def _wait_for(child: Child, text: str, timeout: float) -> None:
 
 
 @pytest.mark.slow
-def test_the_readme_deployment_across_machines(hosts: dict[str, Host], tmp_path: Path) -> None:
-    server_block, department_block, admin_block = readme_blocks()
+def test_the_deployment_guide_runs_as_written_across_machines(hosts: dict[str, Host], tmp_path: Path) -> None:
+    server_block, department_block, admin_block = page_blocks()
     server = hosts["server"]
     split = subprocess.run([sys.executable, "-m", "quorumfl.cli", "--home", str(tmp_path / "scratch"), "data", "split",
                             "--out", str(tmp_path / "parts"), "--departments", ",".join(DEPARTMENTS), "--method", "iid"],

@@ -29,7 +29,7 @@ DEPARTMENTS = ["tax-office", "urban-planning", "housing"]
 LONG_RUNNING = ("server start", "node start")
 
 
-def readme_commands() -> list[str]:
+def page_commands() -> list[str]:
     section = PAGE.read_text().split("# Your department's data", 1)[1].split("\n## ", 1)[0]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", "")
     return [" ".join(line.split("  #")[0].split()) for line in block.splitlines() if line.startswith("quorumfl ")]
@@ -90,7 +90,7 @@ def test_a_tabular_federation_from_the_departments_own_csv_files(tmp_path: Path)
     for i, department in enumerate(DEPARTMENTS):
         write_csv(tmp_path / f"{department}-sales.csv", property_rows(150, seed=i, zone_bias=ZONES[i]), columns=columns)
 
-    final, repo = _run_section(tmp_path, readme_commands())
+    final, repo = _run_section(tmp_path, page_commands())
 
     assert "mae" in final.stdout and "completed" in final.stdout, final.stdout
     [run] = repo.list_runs()
@@ -115,7 +115,7 @@ def test_a_text_federation_from_the_departments_own_csv_files(tmp_path: Path) ->
         write_csv(tmp_path / f"{department}-sales.csv", request_rows(150, seed=i, topic_bias=topics[i]))
     commands = [c.replace("--task tabular --label sale_price --ignore parcel", "--task text --text request --label "
                           "office --ignore id").replace("-c task=tabular", "-c task=text -c model=fasttext")
-                for c in readme_commands()]
+                for c in page_commands()]
 
     final, repo = _run_section(tmp_path, commands)
 

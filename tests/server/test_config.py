@@ -99,7 +99,7 @@ def test_pyproject_app_config_matches_defaults() -> None:
     assert fab_defaults == DEFAULTS
 
 
-def test_readme_table_and_pyproject_defaults_are_the_declarations() -> None:
+def test_the_reference_table_and_pyproject_defaults_are_the_declarations() -> None:
     """Both are generated (`python -m quorumfl.server.config --write`); an edit by hand fails here."""
     for path, text in derived_files(ROOT).items():
         assert path.read_text() == text, f"{path.name} is out of date: run `python -m quorumfl.server.config --write`"
