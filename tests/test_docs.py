@@ -5,6 +5,7 @@ runs with the static checks.)"""
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -50,17 +51,32 @@ def test_the_results_page_is_rendered_from_the_latest_results() -> None:
     assert len(files) > 3  # the plots
 
 
-def test_the_metrics_page_names_every_series_the_endpoint_serves(tmp_path: Path) -> None:
+def served_series(tmp_path: Path) -> set[str]:
+    """The series names the metrics endpoint serves (counters with their ``_total``), one run recorded."""
     repo = Repository(connect(f"sqlite:///{tmp_path / 'state.db'}", migrate=True))
     run = repo.create_run(flower_run_id=1, config={"dataset": "digits", "model": "mlp"}, strategy="fedavg",
                           num_rounds=1)
     repo.start_round(run.id, 1, [1])
-    families = list(StateCollector(repo).collect())
-    assert len(families) >= 10
+    return {f.name + ("_total" if f.type == "counter" else "") for f in StateCollector(repo).collect()}
+
+
+def test_the_metrics_page_names_every_series_the_endpoint_serves(tmp_path: Path) -> None:
+    names = served_series(tmp_path)
+    assert len(names) >= 10
     page = (DOCS / "reference" / "metrics.md").read_text()
-    for family in families:
-        name = family.name + ("_total" if family.type == "counter" else "")
+    for name in names:
         assert f"`{name}`" in page, f"{name} is served but not in docs/reference/metrics.md"
+
+
+def test_the_grafana_dashboard_reads_only_served_series(tmp_path: Path) -> None:
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "quorumfl-federation.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    used = {name for expr in exprs for name in re.findall(r"quorumfl_[a-z0-9_]+", expr)}
+    served = served_series(tmp_path)
+    assert used and used <= served, f"the dashboard reads series the endpoint does not serve: {used - served}"
+    assert served <= used, f"series the dashboard does not show: {served - used}"
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
 
 
 def test_the_readme_is_a_front_page() -> None:
