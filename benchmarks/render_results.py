@@ -6,15 +6,16 @@ the benchmark measures (the first paragraph of its module docstring), how the re
 and its figures: scalars in a table, per-seed and per-round lists inline, lists of records (a
 benchmark's ``datasets``) as tables of their own, and a plot of the headline figures where the
 benchmark compares methods or modes (SVG under ``docs/results/``, written with matplotlib's fixed
-hash salt and no date, so the same figures give the same file). ``python
-benchmarks/render_results.py --write`` rewrites the page and the plots; a test fails while either is
-out of date with the files. Keys that hold a benchmark's own pass/fail flags (``goal…``) stay in
+hash salt and no date; each carries a digest of the figures it shows). ``python
+benchmarks/render_results.py --write`` rewrites the page and the plots; a test fails while the page
+or a plot's digest is out of date with the files. Keys that hold a benchmark's own pass/fail flags (``goal…``) stay in
 the JSON and are not shown.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -90,8 +91,28 @@ def _records(key: str, rows: list[dict[str, Any]]) -> list[str]:
     return [*lines, ""]
 
 
-def _plot(name: str, result: dict[str, Any]) -> bytes | None:
-    """The SVG of ``docs/results/<name>.svg`` for this result, or None when it has no plot."""
+def plot_data(name: str, result: dict[str, Any]) -> dict[str, Any] | None:
+    """What the plot of this result shows (title, unit, one panel per data set), or None: no plot."""
+    if name in BARS:
+        title, unit, keys = BARS[name]
+        bars = {label: result[key] for label, key in keys.items() if isinstance(result.get(key), (int, float))}
+        return {"title": title, "unit": unit, "kind": "barh", "panels": [{"name": "", "bars": bars}]}
+    if name in GROUPED and isinstance(result.get("datasets"), list):
+        title, wanted = GROUPED[name]
+        panels = [{"name": f"{row['name']} ({row.get('metric', 'accuracy')})",
+                   "bars": {k: row[k] for k in wanted if isinstance(row.get(k), (int, float))}}
+                  for row in result["datasets"]]
+        return {"title": title, "unit": "", "kind": "bar", "panels": panels}
+    return None
+
+
+def digest(data: dict[str, Any]) -> str:
+    """The fingerprint a plot carries of the figures it shows (its SVG's description)."""
+    return "figures sha256:" + hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def draw(data: dict[str, Any]) -> bytes:
+    """The SVG of a plot, carrying its figures' digest, with no date (the same figures, the same file)."""
     import io
 
     import matplotlib
@@ -100,34 +121,28 @@ def _plot(name: str, result: dict[str, Any]) -> bytes | None:
     matplotlib.rcParams["svg.hashsalt"] = "quorumfl-results"
     import matplotlib.pyplot as plt
 
-    if name in BARS:
-        title, unit, keys = BARS[name]
-        shown = {label: result[key] for label, key in keys.items() if isinstance(result.get(key), (int, float))}
+    panels = data["panels"]
+    if data["kind"] == "barh":
         fig, ax = plt.subplots(figsize=(7, 3.2))
-        ax.barh(list(shown)[::-1], list(shown.values())[::-1], color="tab:blue")
-        ax.set_xlabel(unit)
-        axes = [ax]
-    elif name in GROUPED and isinstance(result.get("datasets"), list):
-        title, wanted = GROUPED[name]
-        rows = result["datasets"]
-        fig, axes = plt.subplots(1, len(rows), figsize=(3 * len(rows), 3))
-        axes = list(axes) if len(rows) > 1 else [axes]
-        for ax, row in zip(axes, rows, strict=True):
-            keys = [k for k in wanted if isinstance(row.get(k), (int, float))]
-            ax.bar(keys, [row[k] for k in keys], color=["tab:blue", "tab:gray", "tab:orange"][: len(keys)])
-            ax.set_title(f"{row['name']} ({row.get('metric', 'accuracy')})", fontsize=9)
-            ax.tick_params(axis="x", labelsize=7)
+        bars = panels[0]["bars"]
+        ax.barh(list(bars)[::-1], list(bars.values())[::-1], color="tab:blue")
+        ax.set_xlabel(data["unit"])
     else:
-        return None
-    axes[0].figure.suptitle(title, fontsize=10)
+        fig, axes = plt.subplots(1, len(panels), figsize=(3 * len(panels), 3), squeeze=False)
+        for ax, panel in zip(axes[0], panels, strict=True):
+            ax.bar(list(panel["bars"]), list(panel["bars"].values()),
+                   color=["tab:blue", "tab:gray", "tab:orange"][: len(panel["bars"])])
+            ax.set_title(panel["name"], fontsize=9)
+            ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle(data["title"], fontsize=10)
     fig.tight_layout()
     out = io.BytesIO()
-    fig.savefig(out, format="svg", metadata={"Date": None})
+    fig.savefig(out, format="svg", metadata={"Date": None, "Description": digest(data)})
     plt.close(fig)
     return out.getvalue()
 
 
-def section(path: Path, plots: dict[Path, bytes]) -> list[str]:
+def section(path: Path, plots: dict[Path, dict[str, Any]]) -> list[str]:
     data = json.loads(path.read_text())
     name = data.get("benchmark", path.stem)
     lines = [f"## {name}", ""]
@@ -136,7 +151,7 @@ def section(path: Path, plots: dict[Path, bytes]) -> list[str]:
     lines += [f"- command: `{data.get('command', '')}`", f"- commit: `{data.get('commit', '')}`",
               f"- machine: {data.get('machine', '')}", ""]
     result: dict[str, Any] = {k: v for k, v in data["result"].items() if not _goal(k)}
-    if (plot := _plot(name, result)) is not None:
+    if (plot := plot_data(name, result)) is not None:
         plots[PLOTS / f"{name}.svg"] = plot
         lines += [f"![{name}](results/{name}.svg)", ""]
     scalars = {k: v for k, v in result.items()
@@ -149,20 +164,23 @@ def section(path: Path, plots: dict[Path, bytes]) -> list[str]:
     return lines
 
 
-def render() -> dict[Path, bytes]:
-    """The page and its plots, as the files should read."""
-    lines, plots = [HEADER], {}
+def render() -> tuple[str, dict[Path, dict[str, Any]]]:
+    """The page's text and what each of its plots shows."""
+    lines: list[str] = [HEADER]
+    plots: dict[Path, dict[str, Any]] = {}
     for path in sorted(RESULTS.glob("*.json")):
         lines += section(path, plots)
-    return {PAGE: ("\n".join(lines).rstrip() + "\n").encode(), **plots}
+    return "\n".join(lines).rstrip() + "\n", plots
 
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
         print("usage: python benchmarks/render_results.py --write", file=sys.stderr)
         sys.exit(64)
+    page, plots = render()
     PLOTS.mkdir(exist_ok=True)
-    for target, content in render().items():
+    files = {PAGE: page.encode(), **{target: draw(data) for target, data in plots.items()}}
+    for target, content in files.items():
         if not target.exists() or target.read_bytes() != content:
             target.write_bytes(content)
             print(f"rewrote {target}")
