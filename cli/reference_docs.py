@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import click
+import typer
 
-from quorumfl.cli.main import COMMANDS, load_command
+from quorumfl.cli.main import COMMANDS, app, load_command
 
 __all__ = ["PAGE", "cli_reference", "walk"]
 
@@ -81,10 +82,6 @@ def _section(path: list[str], command: click.Command) -> list[str]:
 
 def cli_reference() -> str:
     """The page's Markdown: the root, then each top-level command and its sub-commands in order."""
-    import typer
-
-    from quorumfl.cli.main import app
-
     root = typer.main.get_command(app)
     lines = [HEADER, *_section(["quorumfl"], root)]
     for name in COMMANDS:
